@@ -1,0 +1,1 @@
+"""Model presets and engine profiles."""

@@ -1,0 +1,107 @@
+"""`specrt export`: model source -> artifact directory (manifest, shared weights, fixed-shape graphs)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+from tqdm import tqdm
+
+import specrt
+from specrt import artifact as io
+from specrt.errors import SpecrtError
+from specrt.exporter.config import ModelConfig
+from specrt.exporter.loaders import LoadedTarget, load_target
+from specrt.exporter.onnx.builder import GraphBuilder, WeightStore
+from specrt.exporter.onnx.target import build_target_graph
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def target_graph_shapes(s: io.ExportSettings) -> dict[str, tuple[int, int]]:
+    """Graph name -> (T, R): prefill writes a chunk and needs one logit row, verify needs all rows."""
+    return {"prefill": (s.prefill_chunk, 1), "decode": (1, 1), "verify": (s.verify_len, s.verify_len)}
+
+
+def _write_target(art: Path, store: WeightStore, cfg: ModelConfig, s: io.ExportSettings,
+                  bar: tqdm) -> dict[str, io.GraphSpec]:
+    graphs: dict[str, io.GraphSpec] = {}
+    for name, (tokens, rows) in target_graph_shapes(s).items():
+        g = GraphBuilder(store)
+        build_target_graph(g, cfg, batch=s.batch, tokens=tokens, rows=rows, max_seq=s.max_seq, dtype=s.dtype)
+        model = g.model(f"target_{name}")
+        file = f"target_{name}.onnx"
+        onnx.save(model, art / file)
+        inputs, outputs = io.target_signature(
+            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            vocab_size=cfg.vocab_size, batch=s.batch, tokens=tokens, rows=rows, max_seq=s.max_seq, dtype=s.dtype)
+        graphs[name] = io.GraphSpec(name=name, file=file, family="target",
+                                    dims={"B": s.batch, "T": tokens, "R": rows, "S": s.max_seq},
+                                    inputs=inputs, outputs=outputs)
+        bar.update(1)
+    return graphs
+
+
+def _check_graphs(art: Path, graphs: dict[str, io.GraphSpec], bar: tqdm) -> None:
+    for g in graphs.values():
+        onnx.checker.check_model(str(art / g.file), full_check=True)
+        bar.update(1)
+
+
+def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSettings, *,
+                    progress: bool = True, force: bool = False) -> Path:
+    """Export `source` (HF dir, GGUF file or preset name) into the artifact directory `out`.
+
+    Everything is written to a temporary sibling directory that is renamed into place at the end, so
+    an interrupted export never leaves a directory that looks like a finished artifact.
+    """
+    out = Path(out)
+    if out.exists() and not force:
+        raise SpecrtError(f"{out} already exists; pass --force to replace it")
+    loaded: LoadedTarget = load_target(source)
+    cfg = loaded.config
+    dtype = np.dtype(settings.dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        steps = 1 + 2 * len(target_graph_shapes(settings)) + 1
+        with tqdm(total=steps, desc=f"export {loaded.name}", unit="step", disable=not progress) as bar:
+            store = WeightStore(tmp / io.WEIGHTS_FILE)
+            for name in sorted(loaded.weights):
+                store.add(name, loaded.weights[name].astype(dtype, copy=False))
+            weights_bytes = store.close()
+            bar.update(1)
+            graphs = _write_target(tmp, store, cfg, settings, bar)
+            _check_graphs(tmp, graphs, bar)
+            tok_info = loaded.tokenizer.save(tmp / io.TOKENIZER_DIR) if loaded.tokenizer else None
+            sources = [{"path": str(Path(p).resolve()), "size": Path(p).stat().st_size,
+                        "sha256": sha256_file(Path(p))} for p in loaded.source_files]
+            manifest = io.Manifest(model=cfg.to_dict(), export=settings, graphs=graphs, tokenizer=tok_info,
+                                   sources=sources, name=loaded.name, specrt_version=specrt.__version__,
+                                   weights={"file": io.WEIGHTS_FILE, "bytes": weights_bytes,
+                                            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            manifest.save(tmp)
+            bar.update(1)
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,95 @@
+"""Target loaders: a Hugging Face directory or a GGUF file -> config + float32 HF-named weights."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from specrt.errors import SpecrtError
+from specrt.exporter.config import ModelConfig
+
+if TYPE_CHECKING:
+    from specrt.exporter.loaders.tokenizer import TokenizerSource
+
+__all__ = ["LoadedTarget", "load_target", "expected_shapes", "check_weights"]
+
+
+@dataclass
+class LoadedTarget:
+    """A loaded target model: config, float32 weights under Hugging Face names, provenance."""
+
+    name: str
+    config: ModelConfig
+    weights: dict[str, np.ndarray]
+    source_files: list[Path] = field(default_factory=list)
+    tokenizer: "TokenizerSource | None" = None
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a target of `cfg` must have, HF name -> HF-layout shape ([out, in])."""
+    d, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d),
+                                          "model.norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, q),
+            p + "mlp.gate_proj.weight": (ff, d),
+            p + "mlp.up_proj.weight": (ff, d),
+            p + "mlp.down_proj.weight": (d, ff),
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+        })
+        if cfg.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    return shapes
+
+
+def check_weights(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], source: str | Path) -> None:
+    """Raise SpecrtError unless `shapes` (name -> found shape) holds every expected tensor."""
+    for name, want in expected_shapes(cfg).items():
+        if name not in shapes:
+            raise SpecrtError(f"{source}: missing tensor {name} (expected shape {list(want)})")
+        if tuple(shapes[name]) != want:
+            raise SpecrtError(f"{source}: tensor {name} has shape {list(shapes[name])}, "
+                              f"expected {list(want)}")
+
+
+def _is_gguf(path: Path) -> bool:
+    if path.suffix.lower() == ".gguf":
+        return True
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def load_target(source: str | Path) -> LoadedTarget:
+    """Load a target from a HF directory, a .gguf file, or a preset name (e.g. "smollm2")."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        from specrt.exporter.fetch import PRESETS
+
+        if isinstance(source, str) and source in PRESETS:
+            path = PRESETS[source]()
+        else:
+            raise SpecrtError(f"model path not found: {source} (expected a Hugging Face model "
+                              f"directory, a .gguf file, or a preset: {', '.join(PRESETS)})")
+    if path.is_dir():
+        from specrt.exporter.loaders.hf import load_hf_dir
+
+        return load_hf_dir(path)
+    if _is_gguf(path):
+        from specrt.exporter.loaders.gguf import load_gguf
+
+        return load_gguf(path)
+    raise SpecrtError(f"{path}: not a model directory or GGUF file")

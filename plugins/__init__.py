@@ -1,0 +1,1 @@
+"""Draft-head plugins (ConfidenceTruncate) arrive with the DSpark scheduling work."""

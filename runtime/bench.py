@@ -1,0 +1,104 @@
+"""`specrt bench`: specrt and baselines on the same model and prompts, side by side in one run."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specrt.errors import SpecrtError
+from specrt.runtime.engine import Engine, Request
+from specrt.runtime.sampling import SamplingParams
+
+
+@dataclass
+class MethodResult:
+    method: str
+    outputs: list[list[int]] = field(default_factory=list)
+    generated_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    def row(self, reference: "MethodResult | None") -> dict:
+        tps = self.decode_tokens / self.decode_s if self.decode_s else 0.0
+        e2e = self.generated_tokens / (self.prefill_s + self.decode_s) if self.prefill_s + self.decode_s else 0.0
+        row = {"method": self.method, "tokens_per_s": round(tps, 3), "end_to_end_tokens_per_s": round(e2e, 3),
+               "generated_tokens": self.generated_tokens, "prefill_s": round(self.prefill_s, 3),
+               "decode_s": round(self.decode_s, 3)}
+        if reference is not None:
+            ref = reference.row(None)
+            row["speedup"] = round(tps / ref["tokens_per_s"], 3) if ref["tokens_per_s"] else None
+            row["end_to_end_speedup"] = (round(e2e / ref["end_to_end_tokens_per_s"], 3)
+                                         if ref["end_to_end_tokens_per_s"] else None)
+        return row
+
+
+def run_specrt(engine: Engine, prompts: list[list[int]], params: SamplingParams, method: str = "ar",
+               progress: bool = True) -> MethodResult:
+    """Batch-1 runs, one prompt at a time (the latency setting of the goals)."""
+    res = MethodResult(method)
+    for i, ids in enumerate(tqdm(prompts, desc=f"specrt {method}", unit="prompt", disable=not progress)):
+        outputs, stats = engine.generate([Request(prompt_ids=ids, params=params, id=i)])
+        res.outputs.append(outputs[0].output_ids)
+        res.generated_tokens += stats.generated_tokens
+        res.decode_tokens += stats.decode_tokens
+        res.prefill_s += stats.prefill_s
+        res.decode_s += stats.decode_s
+    return res
+
+
+def hf_baseline(source: Path, threads: int | None = None) -> Callable:
+    """Load the artifact's source model with transformers; returns generate(ids, max_new, eos) -> (ids, t_prefill, t_total)."""
+    import torch
+    import transformers as tf
+
+    if threads:
+        torch.set_num_threads(threads)
+    if source.suffix == ".gguf":
+        model = tf.AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    else:
+        model = tf.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model.eval()
+
+    @torch.inference_mode()
+    def generate(ids: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], float, float]:
+        x = torch.tensor([ids])
+        kw = dict(do_sample=False, eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,
+                  attention_mask=torch.ones_like(x))
+        t0 = time.perf_counter()
+        model.generate(x, max_new_tokens=1, **kw)
+        t1 = time.perf_counter()
+        out = model.generate(x, max_new_tokens=max_new_tokens, **kw)
+        t2 = time.perf_counter()
+        return out[0, len(ids):].tolist(), t1 - t0, t2 - t1
+
+    return generate
+
+
+def run_hf(generate: Callable, prompts: list[list[int]], max_new_tokens: int, eos: list[int],
+           progress: bool = True) -> MethodResult:
+    res = MethodResult("hf")
+    for ids in tqdm(prompts, desc="transformers", unit="prompt", disable=not progress):
+        out, t_prefill, t_total = generate(ids, max_new_tokens, eos)
+        res.outputs.append(out)
+        res.generated_tokens += len(out)
+        res.decode_tokens += len(out) - 1
+        # decode time = the full generate minus a 1-token generate (prefill + first token) on the same prompt
+        res.prefill_s += t_prefill
+        res.decode_s += max(t_total - t_prefill, 1e-9)
+    return res
+
+
+def artifact_source(engine: Engine) -> Path:
+    sources = engine.manifest.sources
+    if not sources:
+        raise SpecrtError("the artifact records no source model, so no transformers baseline can be loaded")
+    path = Path(sources[0]["path"])
+    if path.name in ("config.json",) or path.suffix == ".safetensors" or path.name.endswith(".json"):
+        path = path.parent
+    if not path.exists():
+        raise SpecrtError(f"the artifact's source model {path} no longer exists (needed for --baseline hf)")
+    return path

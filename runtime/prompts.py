@@ -1,0 +1,51 @@
+"""Prompt inputs: text through the chat template, raw ids, and `{"turns": [...]}` JSONL files."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specrt.errors import SpecrtError
+from specrt.runtime.tokenizer import Tokenizer
+
+
+def read_prompts_file(path: str | Path, limit: int | None = None) -> list[str]:
+    """First turn of each `{"turns": [...]}` line (the ../shared/datasets format)."""
+    p = Path(path)
+    if not p.is_file():
+        raise SpecrtError(f"prompts file not found: {p}")
+    prompts: list[str] = []
+    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            turn = row["turns"][0]
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+            raise SpecrtError(f"{p}:{lineno}: expected a JSON object with a non-empty \"turns\" list") from None
+        if not isinstance(turn, str):
+            raise SpecrtError(f"{p}:{lineno}: turns[0] must be a string")
+        prompts.append(turn)
+        if limit is not None and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise SpecrtError(f"{p} has no prompts")
+    return prompts
+
+
+def parse_input_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise SpecrtError(f"--input-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise SpecrtError("--input-ids is empty")
+    return ids
+
+
+def encode_prompt(tokenizer: Tokenizer | None, text: str, *, raw: bool = False) -> list[int]:
+    """Token ids for a user message: chat template with a generation prompt unless `raw`."""
+    if tokenizer is None:
+        raise SpecrtError("this artifact has no tokenizer (the model directory had none); use --input-ids")
+    if not raw and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=raw)

@@ -1,0 +1,71 @@
+"""Sampling parameters and the token distribution they define (applied identically to target and draft)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specrt.errors import SpecrtError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop_strings: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise SpecrtError(f"--temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SpecrtError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SpecrtError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise SpecrtError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seed is not None and self.seed < 0:
+            raise SpecrtError(f"--seed must be >= 0, got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Probabilities after temperature, top-k and top-p over the last axis (float64 for exactness)."""
+    x = logits.astype(np.float64) / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = np.partition(x, -params.top_k, axis=-1)[..., -params.top_k, None]
+        x = np.where(x < kth, -np.inf, x)
+    x = x - x.max(axis=-1, keepdims=True)
+    p = np.exp(x)
+    p /= p.sum(axis=-1, keepdims=True)
+    if params.top_p < 1.0:
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sorted_p = np.take_along_axis(p, order, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing the line stays)
+        drop_sorted = (np.cumsum(sorted_p, axis=-1) - sorted_p) >= params.top_p
+        drop = np.zeros_like(drop_sorted)
+        np.put_along_axis(drop, order, drop_sorted, axis=-1)
+        p = np.where(drop, 0.0, p)
+        p /= p.sum(axis=-1, keepdims=True)
+    return p
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """Draw one token id from a 1-D distribution by inverse CDF."""
+    cdf = np.cumsum(probs)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), probs.shape[-1] - 1))
+
+
+def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """Greedy argmax or a draw from `distribution` for one row of logits."""
+    if params.greedy:
+        return int(np.argmax(logits))
+    return sample(distribution(logits, params), rng)

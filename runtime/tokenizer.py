@@ -1,0 +1,191 @@
+"""Light runtime tokenizer: `tokenizers` + a jinja2 chat template, no transformers import."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from specrt.errors import SpecrtError
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
+                      "cls_token", "mask_token")
+
+
+def _token_text(tok: Any) -> str | None:
+    """A special token as saved by HF: a plain string or an AddedToken dict {"content": ...}."""
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok if isinstance(tok, str) else None
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise SpecrtError(f"{path}: cannot read JSON: {e}") from None
+    return data if isinstance(data, dict) else {}
+
+
+def read_tokenizer_info(tok_dir: Path, extra_eos_token_ids: Iterable[int] = ()) -> dict[str, Any]:
+    """Manifest info (files, chat_template, bos/eos ids, special tokens) of a saved HF tokenizer."""
+    import tokenizers
+
+    tok_dir = Path(tok_dir)
+    cfg = _load_json(tok_dir / "tokenizer_config.json")
+    special: dict[str, str] = {}
+    for source in (_load_json(tok_dir / "special_tokens_map.json"), cfg):
+        for key in SPECIAL_TOKEN_KEYS:
+            text = _token_text(source.get(key))
+            if text is not None:
+                special[key] = text
+    template = None
+    if (tok_dir / "chat_template.jinja").is_file():
+        template = (tok_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    elif isinstance(cfg.get("chat_template"), str):
+        template = cfg["chat_template"]
+    elif isinstance(cfg.get("chat_template"), list):  # named templates: prefer "default"
+        named = {t.get("name"): t.get("template") for t in cfg["chat_template"]}
+        template = named.get("default") or next(iter(named.values()), None)
+    tok = tokenizers.Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    bos = tok.token_to_id(special["bos_token"]) if "bos_token" in special else None
+    eos = [tok.token_to_id(special["eos_token"])] if "eos_token" in special else []
+    eos_ids = list(dict.fromkeys(int(i) for i in [*eos, *extra_eos_token_ids] if i is not None))
+    files = sorted(p.name for p in tok_dir.iterdir() if p.is_file())
+    return {"files": files, "chat_template": template, "bos_token_id": bos,
+            "eos_token_ids": eos_ids, "special_tokens": special}
+
+
+def _compile_template(template: str):
+    """Compile a HF chat template the way transformers does (sandboxed, trim/lstrip blocks)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` (assistant-mask marker): renders its body."""
+        tags = {"generation"}
+
+        def parse(self, parser):  # type: ignore[no-untyped-def]
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):  # type: ignore[no-untyped-def]
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise SpecrtError(f"invalid chat template: {e}") from None
+
+
+class Tokenizer:
+    """Encode/decode with a `tokenizer.json`, and render the model's chat template."""
+
+    def __init__(self, tok: Any, info: dict[str, Any]) -> None:
+        self._tok = tok
+        self.info = info
+        self.special_tokens: dict[str, str] = dict(info.get("special_tokens") or {})
+        self.chat_template: str | None = info.get("chat_template")
+        self.bos_token_id: int | None = info.get("bos_token_id")
+        self.eos_token_ids: list[int] = list(info.get("eos_token_ids") or [])
+        self._template = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path, info: dict[str, Any] | None = None) -> "Tokenizer":
+        """Load `tokenizer.json` from `path`; `info` is the manifest's tokenizer entry."""
+        import tokenizers
+
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise SpecrtError(f"{path}: no tokenizer.json")
+        info = info if info is not None else read_tokenizer_info(path)
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+            raise SpecrtError(f"{path / 'tokenizer.json'}: cannot load: {e}") from None
+        return cls(tok, info)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text` (special-token strings in `text` map to their ids)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render `messages` ([{"role", "content"}]) with the model's chat template."""
+        import jinja2
+
+        if not self.chat_template:
+            raise SpecrtError("this model has no chat template; pass a raw prompt instead")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        variables = {**self.special_tokens, **kwargs}
+        variables.setdefault("tools", None)
+        variables.setdefault("documents", None)
+        try:
+            return self._template.render(messages=messages,
+                                         add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.TemplateError as e:
+            raise SpecrtError(f"chat template error: {e}") from None
+
+    def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+
+class StreamDecoder:
+    """Incremental detokenizer: push new ids, get text deltas (prefix/read-offset technique).
+
+    Text is held back while it ends in U+FFFD (an incomplete UTF-8 sequence from byte-level BPE),
+    so the concatenated deltas plus `flush()` equal `decode(all_ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix = 0  # start of the context window decoded for comparison
+        self._read = 0  # ids before this are already emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def push(self, new_ids: Iterable[int]) -> str:
+        """Append `new_ids`; return the newly completed text ("" while a character is partial)."""
+        self.ids.extend(int(i) for i in new_ids)
+        prefix_text = self._decode(self.ids[self._prefix:self._read])
+        new_text = self._decode(self.ids[self._prefix:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return new_text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        """Emit whatever is held back (e.g. a genuinely invalid byte sequence at the end)."""
+        prefix_text = self._decode(self.ids[self._prefix:self._read])
+        new_text = self._decode(self.ids[self._prefix:])
+        self._prefix, self._read = self._read, len(self.ids)
+        return new_text[len(prefix_text):]

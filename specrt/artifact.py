@@ -1,0 +1,164 @@
+"""The artifact format and the graph I/O contract shared by the exporter and every runtime backend.
+
+An artifact is a directory:
+
+    manifest.json     format version, model config, export settings, graph I/O specs, checksums
+    weights.bin       every initializer of every graph, stored once (ONNX external data)
+    <graph>.onnx      fixed-shape graphs (target prefill chunk, decode, verify; draft graphs)
+    tokenizer/        tokenizer.json (+ config), when the source model has one
+
+Target graph contract (B slots, T tokens per slot, R logit rows per slot, S = S_MAX cache positions):
+
+    inputs   input_ids[B,T] i64, position_ids[B,T] i64, write_index[B] i64 (cache length per slot),
+             logit_rows[B,R] i64 (which of the T rows get logits), past.{i}.key / past.{i}.value [B,Hkv,S,D]
+    outputs  logits[B,R,V], features[B,T,F] (only when a draft head needs them),
+             present.{i}.key / present.{i}.value with the same shape as past, so one buffer is bound as both
+
+The attention mask is built inside the graph from write_index: query t of slot b sees cache position s
+iff s <= write_index[b] + t. Rollback is only a smaller write_index on the next call.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specrt.errors import SpecrtError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+WEIGHTS_FILE = "weights.bin"
+TOKENIZER_DIR = "tokenizer"
+
+INPUT_IDS = "input_ids"
+POSITION_IDS = "position_ids"
+WRITE_INDEX = "write_index"
+LOGIT_ROWS = "logit_rows"
+LOGITS = "logits"
+FEATURES = "features"
+
+DTYPES = ("float32", "float16")
+
+
+def past_names(layer: int) -> tuple[str, str]:
+    return f"past.{layer}.key", f"past.{layer}.value"
+
+
+def present_names(layer: int) -> tuple[str, str]:
+    return f"present.{layer}.key", f"present.{layer}.value"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    dtype: str  # numpy dtype name
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GraphSpec:
+    """One exported graph: its file, the dims it was fixed to, and its I/O signature."""
+
+    name: str
+    file: str
+    family: str  # graphs of one family share weights and differ only in B/T/R
+    dims: dict[str, int]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GraphSpec":
+        return cls(name=d["name"], file=d["file"], family=d["family"], dims=dict(d["dims"]),
+                   inputs=tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in d["inputs"]),
+                   outputs=tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in d["outputs"]))
+
+
+def target_signature(*, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int,
+                     batch: int, tokens: int, rows: int, max_seq: int, dtype: str,
+                     feature_dim: int = 0) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The target graph's inputs and outputs for fixed B/T/R/S (see the module docstring)."""
+    cache = (batch, num_kv_heads, max_seq, head_dim)
+    inputs = [TensorSpec(INPUT_IDS, "int64", (batch, tokens)),
+              TensorSpec(POSITION_IDS, "int64", (batch, tokens)),
+              TensorSpec(WRITE_INDEX, "int64", (batch,)),
+              TensorSpec(LOGIT_ROWS, "int64", (batch, rows))]
+    outputs = [TensorSpec(LOGITS, dtype, (batch, rows, vocab_size))]
+    if feature_dim:
+        outputs.append(TensorSpec(FEATURES, dtype, (batch, tokens, feature_dim)))
+    for i in range(num_layers):
+        inputs += [TensorSpec(n, dtype, cache) for n in past_names(i)]
+        outputs += [TensorSpec(n, dtype, cache) for n in present_names(i)]
+    return tuple(inputs), tuple(outputs)
+
+
+@dataclass(frozen=True, slots=True)
+class ExportSettings:
+    batch: int
+    max_seq: int
+    prefill_chunk: int
+    verify_len: int
+    dtype: str = "float32"
+    attention: str = "standard"
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "max_seq", "prefill_chunk", "verify_len"):
+            if getattr(self, name) < 1:
+                raise SpecrtError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in DTYPES:
+            raise SpecrtError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention not in ("standard",):
+            raise SpecrtError(f"attention lowering must be 'standard', got {self.attention!r}")
+        if max(self.prefill_chunk, self.verify_len) >= self.max_seq:
+            raise SpecrtError(f"max sequence length {self.max_seq} must exceed the prefill chunk "
+                              f"({self.prefill_chunk}) and verify length ({self.verify_len})")
+
+
+@dataclass
+class Manifest:
+    model: dict[str, Any]
+    export: ExportSettings
+    graphs: dict[str, GraphSpec]
+    tokenizer: dict[str, Any] | None
+    sources: list[dict[str, Any]]
+    name: str = ""
+    format_version: int = FORMAT_VERSION
+    specrt_version: str = ""
+    weights: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        return json.dumps(d, indent=1)
+
+    def save(self, art_dir: Path) -> None:
+        (art_dir / MANIFEST).write_text(self.to_json())
+
+
+def load_manifest(art_dir: str | Path) -> Manifest:
+    """Read and validate an artifact's manifest; any problem is a one-line SpecrtError."""
+    art = Path(art_dir)
+    if not art.exists():
+        raise SpecrtError(f"artifact not found: {art}")
+    path = art / MANIFEST
+    if not path.is_file():
+        raise SpecrtError(f"{art} is not a specrt artifact (no {MANIFEST}); create one with `specrt export`")
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpecrtError(f"{path} is not valid JSON: {e}") from None
+    version = d.get("format_version")
+    if version != FORMAT_VERSION:
+        raise SpecrtError(f"{art} has artifact format version {version}, this specrt reads version "
+                          f"{FORMAT_VERSION}; re-export it with this specrt")
+    try:
+        m = Manifest(model=d["model"], export=ExportSettings(**d["export"]),
+                     graphs={k: GraphSpec.from_dict(g) for k, g in d["graphs"].items()},
+                     tokenizer=d.get("tokenizer"), sources=d.get("sources", []), name=d.get("name", ""),
+                     format_version=version, specrt_version=d.get("specrt_version", ""),
+                     weights=d.get("weights", {}))
+    except (KeyError, TypeError) as e:
+        raise SpecrtError(f"{path} is malformed: {e}") from None
+    for g in m.graphs.values():
+        if not (art / g.file).is_file():
+            raise SpecrtError(f"artifact {art} is incomplete: graph file {g.file} is missing")
+    return m

@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random Hugging Face models of every supported family, built in the test."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "llama3_scaled", "mistral")
+
+
+def build_tiny_hf_model(out_dir: Path, kind: str, *, tie: bool | None = None, seed: int = 0,
+                        vocab_size: int = 256, num_layers: int = 2) -> Path:
+    """Save a random tiny transformers model of `kind` to `out_dir` (config.json + safetensors)."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0)
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**common, tie_word_embeddings=True if tie is None else tie,
+                             rope_theta=10000.0)
+        cls = tf.LlamaForCausalLM
+    elif kind == "llama3_scaled":
+        cfg = tf.LlamaConfig(**common, tie_word_embeddings=False if tie is None else tie,
+                             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                              "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 64})
+        cls = tf.LlamaForCausalLM
+    elif kind == "mistral":
+        cfg = tf.MistralConfig(**common, tie_word_embeddings=False if tie is None else tie,
+                               sliding_window=None)
+        cls = tf.MistralForCausalLM
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(**common, tie_word_embeddings=True if tie is None else tie,
+                             rope_theta=1000000.0)
+        cls = tf.Qwen2ForCausalLM
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False if tie is None else tie,
+                             rope_theta=1000000.0)
+        cls = tf.Qwen3ForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so those code paths are tested.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: tiny_model_dir(kind, tie=None, seed=0) -> Path of a saved HF model directory."""
+    cache: dict[tuple, Path] = {}
+
+    def make(kind: str, *, tie: bool | None = None, seed: int = 0, **kw) -> Path:
+        key = (kind, tie, seed, tuple(sorted(kw.items())))
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"tiny_{kind}")
+            cache[key] = build_tiny_hf_model(d, kind, tie=tie, seed=seed, **kw)
+        return cache[key]
+
+    return make

@@ -1,0 +1,142 @@
+"""Runtime tokenizer: encode/decode, HF-compatible chat templates, streaming detokenization."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specrt.errors import SpecrtError
+from specrt.runtime.tokenizer import StreamDecoder, Tokenizer, read_tokenizer_info
+
+TEXTS = [
+    "Hello, world! How are you today?",
+    "naïve café — 東京タワー 🚀🎉 ok",
+    "  leading spaces\n\ttabs and\r\nnewlines  ",
+    "emoji family 👨‍👩‍👧 and flags 🇯🇵",
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye 👋"}],
+]
+TEMPLATE = (
+    "{% for m in messages %}\n"
+    "  {% if m['role'] not in ['user', 'assistant', 'system'] %}"
+    "{{ raise_exception('bad role ' + m['role']) }}{% endif %}\n"
+    "<|{{ m['role'] }}|>{{ m['content'] | trim }}{{ eos_token }}\n"
+    "{% endfor %}\n"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory) -> Path:
+    """A small byte-level BPE tokenizer (GPT-2 style), trained in-test, with a chat template."""
+    from tokenizers import Tokenizer as HFTok, decoders, models, pre_tokenizers, trainers
+
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    # ASCII-only corpus: non-ASCII characters stay split into single-byte tokens.
+    tok.train_from_iterator(["Hello, world! How are you today? the quick brown fox jumps"] * 20,
+                            trainer)
+    d = tmp_path_factory.mktemp("bpe")
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE}))
+    return d
+
+
+def test_info_and_roundtrip(bpe_dir):
+    info = read_tokenizer_info(bpe_dir, extra_eos_token_ids=[1, 7])
+    assert info["bos_token_id"] == 0 and info["eos_token_ids"] == [1, 7]
+    assert info["chat_template"] == TEMPLATE
+    tok = Tokenizer.from_dir(bpe_dir, info)
+    for text in TEXTS:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("</s>") == [1]
+
+
+def test_chat_template_matches_transformers(bpe_dir):
+    from transformers import PreTrainedTokenizerFast
+
+    ref = PreTrainedTokenizerFast(tokenizer_file=str(bpe_dir / "tokenizer.json"),
+                                  bos_token="<s>", eos_token="</s>", chat_template=TEMPLATE)
+    tok = Tokenizer.from_dir(bpe_dir)
+    for conv in CONVERSATIONS:
+        for gen in (True, False):
+            assert tok.apply_chat_template(conv, add_generation_prompt=gen) == \
+                ref.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
+    with pytest.raises(SpecrtError, match="bad role tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_no_template_is_user_error(bpe_dir):
+    tok = Tokenizer.from_dir(bpe_dir, {"chat_template": None})
+    with pytest.raises(SpecrtError, match="no chat template"):
+        tok.apply_chat_template(CONVERSATIONS[0])
+
+
+def _stream(tok: Tokenizer, ids: list[int], step: int = 1) -> list[str]:
+    dec = StreamDecoder(tok)
+    deltas = [dec.push(ids[i:i + step]) for i in range(0, len(ids), step)]
+    return deltas + [dec.flush()]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stream_equals_full_decode(bpe_dir, text):
+    tok = Tokenizer.from_dir(bpe_dir)
+    ids = tok.encode(text)
+    for step in (1, 2, 3):
+        deltas = _stream(tok, ids, step)
+        assert "".join(deltas) == tok.decode(ids)
+        assert not any("\ufffd" in d for d in deltas)
+    if not text.isascii():  # multi-byte characters really are split across ids
+        assert any("\ufffd" in tok.decode(ids[:i]) for i in range(len(ids)))
+
+
+def test_stream_invalid_utf8_tail_is_flushed(bpe_dir):
+    tok = Tokenizer.from_dir(bpe_dir)
+    ids = tok.encode("ok 🚀")
+    cut = ids[:-1]  # last byte of the emoji missing: only flush() emits the replacement char
+    deltas = _stream(tok, cut)
+    assert "".join(deltas) == tok.decode(cut) and deltas[-1].endswith("\ufffd")
+
+
+def test_runtime_does_not_import_transformers(bpe_dir):
+    code = ("import sys; from specrt.runtime.tokenizer import Tokenizer; "
+            f"t = Tokenizer.from_dir({str(bpe_dir)!r}); "
+            "t.apply_chat_template([{'role': 'user', 'content': 'hi'}]); t.encode('hi'); "
+            "assert 'transformers' not in sys.modules and 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from specrt.exporter.fetch import default_model_path
+    from specrt.exporter.loaders.tokenizer import TokenizerSource
+
+    path = default_model_path()
+    info = TokenizerSource.from_gguf(path, eos_token_ids=(2,)).save(tmp_path)
+    assert info["files"] == ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
+    assert info["bos_token_id"] == 1 and info["eos_token_ids"] == [2]
+    assert info["special_tokens"]["eos_token"] == "<|im_end|>"
+    ref = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tok = Tokenizer.from_dir(tmp_path, json.loads(json.dumps(info)))
+    for conv in CONVERSATIONS:
+        for gen in (True, False):
+            prompt = tok.apply_chat_template(conv, add_generation_prompt=gen)
+            assert prompt == ref.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
+            assert tok.encode(prompt) == ref.encode(prompt, add_special_tokens=False)
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False)
+        assert tok.decode(ids) == ref.decode(ids) == text
+        assert "".join(_stream(tok, ids)) == text
