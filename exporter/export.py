@@ -17,7 +17,7 @@ from specrt.errors import SpecrtError
 from specrt.exporter.config import ModelConfig
 from specrt.exporter.loaders import LoadedTarget, load_target
 from specrt.exporter.onnx.builder import GraphBuilder, WeightStore
-from specrt.exporter.onnx.target import build_target_graph
+from specrt.exporter.onnx.target import build_target_graph, target_weights
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -79,8 +79,9 @@ def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSett
         steps = 1 + 2 * len(target_graph_shapes(settings)) + 1
         with tqdm(total=steps, desc=f"export {loaded.name}", unit="step", disable=not progress) as bar:
             store = WeightStore(tmp / io.WEIGHTS_FILE)
-            for name in sorted(loaded.weights):
-                store.add(name, loaded.weights[name].astype(dtype, copy=False))
+            tensors = target_weights(cfg, loaded.weights)
+            for name in sorted(tensors):
+                store.add(name, tensors[name].astype(dtype, copy=False))
             weights_bytes = store.close()
             bar.update(1)
             graphs = _write_target(tmp, store, cfg, settings, bar)

@@ -115,6 +115,8 @@ class Engine:
     def generate(self, requests: Sequence[Request], *, on_text: TextCallback | None = None,
                  on_token: TokenCallback | None = None) -> tuple[list[RequestOutput], RunStats]:
         """Generate for all requests, up to B at a time; `on_text(id, delta)` streams text."""
+        if len({r.id for r in requests}) != len(requests):  # outputs and callbacks are keyed by id
+            raise SpecrtError("request ids must be unique within one generate() call")
         for r in requests:
             self.check(r)
         stats = RunStats(requests=len(requests))

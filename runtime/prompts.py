@@ -11,15 +11,23 @@ from specrt.runtime.tokenizer import Tokenizer
 def read_prompts_file(path: str | Path, limit: int | None = None) -> list[str]:
     """First turn of each `{"turns": [...]}` line (the ../shared/datasets format)."""
     p = Path(path)
+    if limit is not None and limit < 1:
+        raise SpecrtError(f"--limit must be >= 1, got {limit}")
     if not p.is_file():
         raise SpecrtError(f"prompts file not found: {p}")
     prompts: list[str] = []
-    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecrtError(f"cannot read prompts file {p}: {e}") from None
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-            turn = row["turns"][0]
+            turns = json.loads(line)["turns"]
+            if not isinstance(turns, list):  # a bare string would yield its first character
+                raise TypeError
+            turn = turns[0]
         except (json.JSONDecodeError, KeyError, IndexError, TypeError):
             raise SpecrtError(f"{p}:{lineno}: expected a JSON object with a non-empty \"turns\" list") from None
         if not isinstance(turn, str):

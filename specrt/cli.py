@@ -148,6 +148,47 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, threads, as_json
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--prompts", required=True, type=click.Path(path_type=Path), help='JSONL of {"turns": [...]}.')
+@click.option("--limit", type=int, default=None, help="Use the first N prompts.")
+@click.option("--max-new-tokens", default=128, help="Tokens to generate per prompt (greedy, batch 1).")
+@click.option("--baseline", type=click.Choice(["none", "hf"]), default="hf",
+              help="Also run transformers generate() on the artifact's source model.")
+@click.option("--threads", type=int, default=None, help="Threads for ONNX Runtime and torch (default: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench(artifact: Path, prompts: Path, limit, max_new_tokens: int, baseline: str, threads, as_json: bool) -> None:
+    """Benchmark specrt against baselines on the same prompts, side by side in one run (greedy, batch 1)."""
+    from specrt.runtime import bench as b
+    from specrt.runtime.engine import Engine
+    from specrt.runtime.prompts import encode_prompt, read_prompts_file
+    from specrt.runtime.sampling import SamplingParams
+
+    engine = Engine(artifact, threads=threads)
+    ids = [encode_prompt(engine.tokenizer, p) for p in read_prompts_file(prompts, limit)]
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    progress = not as_json
+    results = [b.run_specrt(engine, ids, params, progress=progress)]
+    if baseline == "hf":
+        generate = b.hf_baseline(b.artifact_source(engine), threads=threads)
+        results.append(b.run_hf(generate, ids, max_new_tokens, sorted(engine.eos_ids), progress=progress))
+    reference = results[0]
+    identical = all(r.outputs == reference.outputs for r in results)
+    report = {"identical": identical, "prompts": len(ids), "max_new_tokens": max_new_tokens,
+              "results": [r.row(reference) for r in results]}
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        click.echo(f"{'method':8s} {'decode tok/s':>13s} {'e2e tok/s':>10s} {'speedup':>8s} {'tokens':>7s}")
+        for row in report["results"]:
+            click.echo(f"{row['method']:8s} {row['tokens_per_s']:13.2f} {row['end_to_end_tokens_per_s']:10.2f} "
+                       f"{row['speedup']:8.2f} {row['generated_tokens']:7d}")
+        click.echo(f"identical greedy outputs: {identical}")
+    if not identical:
+        click.echo("specrt: error: methods produced different greedy tokens", err=True)
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def inspect(artifact: Path, as_json: bool) -> None:
     """Summarize an artifact's manifest: model, export settings, graphs and their I/O."""

@@ -18,13 +18,14 @@ class Shapes:
 
     batch: str  # [1] i64
     tokens: str  # [1] i64
+    qkv: str  # [4] i64: [B, T, H + 2*Hkv, D]
 
 
 def rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str, name: str = "norm") -> str:
     """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32 (ORT fuses this into SimplifiedLayerNorm)."""
     with g.scope(name):
         xf = g.op("Cast", x, to=onnx_dtype("float32")) if dtype != "float32" else x
-        sq = g.op("Mul", xf, xf, name="square")
+        sq = g.op("Pow", xf, g.const(np.float32(2.0), "two"), name="square")
         var = g.op("ReduceMean", sq, g.const([-1], "axes", "int64"), keepdims=1)
         std = g.op("Sqrt", g.op("Add", var, g.const(eps, "eps", "float32")))
         y = g.op("Div", xf, std)
@@ -52,29 +53,27 @@ def rope_tables(g: GraphBuilder, position_ids: str, inv_freq: list[float], dtype
         return cos, sin
 
 
-def apply_rope(g: GraphBuilder, x: str, cos: str, sin: str, head_dim: int, name: str) -> str:
-    """x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1] over the last axis."""
+def rotate_half_matrix(head_dim: int, dtype: str) -> np.ndarray:
+    """R with x @ R = [-x2, x1]: one MatMul instead of Slice/Slice/Neg/Concat (exact: one term per output)."""
+    half = head_dim // 2
+    r = np.zeros((head_dim, head_dim), dtype=dtype)
+    r[np.arange(half) + half, np.arange(half)] = -1.0
+    r[np.arange(half), np.arange(half) + half] = 1.0
+    return r
+
+
+def apply_rope(g: GraphBuilder, x: str, cos: str, sin: str, rotate: str, name: str) -> str:
+    """x*cos + rotate_half(x)*sin over the last axis of [B,T,n,D]."""
     with g.scope(name):
-        half = head_dim // 2
-        x1 = g.op("Slice", x, g.const([0], "start", "int64"), g.const([half], "mid", "int64"),
-                  g.const([-1], "axis", "int64"))
-        x2 = g.op("Slice", x, g.const([half], "mid", "int64"), g.const([head_dim], "end", "int64"),
-                  g.const([-1], "axis", "int64"))
-        rotated = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
+        rotated = g.op("MatMul", x, rotate, name="rotate_half")
         return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
 
 
-def heads(g: GraphBuilder, x: str, shapes: Shapes, n_heads: int, head_dim: int, name: str) -> str:
-    """[N, n*D] -> [B, T, n, D]."""
-    shape = g.op("Concat", shapes.batch, shapes.tokens, g.const([n_heads, head_dim], "heads", "int64"),
-                 axis=0, name=f"{name}_shape")
-    return g.op("Reshape", x, shape, name=name)
-
-
-def mlp(g: GraphBuilder, x: str, prefix: str) -> str:
-    """down(silu(gate(x)) * up(x))."""
+def mlp(g: GraphBuilder, x: str, prefix: str, intermediate: int) -> str:
+    """down(silu(gate(x)) * up(x)), with gate and up as one Gemm over the stacked weight."""
     with g.scope("mlp"):
-        gate = linear(g, x, g.weight(f"{prefix}.gate_proj.weight"), name="gate_proj")
-        up = linear(g, x, g.weight(f"{prefix}.up_proj.weight"), name="up_proj")
+        gate_up = linear(g, x, g.weight(f"{prefix}.gate_up_proj.weight"), name="gate_up_proj")
+        gate, up = g.op("Split", gate_up, g.const([intermediate, intermediate], "sizes", "int64"), axis=-1,
+                        outputs=2)
         act = g.op("Mul", gate, g.op("Sigmoid", gate), name="silu")
         return linear(g, g.op("Mul", act, up), g.weight(f"{prefix}.down_proj.weight"), name="down_proj")

@@ -17,7 +17,7 @@ import numpy as np
 from specrt import artifact as io
 from specrt.exporter.config import ModelConfig
 from specrt.exporter.onnx.builder import GraphBuilder, onnx_dtype
-from specrt.exporter.onnx.layers import Shapes, apply_rope, heads, linear, mlp, rms_norm, rope_tables
+from specrt.exporter.onnx.layers import Shapes, apply_rope, linear, mlp, rms_norm, rope_tables, rotate_half_matrix
 
 FINAL = "final"  # feature source: the final-normed hidden state (what MTP consumes)
 
@@ -47,21 +47,25 @@ def _cache_io(g: GraphBuilder, shapes: Shapes, write_index: str, cfg: ModelConfi
     return scatter_idx, bias
 
 
-def _attention(g: GraphBuilder, x: str, layer: int, cfg: ModelConfig, shapes: Shapes, rope: tuple[str, str],
+def _attention(g: GraphBuilder, x: str, layer: int, cfg: ModelConfig, shapes: Shapes, rope: tuple[str, str, str],
                scatter_idx: str, bias: str, dtype: str, max_seq: int) -> tuple[str, str, str]:
     p = f"model.layers.{layer}.self_attn"
     H, Hkv, D, G = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.kv_groups
     w = g.weight
-    bias_of = (lambda n: w(f"{p}.{n}.bias")) if cfg.attention_bias else (lambda n: None)
     with g.scope("attn"):
-        q = heads(g, linear(g, x, w(f"{p}.q_proj.weight"), bias_of("q_proj"), name="q_proj"), shapes, H, D, "q")
-        k = heads(g, linear(g, x, w(f"{p}.k_proj.weight"), bias_of("k_proj"), name="k_proj"), shapes, Hkv, D, "k")
-        v = heads(g, linear(g, x, w(f"{p}.v_proj.weight"), bias_of("v_proj"), name="v_proj"), shapes, Hkv, D, "v")
-        if cfg.qk_norm:
-            q = rms_norm(g, q, w(f"{p}.q_norm.weight"), cfg.rms_norm_eps, dtype, name="q_norm")
-            k = rms_norm(g, k, w(f"{p}.k_norm.weight"), cfg.rms_norm_eps, dtype, name="k_norm")
-        q = apply_rope(g, q, *rope, D, name="q_rope")
-        k = apply_rope(g, k, *rope, D, name="k_rope")
+        qkv_bias = w(f"{p}.qkv_proj.bias") if cfg.attention_bias else None
+        qkv = linear(g, x, w(f"{p}.qkv_proj.weight"), qkv_bias, name="qkv_proj")
+        qkv = g.op("Reshape", qkv, shapes.qkv, name="qkv_heads")  # [B,T,H+2Hkv,D]
+        if cfg.qk_norm:  # Qwen3: per-head RMSNorm on q and k before rope
+            q, k, v = g.op("Split", qkv, g.const([H, Hkv, Hkv], "qkv_sizes", "int64"), axis=2, outputs=3)
+            q = apply_rope(g, rms_norm(g, q, w(f"{p}.q_norm.weight"), cfg.rms_norm_eps, dtype, name="q_norm"),
+                           *rope, name="q_rope")
+            k = apply_rope(g, rms_norm(g, k, w(f"{p}.k_norm.weight"), cfg.rms_norm_eps, dtype, name="k_norm"),
+                           *rope, name="k_rope")
+        else:  # q and k share one rope pass
+            qk, v = g.op("Split", qkv, g.const([H + Hkv, Hkv], "qk_v_sizes", "int64"), axis=2, outputs=2)
+            q, k = g.op("Split", apply_rope(g, qk, *rope, name="qk_rope"), g.const([H, Hkv], "q_k_sizes", "int64"),
+                        axis=2, outputs=2)
         # [B,T,H,D] -> [B,H,T,D] -> [B,Hkv,G*T,D]: the G query heads of a KV head become extra rows,
         # so attention reads each cached K/V once instead of repeating the cache G times.
         q = g.op("Mul", q, g.const(np.asarray(D ** -0.5, dtype=dtype), "scale"))
@@ -91,6 +95,19 @@ def _split_groups(g: GraphBuilder, scores: str, n_kv: int, groups: int, max_seq:
     return g.op("Reshape", scores, g.const([0, n_kv, groups, -1, max_seq], "per_group", "int64"))
 
 
+def target_weights(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The tensors the target graph reads: HF tensors, with q/k/v and gate/up stacked into one Gemm each."""
+    out = dict(weights)
+    for i in range(cfg.num_layers):
+        a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        out[f"{a}.qkv_proj.weight"] = np.concatenate([out.pop(f"{a}.{n}_proj.weight") for n in "qkv"])
+        if cfg.attention_bias:
+            out[f"{a}.qkv_proj.bias"] = np.concatenate([out.pop(f"{a}.{n}_proj.bias") for n in "qkv"])
+        out[f"{m}.gate_up_proj.weight"] = np.concatenate([out.pop(f"{m}.gate_proj.weight"),
+                                                           out.pop(f"{m}.up_proj.weight")])
+    return out
+
+
 def build_target_graph(g: GraphBuilder, cfg: ModelConfig, *, batch: int, tokens: int, rows: int,
                        max_seq: int, dtype: str, features: Sequence[int | str] = ()) -> None:
     """Emit the whole target graph into `g` (the caller turns it into a model)."""
@@ -106,11 +123,14 @@ def build_target_graph(g: GraphBuilder, cfg: ModelConfig, *, batch: int, tokens:
 
     with g.scope("target"):
         bt = g.op("Shape", input_ids, name="input_shape")
+        qkv_heads = g.const([cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim], "qkv_heads", "int64")
         shapes = Shapes(batch=g.op("Slice", bt, g.const([0], "s0", "int64"), g.const([1], "s1", "int64")),
-                        tokens=g.op("Slice", bt, g.const([1], "s1", "int64"), g.const([2], "s2", "int64")))
+                        tokens=g.op("Slice", bt, g.const([1], "s1", "int64"), g.const([2], "s2", "int64")),
+                        qkv=g.op("Concat", bt, qkv_heads, axis=0, name="qkv_shape"))
         x = g.op("Gather", g.weight("model.embed_tokens.weight"), input_ids, name="embed_tokens")
         x = g.op("Reshape", x, g.const([-1, d], "flat", "int64"))  # [N, d]
-        rope = rope_tables(g, position_ids, cfg.inv_freq(), dtype)
+        rope = (*rope_tables(g, position_ids, cfg.inv_freq(), dtype),
+                g.const(rotate_half_matrix(cfg.head_dim, dtype), "rotate_half"))
         scatter_idx, bias = _cache_io(g, shapes, write_index, cfg, max_seq, dtype)
         captured: dict[int | str, str] = {-1: x}
         presents: list[tuple[str, str]] = []
@@ -123,7 +143,7 @@ def build_target_graph(g: GraphBuilder, cfg: ModelConfig, *, batch: int, tokens:
                 x = g.op("Add", x, o, name="attn_residual")
                 m = rms_norm(g, x, g.weight(f"{p}.post_attention_layernorm.weight"), cfg.rms_norm_eps, dtype,
                              name="post_attention_layernorm")
-                x = g.op("Add", x, mlp(g, m, f"{p}.mlp"), name="mlp_residual")
+                x = g.op("Add", x, mlp(g, m, f"{p}.mlp", cfg.intermediate_size), name="mlp_residual")
             captured[i] = x
             presents.append((pk, pv))
         h = rms_norm(g, x, g.weight("model.norm.weight"), cfg.rms_norm_eps, dtype, name="norm")

@@ -54,7 +54,11 @@ class OrtRunner:
             raise SpecrtError("onnxruntime is not installed; install specrt[cpu] (or specrt[gpu])")
         self.spec = graph
         self.max_seq = graph.dims["S"]
-        model = _relax_dims(onnx.load(str(art_dir / graph.file), load_external_data=False))
+        try:
+            model = _relax_dims(onnx.load(str(art_dir / graph.file), load_external_data=False))
+        except Exception as e:  # protobuf's DecodeError for a corrupt file, OSError, ...
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise SpecrtError(f"cannot load {graph.file}: {reason} (corrupt artifact? re-export it)") from None
         self._cache_specs = [t for t in graph.inputs if t.name.startswith("past.")]
         self._outputs = [t for t in graph.outputs if not t.name.startswith("present.")]
         # The external weights are resolved relative to the model path, so load from bytes with that dir.

@@ -1,0 +1,116 @@
+"""The default model end to end (SmolLM2-135M-Instruct Q4_1 GGUF): greedy output equals transformers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specrt import artifact as io
+from specrt.exporter.export import export_artifact
+from specrt.runtime.engine import Engine, Request
+from specrt.runtime.prompts import encode_prompt, read_prompts_file
+from specrt.runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = Path(__file__).parent / "fixtures" / "prompts_smoke.jsonl"
+SETTINGS = io.ExportSettings(batch=4, max_seq=1024, prefill_chunk=64, verify_len=8)
+NEW_TOKENS = 128
+
+
+@pytest.fixture(scope="session")
+def gguf() -> Path:
+    from specrt.exporter.fetch import default_model_path
+
+    return default_model_path(progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_art(gguf, tmp_path_factory) -> Path:
+    return export_artifact(gguf, tmp_path_factory.mktemp("smollm2") / "art", SETTINGS, progress=False)
+
+
+@pytest.fixture(scope="session")
+def engine(smollm2_art) -> Engine:
+    return Engine(smollm2_art)
+
+
+@pytest.fixture(scope="session")
+def hf_model(gguf):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(engine) -> list[list[int]]:
+    prompts = read_prompts_file(PROMPTS)
+    assert [json.loads(line)["source"] for line in PROMPTS.read_text().splitlines()] == [
+        "gsm8k", "humaneval", "math500", "mbpp", "mt-bench"]
+    return [encode_prompt(engine.tokenizer, p) for p in prompts]
+
+
+def test_artifact_of_default_model(smollm2_art, engine):
+    m = io.load_manifest(smollm2_art)
+    assert (m.model["family"], m.model["num_layers"], m.model["hidden_size"]) == ("llama", 30, 576)
+    assert (m.model["num_heads"], m.model["num_kv_heads"], m.model["vocab_size"]) == (9, 3, 49152)
+    assert m.model["tie_word_embeddings"] is True
+    assert m.tokenizer and m.tokenizer.get("chat_template")
+    assert engine.tokenizer is not None and engine.eos_ids
+
+
+def test_prompts_rendered_with_chat_template(engine, gguf, prompt_ids):
+    """Our template rendering + encoding gives the ids transformers' own tokenizer gives."""
+    from transformers import AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    for text, ids in zip(read_prompts_file(PROMPTS), prompt_ids):
+        want = hf_tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
+        assert ids == list(want)
+        assert engine.tokenizer.decode(ids, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+        assert len(ids) + NEW_TOKENS < SETTINGS.max_seq - 1
+
+
+def _hf_greedy(model, prompt: list[int], eos: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=n, eos_token_id=eos, pad_token_id=eos[0])
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_matches_transformers(engine, hf_model, prompt_ids):
+    eos = sorted(engine.eos_ids)
+    requests = [Request(ids, SamplingParams(max_new_tokens=NEW_TOKENS), id=i) for i, ids in enumerate(prompt_ids)]
+    outputs, stats = engine.generate(requests)
+    for r, o in zip(requests, outputs):
+        want = _hf_greedy(hf_model, r.prompt_ids, eos, NEW_TOKENS)
+        assert o.output_ids == want, f"prompt {r.id}: first difference at token " + str(
+            next((i for i, (a, b) in enumerate(zip(o.output_ids, want)) if a != b), min(len(want), len(o.output_ids))))
+        assert o.finish_reason == ("eos" if want[-1] in eos else "length")
+        assert o.text.strip()
+    assert stats.requests == 5
+
+
+def test_batch_equals_single(engine, prompt_ids):
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    requests = [Request(ids, params, id=i) for i, ids in enumerate(prompt_ids)]
+    batched, _ = engine.generate(requests)
+    for r, o in zip(requests, batched):
+        assert len(o.output_ids) == 32
+        assert o.output_ids == engine.generate([r])[0][0].output_ids, f"prompt {r.id}"
+
+
+def test_cli_runs_prompts_file(smollm2_art):
+    from click.testing import CliRunner
+
+    from specrt.cli import main
+
+    result = CliRunner().invoke(main, ["run", str(smollm2_art), "--prompts", str(PROMPTS), "--limit", "3",
+                                       "--max-new-tokens", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    d = json.loads(result.stdout)
+    assert len(d["requests"]) == 3 and all(1 <= len(r["output_ids"]) <= 8 and r["text"] for r in d["requests"])
+    assert d["stats"]["method"] == "ar"
