@@ -157,7 +157,7 @@ class Engine:
             chunk[0, :len(piece)] = piece
             out = self.target.run(index, StepInputs(
                 input_ids=chunk, position_ids=np.arange(start, start + c, dtype=np.int64)[None],
-                write_index=np.array([start], np.int64), logit_rows=np.array([[len(piece) - 1]], np.int64)))
+                write_index=np.array([start], np.int64), logit_rows=np.array([[len(piece) - 1]], np.int64)).feeds())
             logits = out[io.LOGITS][0, 0]
         slot.length = len(ids)
         self._append(slot, next_token(logits, request.params, slot.rng), on_text)
@@ -177,7 +177,7 @@ class Engine:
             if s is not None:  # idle slots write a dummy token at position 0 of their own row
                 ids[i, 0], pos[i, 0] = s.pending, s.length
         out = self.target.run(0, StepInputs(input_ids=ids, position_ids=pos, write_index=pos[:, 0],
-                                            logit_rows=np.zeros((n, 1), np.int64)))
+                                            logit_rows=np.zeros((n, 1), np.int64)).feeds())
         logits = out[io.LOGITS]
         stats.steps += 1
         for i, s in enumerate(slots[:n]):

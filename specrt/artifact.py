@@ -26,7 +26,7 @@ from typing import Any
 
 from specrt.errors import SpecrtError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.bin"
 TOKENIZER_DIR = "tokenizer"
@@ -51,9 +51,17 @@ def present_names(layer: int) -> tuple[str, str]:
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
+    """A graph input or output. `axes` names its leading dims that a backend may treat as symbolic
+    (B slots, T/C tokens, R rows); the remaining dims are fixed by the graph body."""
+
     name: str
     dtype: str  # numpy dtype name
     shape: tuple[int, ...]
+    axes: tuple[str, ...] = ()
+
+    def resolve(self, sizes: dict[str, int]) -> tuple[int, ...]:
+        """The shape with the named axes replaced by `sizes`."""
+        return tuple(sizes[a] for a in self.axes) + self.shape[len(self.axes):]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,25 +78,36 @@ class GraphSpec:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GraphSpec":
         return cls(name=d["name"], file=d["file"], family=d["family"], dims=dict(d["dims"]),
-                   inputs=tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in d["inputs"]),
-                   outputs=tuple(TensorSpec(t["name"], t["dtype"], tuple(t["shape"])) for t in d["outputs"]))
+                   inputs=tuple(_tensor(t) for t in d["inputs"]), outputs=tuple(_tensor(t) for t in d["outputs"]))
+
+
+def _tensor(t: dict[str, Any]) -> TensorSpec:
+    return TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), tuple(t.get("axes", ())))
 
 
 def target_signature(*, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int,
                      batch: int, tokens: int, rows: int, max_seq: int, dtype: str,
                      feature_dim: int = 0) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """The target graph's inputs and outputs for fixed B/T/R/S (see the module docstring)."""
-    cache = (batch, num_kv_heads, max_seq, head_dim)
-    inputs = [TensorSpec(INPUT_IDS, "int64", (batch, tokens)),
-              TensorSpec(POSITION_IDS, "int64", (batch, tokens)),
-              TensorSpec(WRITE_INDEX, "int64", (batch,)),
-              TensorSpec(LOGIT_ROWS, "int64", (batch, rows))]
-    outputs = [TensorSpec(LOGITS, dtype, (batch, rows, vocab_size))]
+    inputs = [TensorSpec(INPUT_IDS, "int64", (batch, tokens), ("B", "T")),
+              TensorSpec(POSITION_IDS, "int64", (batch, tokens), ("B", "T")),
+              TensorSpec(WRITE_INDEX, "int64", (batch,), ("B",)),
+              TensorSpec(LOGIT_ROWS, "int64", (batch, rows), ("B", "R"))]
+    outputs = [TensorSpec(LOGITS, dtype, (batch, rows, vocab_size), ("B", "R"))]
     if feature_dim:
-        outputs.append(TensorSpec(FEATURES, dtype, (batch, tokens, feature_dim)))
+        outputs.append(TensorSpec(FEATURES, dtype, (batch, tokens, feature_dim), ("B", "T")))
+    return cache_signature(inputs, outputs, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                           head_dim=head_dim, batch=batch, max_seq=max_seq, dtype=dtype)
+
+
+def cache_signature(inputs: list[TensorSpec], outputs: list[TensorSpec], *, num_layers: int, num_kv_heads: int,
+                    head_dim: int, batch: int, max_seq: int, dtype: str
+                    ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """Append the per-layer past (inputs) and present (outputs) KV tensors, [B,Hkv,S,D] each."""
+    cache = (batch, num_kv_heads, max_seq, head_dim)
     for i in range(num_layers):
-        inputs += [TensorSpec(n, dtype, cache) for n in past_names(i)]
-        outputs += [TensorSpec(n, dtype, cache) for n in present_names(i)]
+        inputs += [TensorSpec(n, dtype, cache, ("B",)) for n in past_names(i)]
+        outputs += [TensorSpec(n, dtype, cache, ("B",)) for n in present_names(i)]
     return tuple(inputs), tuple(outputs)
 
 

@@ -6,6 +6,8 @@ from typing import Protocol
 
 import numpy as np
 
+from specrt import artifact as io
+
 
 @dataclass(frozen=True, slots=True)
 class StepInputs:
@@ -15,6 +17,10 @@ class StepInputs:
     position_ids: np.ndarray  # [n, T] i64
     write_index: np.ndarray  # [n] i64
     logit_rows: np.ndarray  # [n, R] i64
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        return {io.INPUT_IDS: self.input_ids, io.POSITION_IDS: self.position_ids,
+                io.WRITE_INDEX: self.write_index, io.LOGIT_ROWS: self.logit_rows}
 
 
 class Runner(Protocol):
@@ -26,5 +32,5 @@ class Runner(Protocol):
     def allocate(self, slots: int) -> None:
         """Allocate the KV cache (and any per-shape buffers) for `slots` request slots, once."""
 
-    def run(self, slot: int, inputs: StepInputs) -> dict[str, np.ndarray]:
+    def run(self, slot: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run on slots [slot, slot + n); returns views of output buffers valid until the next call."""

@@ -1,10 +1,11 @@
 """ONNX Runtime backend: one session per graph family, IOBinding over buffers allocated once.
 
-The exported graphs of a family (prefill chunk, decode, verify) share one body and differ only in
-their B/T/R dims, so this runner loads the family's first graph with those dims made symbolic and
-serves every shape from that one session: one copy of the (prepacked) weights in memory.
-Each layer's KV cache is one numpy buffer bound as both `past.*` and `present.*` (the graph scatters
-the new K/V into it in place); a call over slots [s, s+n) binds the contiguous view cache[s:s+n].
+The exported graphs of a family (e.g. target prefill chunk, decode, verify) share one body and differ
+only in the sizes of their named axes (B/T/R/C), so this runner loads the family's graph with those
+axes made symbolic and serves every shape from that one session: one copy of the (prepacked)
+weights in memory. Each layer's KV cache is one numpy buffer bound as both `past.*` and `present.*`
+(the graph scatters the new K/V into it in place); a call over slots [s, s+n) binds cache[s:s+n].
+Per shape, host input buffers, output buffers and the binding are created on first use and reused.
 """
 from __future__ import annotations
 
@@ -16,24 +17,20 @@ import onnx
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.runtime.backends.base import StepInputs
 
 try:
     import onnxruntime as ort
 except ImportError:  # pragma: no cover - depends on the installed extra
     ort = None
 
-_SYMBOLIC = {io.INPUT_IDS: ("B", "T"), io.POSITION_IDS: ("B", "T"), io.WRITE_INDEX: ("B",),
-             io.LOGIT_ROWS: ("B", "R"), io.LOGITS: ("B", "R"), io.FEATURES: ("B", "T")}
 
-
-def _relax_dims(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Make B/T/R symbolic on the graph's I/O (caches keep S fixed; their batch dim becomes B)."""
+def _relax_dims(model: onnx.ModelProto, graph: io.GraphSpec) -> onnx.ModelProto:
+    """Make each tensor's named axes symbolic on the graph's I/O."""
+    axes = {t.name: t.axes for t in (*graph.inputs, *graph.outputs)}
     for vi in [*model.graph.input, *model.graph.output]:
-        names = _SYMBOLIC.get(vi.name, ("B",))
         dims = vi.type.tensor_type.shape.dim
-        for i, n in enumerate(names):
-            dims[i].dim_param = n
+        for i, name in enumerate(axes.get(vi.name, ())):
+            dims[i].dim_param = name
     return model
 
 
@@ -55,13 +52,14 @@ class OrtRunner:
         self.spec = graph
         self.max_seq = graph.dims["S"]
         try:
-            model = _relax_dims(onnx.load(str(art_dir / graph.file), load_external_data=False))
+            model = _relax_dims(onnx.load(str(art_dir / graph.file), load_external_data=False), graph)
         except Exception as e:  # protobuf's DecodeError for a corrupt file, OSError, ...
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise SpecrtError(f"cannot load {graph.file}: {reason} (corrupt artifact? re-export it)") from None
         self._cache_specs = [t for t in graph.inputs if t.name.startswith("past.")]
+        self._host_specs = [t for t in graph.inputs if not t.name.startswith("past.")]
         self._outputs = [t for t in graph.outputs if not t.name.startswith("present.")]
-        # The external weights are resolved relative to the model path, so load from bytes with that dir.
+        # Loaded from bytes, so tell ORT where the external weights live.
         so = session_options(threads)
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(art_dir))
         try:
@@ -70,49 +68,52 @@ class OrtRunner:
             raise SpecrtError(f"cannot load {graph.file}: {str(e).splitlines()[0]}") from None
         self.slots = 0
         self._cache: dict[str, np.ndarray] = {}
-        self._bindings: dict[tuple[int, int, int, int], tuple] = {}
+        self._bindings: dict[tuple, tuple] = {}
 
     def allocate(self, slots: int) -> None:
         """Allocate (zeroed) KV buffers for `slots` request slots; drops bindings of an older size."""
-        self.slots = slots
-        self._cache = {t.name: np.zeros((slots, *t.shape[1:]), dtype=t.dtype) for t in self._cache_specs}
-        self._bindings.clear()
+        if slots != self.slots or not self._cache:
+            self.slots = slots
+            self._cache = {t.name: np.zeros((slots, *t.shape[1:]), dtype=t.dtype) for t in self._cache_specs}
+            self._bindings.clear()
 
-    def _binding(self, slot: int, n: int, tokens: int, rows: int) -> tuple:
-        key = (slot, n, tokens, rows)
+    def _sizes(self, feeds: dict[str, np.ndarray]) -> dict[str, int]:
+        sizes: dict[str, int] = {}
+        for t in self._host_specs:
+            for axis, n in zip(t.axes, feeds[t.name].shape):
+                if sizes.setdefault(axis, n) != n:
+                    raise ValueError(f"{t.name}: axis {axis} is {n}, other inputs say {sizes[axis]}")
+        return sizes
+
+    def _binding(self, slot: int, sizes: dict[str, int]) -> tuple:
+        key = (slot, *sorted(sizes.items()))
         if key not in self._bindings:
             b = self.session.io_binding()
-            host = {io.INPUT_IDS: np.zeros((n, tokens), np.int64), io.POSITION_IDS: np.zeros((n, tokens), np.int64),
-                    io.WRITE_INDEX: np.zeros((n,), np.int64), io.LOGIT_ROWS: np.zeros((n, rows), np.int64)}
-            keep = []
+            n = sizes["B"]
+            host = {t.name: np.zeros(t.resolve(sizes), dtype=t.dtype) for t in self._host_specs}
+            outs = {t.name: np.zeros(t.resolve(sizes), dtype=t.dtype) for t in self._outputs}
+            keep = []  # OrtValues view numpy memory: keep them alive with the binding
             for name, arr in host.items():
-                v = ort.OrtValue.ortvalue_from_numpy(arr)
-                b.bind_ortvalue_input(name, v)
-                keep.append(v)
+                keep.append(ort.OrtValue.ortvalue_from_numpy(arr))
+                b.bind_ortvalue_input(name, keep[-1])
             for name, buf in self._cache.items():
-                v = ort.OrtValue.ortvalue_from_numpy(buf[slot:slot + n])
-                b.bind_ortvalue_input(name, v)
-                b.bind_ortvalue_output(name.replace("past.", "present.", 1), v)
-                keep.append(v)
-            outs = {}
-            for t in self._outputs:
-                shape = (n, rows, t.shape[2]) if t.name == io.LOGITS else (n, tokens, t.shape[2])
-                outs[t.name] = np.zeros(shape, dtype=t.dtype)
-                v = ort.OrtValue.ortvalue_from_numpy(outs[t.name])
-                b.bind_ortvalue_output(t.name, v)
-                keep.append(v)
+                keep.append(ort.OrtValue.ortvalue_from_numpy(buf[slot:slot + n]))
+                b.bind_ortvalue_input(name, keep[-1])
+                b.bind_ortvalue_output(name.replace("past.", "present.", 1), keep[-1])
+            for name, arr in outs.items():
+                keep.append(ort.OrtValue.ortvalue_from_numpy(arr))
+                b.bind_ortvalue_output(name, keep[-1])
             self._bindings[key] = (b, host, outs, keep)
         return self._bindings[key]
 
-    def run(self, slot: int, inputs: StepInputs) -> dict[str, np.ndarray]:
-        n, tokens = inputs.input_ids.shape
-        rows = inputs.logit_rows.shape[1]
+    def run(self, slot: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run on slots [slot, slot + B); returns output buffers that stay valid until the next call."""
+        sizes = self._sizes(feeds)
+        n = sizes["B"]
         if slot < 0 or slot + n > self.slots:
             raise ValueError(f"slots [{slot}, {slot + n}) outside the allocated {self.slots}")
-        binding, host, outs, _ = self._binding(slot, n, tokens, rows)
-        host[io.INPUT_IDS][...] = inputs.input_ids
-        host[io.POSITION_IDS][...] = inputs.position_ids
-        host[io.WRITE_INDEX][...] = inputs.write_index
-        host[io.LOGIT_ROWS][...] = inputs.logit_rows
+        binding, host, outs, _ = self._binding(slot, sizes)
+        for name, arr in host.items():
+            arr[...] = feeds[name]
         self.session.run_with_iobinding(binding)
         return outs
