@@ -68,16 +68,17 @@ def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSett
     out = Path(out)
     if out.exists() and not force:
         raise SpecrtError(f"{out} already exists; pass --force to replace it")
-    loaded: LoadedTarget = load_target(source)
-    cfg = loaded.config
     dtype = np.dtype(settings.dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        steps = 1 + 2 * len(target_graph_shapes(settings)) + 1
-        with tqdm(total=steps, desc=f"export {loaded.name}", unit="step", disable=not progress) as bar:
+        steps = 2 + 2 * len(target_graph_shapes(settings)) + 1
+        with tqdm(total=steps, desc=f"export {Path(source).name}", unit="step", disable=not progress) as bar:
+            loaded: LoadedTarget = load_target(source)
+            cfg = loaded.config
+            bar.update(1)
             store = WeightStore(tmp / io.WEIGHTS_FILE)
             tensors = target_weights(cfg, loaded.weights)
             for name in sorted(tensors):

@@ -22,8 +22,8 @@ from specrt.exporter.onnx.layers import Shapes, apply_rope, linear, mlp, rms_nor
 FINAL = "final"  # feature source: the final-normed hidden state (what MTP consumes)
 
 
-def _cache_io(g: GraphBuilder, shapes: Shapes, write_index: str, cfg: ModelConfig, max_seq: int,
-              dtype: str) -> tuple[str, str]:
+def cache_io(g: GraphBuilder, shapes: Shapes, write_index: str, cfg: ModelConfig, max_seq: int,
+             dtype: str) -> tuple[str, str]:
     """Scatter indices [B,Hkv,T,D] for the new K/V and the additive attention bias [B,1,1,T,S]."""
     with g.scope("cache_io"):
         t_range = g.op("Range", g.const(0, "zero", "int64"),
@@ -47,9 +47,9 @@ def _cache_io(g: GraphBuilder, shapes: Shapes, write_index: str, cfg: ModelConfi
     return scatter_idx, bias
 
 
-def _attention(g: GraphBuilder, x: str, layer: int, cfg: ModelConfig, shapes: Shapes, rope: tuple[str, str, str],
-               scatter_idx: str, bias: str, dtype: str, max_seq: int) -> tuple[str, str, str]:
-    p = f"model.layers.{layer}.self_attn"
+def _attention(g: GraphBuilder, x: str, p: str, cache: tuple[str, str], cfg: ModelConfig, shapes: Shapes,
+               rope: tuple[str, str, str], scatter_idx: str, bias: str, dtype: str, max_seq: int
+               ) -> tuple[str, str, str]:
     H, Hkv, D, G = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.kv_groups
     w = g.weight
     with g.scope("attn"):
@@ -72,7 +72,7 @@ def _attention(g: GraphBuilder, x: str, layer: int, cfg: ModelConfig, shapes: Sh
         q = g.op("Reshape", g.op("Transpose", q, perm=[0, 2, 1, 3]), g.const([0, Hkv, -1, D], "grouped", "int64"))
         k = g.op("Transpose", k, perm=[0, 2, 1, 3], name="k_bhtd")
         v = g.op("Transpose", v, perm=[0, 2, 1, 3], name="v_bhtd")
-        past_k, past_v = io.past_names(layer)
+        past_k, past_v = cache
         present_k = g.op("ScatterElements", past_k, scatter_idx, k, axis=2, name="write_k")
         present_v = g.op("ScatterElements", past_v, scatter_idx, v, axis=2, name="write_v")
         scores = g.op("MatMul", q, g.op("Transpose", present_k, perm=[0, 1, 3, 2]), name="qk")  # [B,Hkv,G*T,S]
@@ -95,16 +95,52 @@ def _split_groups(g: GraphBuilder, scores: str, n_kv: int, groups: int, max_seq:
     return g.op("Reshape", scores, g.const([0, n_kv, groups, -1, max_seq], "per_group", "int64"))
 
 
+def decoder_layer(g: GraphBuilder, x: str, prefix: str, cache: tuple[str, str], cfg: ModelConfig, shapes: Shapes,
+                  rope: tuple[str, str, str], scatter_idx: str, bias: str, dtype: str, max_seq: int
+                  ) -> tuple[str, str, str]:
+    """One pre-norm decoder layer over its KV cache; returns (x, present_k, present_v).
+
+    `prefix` names the layer's weights (`model.layers.3`), `cache` its past K/V graph inputs.
+    """
+    a = rms_norm(g, x, g.weight(f"{prefix}.input_layernorm.weight"), cfg.rms_norm_eps, dtype,
+                 name="input_layernorm")
+    o, pk, pv = _attention(g, a, f"{prefix}.self_attn", cache, cfg, shapes, rope, scatter_idx, bias, dtype, max_seq)
+    x = g.op("Add", x, o, name="attn_residual")
+    m = rms_norm(g, x, g.weight(f"{prefix}.post_attention_layernorm.weight"), cfg.rms_norm_eps, dtype,
+                 name="post_attention_layernorm")
+    x = g.op("Add", x, mlp(g, m, f"{prefix}.mlp", cfg.intermediate_size), name="mlp_residual")
+    return x, pk, pv
+
+
+def input_shapes(g: GraphBuilder, ids: str, cfg: ModelConfig) -> Shapes:
+    """Shape tensors of a [B, T] token input, computed once per graph."""
+    bt = g.op("Shape", ids, name="input_shape")
+    qkv_heads = g.const([cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim], "qkv_heads", "int64")
+    return Shapes(batch=g.op("Slice", bt, g.const([0], "s0", "int64"), g.const([1], "s1", "int64")),
+                  tokens=g.op("Slice", bt, g.const([1], "s1", "int64"), g.const([2], "s2", "int64")),
+                  qkv=g.op("Concat", bt, qkv_heads, axis=0, name="qkv_shape"))
+
+
+def rope_inputs(g: GraphBuilder, position_ids: str, cfg: ModelConfig, dtype: str) -> tuple[str, str, str]:
+    """(cos, sin, rotate_half matrix) for `apply_rope`."""
+    return (*rope_tables(g, position_ids, cfg.inv_freq(), dtype),
+            g.const(rotate_half_matrix(cfg.head_dim, dtype), "rotate_half"))
+
+
+def stack_layer_weights(out: dict[str, np.ndarray], prefix: str, cfg: ModelConfig) -> None:
+    """In place: q/k/v -> `{prefix}.self_attn.qkv_proj`, gate/up -> `{prefix}.mlp.gate_up_proj`."""
+    a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
+    out[f"{a}.qkv_proj.weight"] = np.concatenate([out.pop(f"{a}.{n}_proj.weight") for n in "qkv"])
+    if cfg.attention_bias:
+        out[f"{a}.qkv_proj.bias"] = np.concatenate([out.pop(f"{a}.{n}_proj.bias") for n in "qkv"])
+    out[f"{m}.gate_up_proj.weight"] = np.concatenate([out.pop(f"{m}.gate_proj.weight"), out.pop(f"{m}.up_proj.weight")])
+
+
 def target_weights(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The tensors the target graph reads: HF tensors, with q/k/v and gate/up stacked into one Gemm each."""
     out = dict(weights)
     for i in range(cfg.num_layers):
-        a, m = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-        out[f"{a}.qkv_proj.weight"] = np.concatenate([out.pop(f"{a}.{n}_proj.weight") for n in "qkv"])
-        if cfg.attention_bias:
-            out[f"{a}.qkv_proj.bias"] = np.concatenate([out.pop(f"{a}.{n}_proj.bias") for n in "qkv"])
-        out[f"{m}.gate_up_proj.weight"] = np.concatenate([out.pop(f"{m}.gate_proj.weight"),
-                                                           out.pop(f"{m}.up_proj.weight")])
+        stack_layer_weights(out, f"model.layers.{i}", cfg)
     return out
 
 
@@ -122,28 +158,17 @@ def build_target_graph(g: GraphBuilder, cfg: ModelConfig, *, batch: int, tokens:
             g.input(name, dtype, cache_shape)
 
     with g.scope("target"):
-        bt = g.op("Shape", input_ids, name="input_shape")
-        qkv_heads = g.const([cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim], "qkv_heads", "int64")
-        shapes = Shapes(batch=g.op("Slice", bt, g.const([0], "s0", "int64"), g.const([1], "s1", "int64")),
-                        tokens=g.op("Slice", bt, g.const([1], "s1", "int64"), g.const([2], "s2", "int64")),
-                        qkv=g.op("Concat", bt, qkv_heads, axis=0, name="qkv_shape"))
+        shapes = input_shapes(g, input_ids, cfg)
         x = g.op("Gather", g.weight("model.embed_tokens.weight"), input_ids, name="embed_tokens")
         x = g.op("Reshape", x, g.const([-1, d], "flat", "int64"))  # [N, d]
-        rope = (*rope_tables(g, position_ids, cfg.inv_freq(), dtype),
-                g.const(rotate_half_matrix(cfg.head_dim, dtype), "rotate_half"))
-        scatter_idx, bias = _cache_io(g, shapes, write_index, cfg, max_seq, dtype)
+        rope = rope_inputs(g, position_ids, cfg, dtype)
+        scatter_idx, bias = cache_io(g, shapes, write_index, cfg, max_seq, dtype)
         captured: dict[int | str, str] = {-1: x}
         presents: list[tuple[str, str]] = []
         for i in range(cfg.num_layers):
-            p = f"model.layers.{i}"
             with g.scope(f"layers.{i}"):
-                a = rms_norm(g, x, g.weight(f"{p}.input_layernorm.weight"), cfg.rms_norm_eps, dtype,
-                             name="input_layernorm")
-                o, pk, pv = _attention(g, a, i, cfg, shapes, rope, scatter_idx, bias, dtype, max_seq)
-                x = g.op("Add", x, o, name="attn_residual")
-                m = rms_norm(g, x, g.weight(f"{p}.post_attention_layernorm.weight"), cfg.rms_norm_eps, dtype,
-                             name="post_attention_layernorm")
-                x = g.op("Add", x, mlp(g, m, f"{p}.mlp", cfg.intermediate_size), name="mlp_residual")
+                x, pk, pv = decoder_layer(g, x, f"model.layers.{i}", io.past_names(i), cfg, shapes, rope,
+                                          scatter_idx, bias, dtype, max_seq)
             captured[i] = x
             presents.append((pk, pv))
         h = rms_norm(g, x, g.weight("model.norm.weight"), cfg.rms_norm_eps, dtype, name="norm")
