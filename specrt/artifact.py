@@ -181,3 +181,78 @@ def load_manifest(art_dir: str | Path) -> Manifest:
         if not (art / g.file).is_file():
             raise SpecrtError(f"artifact {art} is incomplete: graph file {g.file} is missing")
     return m
+
+
+# ---- draft graphs --------------------------------------------------------------------------------
+#
+# DSpark (family "dspark"): one call writes C new context rows into the draft's own KV cache and
+# drafts a block of K tokens for the anchor at position ctx_len (context = positions 0..ctx_len-1).
+#   inputs   ctx_features[B,C,F] (raw target-layer outputs, concatenated), ctx_positions[B,C] i64,
+#            ctx_write_index[B] i64 (draft cache length before this write), ctx_len[B] i64 (valid
+#            context after it; rows at or past ctx_len are padding), anchor_ids[B] i64,
+#            temperature[B] f32 (0 = greedy argmax), noise[B,K] f32 (uniform [0,1), one per draft slot),
+#            past.{i}.key/value[B,Hkv,S,D]
+#   outputs  draft_tokens[B,K] i64, draft_logits[B,K,V] (Markov-corrected), draft_probs[B,K,V] f32
+#            (the distribution each token was drawn from: softmax(draft_logits / T), T=1 where T=0),
+#            confidence_logits[B,K] (only with a confidence head), present.{i}.*
+#
+# MTP (family "mtp"): one call writes C rows (token x_{t+1}, target hidden h_t at position t) through
+# the MTP block into its cache, then chains G draft steps from row last_row.
+#   inputs   tokens[B,C] i64, hidden[B,C,d] (final-normed target hidden), positions[B,C] i64 (t;
+#            cache slot = position), last_row[B] i64, temperature[B] f32, noise[B,G] f32, past.0.*
+#   outputs  draft_tokens[B,G] i64, draft_logits[B,G,V], draft_probs[B,G,V] f32, present.0.*
+
+CTX_FEATURES = "ctx_features"
+CTX_POSITIONS = "ctx_positions"
+CTX_WRITE_INDEX = "ctx_write_index"
+CTX_LEN = "ctx_len"
+ANCHOR_IDS = "anchor_ids"
+TEMPERATURE = "temperature"
+NOISE = "noise"
+DRAFT_TOKENS = "draft_tokens"
+DRAFT_LOGITS = "draft_logits"
+DRAFT_PROBS = "draft_probs"
+CONFIDENCE_LOGITS = "confidence_logits"
+MTP_TOKENS = "tokens"
+MTP_HIDDEN = "hidden"
+MTP_POSITIONS = "positions"
+MTP_LAST_ROW = "last_row"
+
+
+def dspark_signature(*, num_layers: int, num_kv_heads: int, head_dim: int, hidden_size: int, vocab_size: int,
+                     num_features: int, batch: int, ctx_rows: int, block: int, max_seq: int, dtype: str,
+                     confidence: bool) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The DSpark draft graph's inputs and outputs (see the comment above)."""
+    b, c = ("B",), ("B", "C")
+    inputs = [TensorSpec(CTX_FEATURES, dtype, (batch, ctx_rows, num_features * hidden_size), c),
+              TensorSpec(CTX_POSITIONS, "int64", (batch, ctx_rows), c),
+              TensorSpec(CTX_WRITE_INDEX, "int64", (batch,), b),
+              TensorSpec(CTX_LEN, "int64", (batch,), b),
+              TensorSpec(ANCHOR_IDS, "int64", (batch,), b),
+              TensorSpec(TEMPERATURE, "float32", (batch,), b),
+              TensorSpec(NOISE, "float32", (batch, block), b)]
+    outputs = [TensorSpec(DRAFT_TOKENS, "int64", (batch, block), b),
+               TensorSpec(DRAFT_LOGITS, dtype, (batch, block, vocab_size), b),
+               TensorSpec(DRAFT_PROBS, "float32", (batch, block, vocab_size), b)]
+    if confidence:
+        outputs.append(TensorSpec(CONFIDENCE_LOGITS, dtype, (batch, block), b))
+    return cache_signature(inputs, outputs, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           batch=batch, max_seq=max_seq, dtype=dtype)
+
+
+def mtp_signature(*, num_kv_heads: int, head_dim: int, hidden_size: int, vocab_size: int, batch: int,
+                  rows: int, steps: int, max_seq: int, dtype: str
+                  ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The MTP draft graph's inputs and outputs (see the comment above)."""
+    b, c = ("B",), ("B", "C")
+    inputs = [TensorSpec(MTP_TOKENS, "int64", (batch, rows), c),
+              TensorSpec(MTP_HIDDEN, dtype, (batch, rows, hidden_size), c),
+              TensorSpec(MTP_POSITIONS, "int64", (batch, rows), c),
+              TensorSpec(MTP_LAST_ROW, "int64", (batch,), b),
+              TensorSpec(TEMPERATURE, "float32", (batch,), b),
+              TensorSpec(NOISE, "float32", (batch, steps), b)]
+    outputs = [TensorSpec(DRAFT_TOKENS, "int64", (batch, steps), b),
+               TensorSpec(DRAFT_LOGITS, dtype, (batch, steps, vocab_size), b),
+               TensorSpec(DRAFT_PROBS, "float32", (batch, steps, vocab_size), b)]
+    return cache_signature(inputs, outputs, num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           batch=batch, max_seq=max_seq, dtype=dtype)
