@@ -20,6 +20,7 @@ import numpy as np
 from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.runtime.backends.base import StepInputs
+from specrt.runtime.drafters import DRAFTERS, Context
 from specrt.runtime.sampling import SamplingParams, next_token
 from specrt.runtime.tokenizer import Tokenizer
 
@@ -49,17 +50,39 @@ class RunStats:
     requests: int = 0
     generated_tokens: int = 0
     decode_tokens: int = 0  # tokens produced by decode steps (the first token comes from prefill)
-    steps: int = 0
+    steps: int = 0  # target calls after prefill (decode steps or verify rounds)
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    gamma: int = 0
+    rounds: list[tuple[int, int, int]] = field(default_factory=list)  # (verify_len, accepted, committed)
+
+    def acceptance(self) -> dict[str, list[float]]:
+        """Per draft position k: P(accepted) over rounds that verified k, and P(accepted | k-1 accepted)."""
+        uncond, cond = [], []
+        for k in range(1, self.gamma + 1):
+            tried = [a for ell, a, _ in self.rounds if ell >= k]
+            reached = [a for a in tried if a >= k - 1]
+            uncond.append(round(sum(a >= k for a in tried) / len(tried), 4) if tried else 0.0)
+            cond.append(round(sum(a >= k for a in reached) / len(reached), 4) if reached else 0.0)
+        return {"unconditional": uncond, "conditional": cond}
 
     def to_dict(self) -> dict:
-        return {"method": self.method, "requests": self.requests, "generated_tokens": self.generated_tokens,
-                "steps": self.steps, "prefill_ms": round(self.prefill_s * 1e3, 3),
-                "decode_s": round(self.decode_s, 4),
-                "decode_tokens_per_s": round(self.decode_tokens / self.decode_s, 3) if self.decode_s else 0.0,
-                "end_to_end_tokens_per_s": round(self.generated_tokens / (self.prefill_s + self.decode_s), 3)
-                if self.prefill_s + self.decode_s else 0.0}
+        d = {"method": self.method, "requests": self.requests, "generated_tokens": self.generated_tokens,
+             "steps": self.steps, "prefill_ms": round(self.prefill_s * 1e3, 3),
+             "decode_s": round(self.decode_s, 4),
+             "decode_tokens_per_s": round(self.decode_tokens / self.decode_s, 3) if self.decode_s else 0.0,
+             "end_to_end_tokens_per_s": round(self.generated_tokens / (self.prefill_s + self.decode_s), 3)
+             if self.prefill_s + self.decode_s else 0.0}
+        if self.method != "ar":
+            n = len(self.rounds)
+            d.update(gamma=self.gamma, rounds=n,
+                     tau=round(sum(c for _, _, c in self.rounds) / n, 4) if n else 0.0,
+                     per_position_acceptance=self.acceptance(),
+                     draft_s=round(self.draft_s, 4), verify_s=round(self.verify_s, 4),
+                     other_s=round(self.decode_s - self.draft_s - self.verify_s, 4))
+        return d
 
 
 @dataclass
@@ -74,13 +97,28 @@ class _Slot:
     text: str = ""
     stream: object | None = None
     finish_reason: str | None = None
+    ctx: Context | None = None  # target positions the draft head has not seen yet
+    rounds: int = 0
+
+    @property
+    def temperature(self) -> float:
+        return self.request.params.temperature
+
+
+METHODS = ("ar", "mtp", "dspark")
 
 
 class Engine:
-    """Loads an artifact's target graphs on a backend and generates for batches of requests."""
+    """Loads an artifact's target (and draft) graphs on a backend and generates for batches of requests.
 
-    def __init__(self, art_dir: str | Path, *, threads: int | None = None) -> None:
+    method "ar" decodes one token per step; "mtp" and "dspark" run the lossless draft/verify loop of
+    `runtime/speculative.py` with up to `gamma` drafts verified per round.
+    """
+
+    def __init__(self, art_dir: str | Path, *, method: str = "ar", gamma: int | None = None,
+                 threads: int | None = None, trace: Path | None = None) -> None:
         from specrt.runtime.backends.ort import OrtRunner
+        from specrt.runtime.speculative import Speculator
 
         self.art_dir = Path(art_dir)
         self.manifest = io.load_manifest(self.art_dir)
@@ -91,7 +129,16 @@ class Engine:
             self.eos_ids |= set(self.manifest.tokenizer.get("eos_token_ids") or ())
         self.tokenizer = (Tokenizer.from_dir(self.art_dir / io.TOKENIZER_DIR, self.manifest.tokenizer)
                           if self.manifest.tokenizer else None)
+        if method not in METHODS:
+            raise SpecrtError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        if method != "ar" and method not in self.manifest.heads:
+            have = ", ".join(self.manifest.heads) or "none"
+            raise SpecrtError(f"--method {method} needs an artifact exported with a {method} head "
+                              f"(this one has: {have}); export with --draft or --mtp")
+        self.method = method
         self.target = OrtRunner(self.art_dir, self.manifest.graphs["prefill"], threads=threads)
+        self.drafter = DRAFTERS[method](self.art_dir, self.manifest, threads=threads) if method != "ar" else None
+        self.spec = Speculator(self, gamma=gamma, trace=trace) if self.drafter else None
         self.max_batch = self.settings.batch
         self.chunk = self.settings.prefill_chunk
         # The last cache position receives writes from padding tokens; valid tokens stay below it.
@@ -107,7 +154,7 @@ class Engine:
         bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise SpecrtError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
-        if n + request.params.max_new_tokens > self.capacity:
+        if n + request.params.max_new_tokens + (self.spec.gamma if self.spec else 0) > self.capacity:
             raise SpecrtError(f"prompt of {n} tokens + max_new_tokens {request.params.max_new_tokens} exceeds "
                               f"the artifact's {self.capacity} cache positions (re-export with a larger "
                               f"--max-seq-len)")
@@ -119,10 +166,12 @@ class Engine:
             raise SpecrtError("request ids must be unique within one generate() call")
         for r in requests:
             self.check(r)
-        stats = RunStats(requests=len(requests))
+        stats = RunStats(method=self.method, requests=len(requests), gamma=self.spec.gamma if self.spec else 0)
         waiting = deque(requests)
         n_slots = min(self.max_batch, len(requests))
         self.target.allocate(n_slots)
+        if self.drafter:
+            self.drafter.allocate(n_slots)
         slots: list[_Slot | None] = [None] * n_slots
         done: dict[int, RequestOutput] = {}
         while waiting or any(slots):
@@ -132,7 +181,10 @@ class Engine:
                     self._retire(slots, i, done)
             if any(slots):
                 t0 = time.perf_counter()
-                self._step(slots, stats, on_text, on_token)
+                if self.spec:
+                    self.spec.round(slots, stats, on_text, on_token)
+                else:
+                    self._step(slots, stats, on_text, on_token)
                 stats.decode_s += time.perf_counter() - t0
                 for i in range(n_slots):
                     self._retire(slots, i, done)
@@ -151,6 +203,7 @@ class Engine:
         ids = request.prompt_ids
         c = self.chunk
         logits = None
+        features = [] if self.drafter else None
         for start in range(0, len(ids), c):
             piece = ids[start:start + c]
             chunk = np.zeros((1, c), np.int64)
@@ -159,8 +212,14 @@ class Engine:
                 input_ids=chunk, position_ids=np.arange(start, start + c, dtype=np.int64)[None],
                 write_index=np.array([start], np.int64), logit_rows=np.array([[len(piece) - 1]], np.int64)).feeds())
             logits = out[io.LOGITS][0, 0]
+            if features is not None:
+                features.append(out[io.FEATURES][0, :len(piece)].copy())
         slot.length = len(ids)
         self._append(slot, next_token(logits, request.params, slot.rng), on_text)
+        if self.drafter and slot.finish_reason is None:
+            ctx = Context(pos=0, features=np.concatenate(features),
+                          next_tokens=np.asarray([*ids[1:], slot.pending], np.int64))
+            slot.ctx = self.drafter.prefill(index, ctx)
         stats.prefill_s += time.perf_counter() - t0
         stats.generated_tokens += 1
         if on_token:
@@ -211,7 +270,7 @@ class Engine:
                     on_text(slot.request.id, delta)
         if slot.finish_reason:
             return
-        if token in self.eos_ids and not params.ignore_eos:
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             slot.finish_reason = "eos"
         elif len(slot.output_ids) >= params.max_new_tokens:
             slot.finish_reason = "length"

@@ -18,6 +18,7 @@ class SamplingParams:
     seed: int | None = None
     max_new_tokens: int = 128
     stop_strings: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # end the request like EOS (kept in output)
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:

@@ -144,6 +144,13 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     specrt_version: str = ""
     weights: dict[str, Any] = field(default_factory=dict)
+    features: list[Any] = field(default_factory=list)  # target feature sources: layer ids, "final"
+    heads: dict[str, dict[str, Any]] = field(default_factory=dict)  # draft heads by name
+
+    @property
+    def gamma(self) -> int:
+        """Draft tokens verified per round at most (verify graphs take gamma + 1 tokens)."""
+        return self.export.verify_len - 1
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -174,7 +181,7 @@ def load_manifest(art_dir: str | Path) -> Manifest:
                      graphs={k: GraphSpec.from_dict(g) for k, g in d["graphs"].items()},
                      tokenizer=d.get("tokenizer"), sources=d.get("sources", []), name=d.get("name", ""),
                      format_version=version, specrt_version=d.get("specrt_version", ""),
-                     weights=d.get("weights", {}))
+                     weights=d.get("weights", {}), features=d.get("features", []), heads=d.get("heads", {}))
     except (KeyError, TypeError) as e:
         raise SpecrtError(f"{path} is malformed: {e}") from None
     for g in m.graphs.values():

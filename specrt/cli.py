@@ -42,7 +42,10 @@ def _export_options(f):
         click.option("--batch", "batch", default=DEFAULTS["batch"], help="Request slots B in every graph."),
         click.option("--max-seq-len", default=DEFAULTS["max_seq_len"], help="KV cache positions S_MAX per slot."),
         click.option("--prefill-chunk", default=DEFAULTS["prefill_chunk"], help="Tokens per prefill graph call."),
-        click.option("--verify-len", default=DEFAULTS["verify_len"], help="Tokens per verify call (gamma+1)."),
+        click.option("--verify-len", type=int, default=None,
+                     help="Tokens per verify call, gamma+1 [default: gamma+1 with a head, else 8]."),
+        click.option("--gamma", type=int, default=None,
+                     help="Draft tokens per round [default: the DSpark block size, else 7]."),
         click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32",
                      help="Weights and activations of the graphs (float16 is meant for TensorRT)."),
         click.option("--attention", type=click.Choice(["standard"]), default="standard",
@@ -52,10 +55,17 @@ def _export_options(f):
     return f
 
 
-def _settings(batch: int, max_seq_len: int, prefill_chunk: int, verify_len: int, dtype: str, attention: str):
+def _settings(batch: int, max_seq_len: int, prefill_chunk: int, verify_len: int | None, gamma: int | None,
+              dtype: str, attention: str, block: int | None = None):
     from specrt.artifact import ExportSettings
 
-    return ExportSettings(batch=batch, max_seq=max_seq_len, prefill_chunk=prefill_chunk, verify_len=verify_len,
+    if gamma is not None and verify_len is not None and verify_len != gamma + 1:
+        raise SpecrtError(f"--verify-len {verify_len} contradicts --gamma {gamma} (verify length is gamma + 1)")
+    if gamma is None:
+        gamma = verify_len - 1 if verify_len is not None else (block or DEFAULTS["verify_len"] - 1)
+    if gamma < 1:
+        raise SpecrtError(f"--gamma must be >= 1, got {gamma}")
+    return ExportSettings(batch=batch, max_seq=max_seq_len, prefill_chunk=prefill_chunk, verify_len=gamma + 1,
                           dtype=dtype, attention=attention)
 
 
@@ -63,16 +73,28 @@ def _settings(batch: int, max_seq_len: int, prefill_chunk: int, verify_len: int,
 @click.argument("model")
 @click.option("--out", "-o", required=True, type=click.Path(path_type=Path), help="Artifact directory to write.")
 @_export_options
+@click.option("--draft", type=click.Path(path_type=Path), default=None,
+              help="DSpark / DFlash draft checkpoint (DeepSpec layout) to export with the target.")
+@click.option("--mtp", type=click.Path(path_type=Path), default=None,
+              help="MTP head checkpoint (DeepSeek naming; standalone dir or inside the target dir).")
+@click.option("--mtp-feedback", type=click.Choice(["post", "pre"]), default="post",
+              help="Hidden fed back for chained MTP steps: after (SGLang) or before (vLLM) the head norm.")
 @click.option("--force", is_flag=True, help="Replace an existing artifact directory.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def export(model: str, out: Path, force: bool, quiet: bool, **opts) -> None:
+def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feedback: str, force: bool,
+           quiet: bool, **opts) -> None:
     """Export MODEL (HF directory, .gguf file, or preset name `smollm2`) into an artifact directory."""
     from specrt.exporter.export import export_artifact
     from specrt.exporter.presets import resolve_model
 
-    settings = _settings(**opts)
-    path = export_artifact(resolve_model(model, progress=not quiet), out, settings, progress=not quiet,
-                           force=force)
+    block = None
+    if draft is not None:
+        from specrt.exporter.heads import dspark_block_size
+
+        block = dspark_block_size(draft)
+    settings = _settings(**opts, block=block)
+    path = export_artifact(resolve_model(model, progress=not quiet), out, settings, draft=draft, mtp=mtp,
+                           mtp_feedback=mtp_feedback, progress=not quiet, force=force)
     click.echo(f"wrote {path}")
 
 
@@ -100,17 +122,20 @@ def _sampling_options(f):
         click.option("--top-p", default=1.0, help="Nucleus sampling mass (1 = off)."),
         click.option("--seed", type=int, default=None, help="Sampling seed (request i uses seed + i)."),
         click.option("--stop", "stop", multiple=True, help="Stop string (repeatable); not included in the text."),
+        click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True,
+                     help="Token id that ends a request like EOS (repeatable)."),
         click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens."),
     ]):
         f = opt(f)
     return f
 
 
-def _params(max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos):
+def _params(max_new_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids, ignore_eos):
     from specrt.runtime.sampling import SamplingParams
 
     return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                          max_new_tokens=max_new_tokens, stop_strings=tuple(stop), ignore_eos=ignore_eos)
+                          max_new_tokens=max_new_tokens, stop_strings=tuple(stop),
+                          stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
 
 
 @main.command()
@@ -121,14 +146,20 @@ def _params(max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos):
 @click.option("--limit", type=int, default=None, help="Use the first N prompts of --prompts.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template to --prompt/--prompts.")
 @_sampling_options
+@click.option("--method", type=click.Choice(["ar", "mtp", "dspark"]), default="ar",
+              help="Autoregressive, or speculative with the artifact's MTP or DSpark head.")
+@click.option("--gamma", type=int, default=None, help="Drafts verified per round [default: the artifact's].")
+@click.option("--trace", type=click.Path(path_type=Path), default=None,
+              help="Write one JSON line per round per request (speculative methods).")
 @click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def run(artifact: Path, prompt, input_ids, prompts, limit, raw, threads, as_json, **sampling) -> None:
+def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, trace, threads, as_json,
+        **sampling) -> None:
     """Generate with an exported artifact."""
     from specrt.runtime.engine import Engine
 
     params = _params(**sampling)
-    engine = Engine(artifact, threads=threads)
+    engine = Engine(artifact, method=method, gamma=gamma, threads=threads, trace=trace)
     requests = _build_requests(engine, prompt, input_ids, prompts, limit, raw, params)
     stream = len(requests) == 1 and not as_json and engine.tokenizer is not None
     on_text = (lambda _id, delta: (sys.stdout.write(delta), sys.stdout.flush())) if stream else None

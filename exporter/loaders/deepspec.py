@@ -1,0 +1,278 @@
+"""DeepSpec DSpark / DFlash draft checkpoints: config.json + model.safetensors -> config + float32 weights.
+
+The draft config is a copy of the target's HF config with `architectures: ["Qwen3DSparkModel"]` (or
+`"LlamaDSparkModel"` for a Llama-family target) plus the DSpark keys; tensor names have no `model.`
+prefix (reference/deepspec-dspark.md §1.2, §4). DFlash checkpoints are the same without the Markov
+and confidence keys and tensors.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specrt.errors import SpecrtError
+from specrt.exporter.config import ModelConfig
+from specrt.exporter.loaders import LoadedTarget
+
+# DeepSpec `architectures[0]` -> the HF CausalLM whose decoder layers the draft uses.
+DSPARK_ARCHITECTURES: dict[str, str] = {"Qwen3DSparkModel": "Qwen3ForCausalLM",
+                                        "LlamaDSparkModel": "LlamaForCausalLM"}
+_FAMILY_ARCH = {"qwen3": "Qwen3DSparkModel", "llama": "LlamaDSparkModel"}
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+@dataclass(frozen=True, slots=True)
+class DSparkConfig:
+    """A DSpark draft head: its decoder layers (`layers.num_layers` draft layers) plus the DSpark keys."""
+
+    layers: ModelConfig
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    markov_rank: int = 0  # 0 = no Markov head (DFlash)
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    architecture: str = "Qwen3DSparkModel"
+    num_target_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        ids = list(self.target_layer_ids)
+        if self.block_size < 1:
+            raise SpecrtError(f"block_size must be >= 1, got {self.block_size}")
+        if not ids or any(i < -1 for i in ids) or any(b <= a for a, b in zip(ids, ids[1:])):
+            raise SpecrtError(f"target_layer_ids {ids} must be non-empty, >= -1 and strictly increasing")
+        if self.markov_rank < 0:
+            raise SpecrtError(f"markov_rank must be >= 0, got {self.markov_rank}")
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise SpecrtError(f"markov_head_type {self.markov_head_type!r} is not one of {', '.join(MARKOV_HEAD_TYPES)}")
+        if self.confidence_head_with_markov and not (self.enable_confidence_head and self.markov_rank):
+            raise SpecrtError("confidence_head_with_markov needs enable_confidence_head and markov_rank > 0")
+        if not 0 <= self.mask_token_id < self.layers.vocab_size:
+            raise SpecrtError(f"mask_token_id {self.mask_token_id} is outside the vocabulary "
+                              f"(vocab_size {self.layers.vocab_size})")
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of the concatenated target features the draft consumes (len(target_layer_ids) * d)."""
+        return len(self.target_layer_ids) * self.layers.hidden_size
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "DSparkConfig":
+        """Build from a DeepSpec `config.json` dict (DSpark or DFlash)."""
+        archs = hf.get("architectures") or [None]
+        if archs[0] not in DSPARK_ARCHITECTURES:
+            raise SpecrtError(f"unsupported draft architecture {archs[0]!r}; accepted: {', '.join(DSPARK_ARCHITECTURES)}")
+        missing = [k for k in ("block_size", "target_layer_ids", "mask_token_id") if k not in hf]
+        rank = int(hf.get("markov_rank") or 0)
+        confidence = bool(hf.get("enable_confidence_head", False))
+        missing += ["markov_head_type"] if rank and "markov_head_type" not in hf else []
+        missing += ["confidence_head_with_markov"] if confidence and "confidence_head_with_markov" not in hf else []
+        if missing:
+            raise SpecrtError(f"draft config lacks {', '.join(missing)}")
+        layers_hf = dict(copy.deepcopy(hf), architectures=[DSPARK_ARCHITECTURES[archs[0]]])
+        return cls(layers=ModelConfig.from_hf(layers_hf), block_size=int(hf["block_size"]),
+                   target_layer_ids=tuple(int(i) for i in hf["target_layer_ids"]),
+                   mask_token_id=int(hf["mask_token_id"]), markov_rank=rank,
+                   markov_head_type=str(hf.get("markov_head_type", "vanilla")), enable_confidence_head=confidence,
+                   confidence_head_with_markov=confidence and bool(hf["confidence_head_with_markov"]),
+                   architecture=archs[0], num_target_layers=hf.get("num_target_layers"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DSparkConfig":
+        d = dict(d, layers=ModelConfig.from_dict(d["layers"]), target_layer_ids=tuple(d["target_layer_ids"]))
+        return cls(**d)
+
+    def check_target(self, target: ModelConfig) -> None:
+        """Raise SpecrtError unless this head fits `target` (widths, vocab, feature layers)."""
+        n = target.num_layers
+        for key in ("hidden_size", "vocab_size", "head_dim"):
+            mine, theirs = getattr(self.layers, key), getattr(target, key)
+            if mine != theirs:
+                raise SpecrtError(f"draft {key} {mine} does not match the target's {key} {theirs}")
+        if self.num_target_layers is not None and self.num_target_layers != n:
+            raise SpecrtError(f"draft was trained on a {self.num_target_layers}-layer target, this target has {n}")
+        bad = [i for i in self.target_layer_ids if not -1 <= i <= n - 2]
+        if bad:
+            raise SpecrtError(f"target_layer_ids {list(self.target_layer_ids)}: {bad} outside -1..{n - 2} for the "
+                              f"{n}-layer target (-1 = embedding output; the last layer {n - 1} is not allowed)")
+
+
+def expected_dspark_shapes(cfg: DSparkConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a DeepSpec checkpoint of `cfg` holds, name -> shape (§1.2; no `model.` prefix)."""
+    lc = cfg.layers
+    d, hd, ff, v, r = lc.hidden_size, lc.head_dim, lc.intermediate_size, lc.vocab_size, cfg.markov_rank
+    q, kv = lc.num_heads * hd, lc.num_kv_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (v, d), "lm_head.weight": (v, d), "norm.weight": (d,),
+                                          "fc.weight": (d, cfg.feature_dim), "hidden_norm.weight": (d,)}
+    for i in range(lc.num_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, d), p + "self_attn.k_proj.weight": (kv, d),
+                       p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, q),
+                       p + "mlp.gate_proj.weight": (ff, d), p + "mlp.up_proj.weight": (ff, d),
+                       p + "mlp.down_proj.weight": (d, ff), p + "input_layernorm.weight": (d,),
+                       p + "post_attention_layernorm.weight": (d,)})
+        if lc.attention_bias:  # DeepSpec's attention puts the bias on q/k/v and o
+            shapes.update({p + f"self_attn.{n}_proj.bias": (s,) for n, s in (("q", q), ("k", kv), ("v", kv), ("o", d))})
+        if lc.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    if r:
+        shapes.update({"markov_head.markov_w1.weight": (v, r), "markov_head.markov_w2.weight": (v, r)})
+        if cfg.markov_head_type == "gated":
+            shapes.update({"markov_head.gate_proj.weight": (r, d + r), "markov_head.gate_proj.bias": (r,)})
+        elif cfg.markov_head_type == "rnn":
+            shapes.update({"markov_head.joint_proj.weight": (3 * r, 2 * r + d), "markov_head.joint_proj.bias": (3 * r,)})
+    if cfg.enable_confidence_head:
+        shapes.update({"confidence_head.proj.weight": (1, d + (r if cfg.confidence_head_with_markov else 0)),
+                       "confidence_head.proj.bias": (1,)})
+    return shapes
+
+
+@dataclass
+class LoadedDSpark:
+    """A loaded draft head: config, float32 weights under DeepSpec names, provenance."""
+
+    config: DSparkConfig
+    weights: dict[str, np.ndarray]
+    source_files: list[Path] = field(default_factory=list)
+
+
+def load_dspark(path: str | Path, target: ModelConfig) -> LoadedDSpark:
+    """Load and validate a DeepSpec DSpark/DFlash checkpoint directory against `target`."""
+    from specrt.exporter.loaders.hf import _open, _read_json, weight_files
+
+    ckpt = Path(path).expanduser()
+    if not ckpt.is_dir():
+        raise SpecrtError(f"draft checkpoint not found: {ckpt} (expected a DeepSpec checkpoint directory)")
+    config_path = ckpt / CONFIG_FILE
+    if not config_path.is_file():
+        raise SpecrtError(f"{ckpt}: no {CONFIG_FILE} (not a DeepSpec checkpoint directory)")
+    try:
+        cfg = DSparkConfig.from_hf(_read_json(config_path))
+        cfg.check_target(target)
+    except SpecrtError as e:
+        raise SpecrtError(f"{config_path}: {e}") from None
+    files, index_files = weight_files(ckpt)
+    wanted, located = expected_dspark_shapes(cfg), {}
+    for f in files:
+        with _open(f) as st:
+            for key in st.keys():
+                located[key] = (f, tuple(st.get_slice(key).get_shape()))
+    for name, want in wanted.items():
+        if name not in located:
+            raise SpecrtError(f"{ckpt}: missing tensor {name} (expected shape {list(want)})")
+        if located[name][1] != want:
+            raise SpecrtError(f"{ckpt}: tensor {name} has shape {list(located[name][1])}, expected {list(want)}")
+    extra = sorted(set(located) - set(wanted))
+    if extra:  # e.g. Markov tensors in a checkpoint whose config says markov_rank 0
+        raise SpecrtError(f"{ckpt}: unexpected tensors {extra[:4]} for config markov_rank={cfg.markov_rank}, "
+                          f"markov_head_type={cfg.markov_head_type!r}, confidence={cfg.enable_confidence_head}")
+    weights: dict[str, np.ndarray] = {}
+    for f in files:
+        with _open(f) as st:
+            for name in (n for n in wanted if located[n][0] == f):
+                weights[name] = st.get_tensor(name).float().numpy()  # bf16 / fp16 / fp32 -> fp32
+    return LoadedDSpark(config=cfg, weights=weights, source_files=[config_path, *index_files, *files])
+
+
+def save_deepspec_checkpoint(out_dir: str | Path, config_dict: dict[str, Any], weights: dict[str, Any], *,
+                             dtype: str | None = None) -> Path:
+    """Write config.json + model.safetensors exactly as DeepSpec's trainer does (single file, plain names).
+
+    `weights` holds numpy arrays or torch tensors; `dtype` ("bfloat16", "float32", ...) casts them all.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, w in weights.items():
+        t = torch.from_numpy(np.ascontiguousarray(w)) if isinstance(w, np.ndarray) else w.detach()
+        tensors[name] = (t.to(getattr(torch, dtype)) if dtype else t).contiguous()
+    (out / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    return out
+
+
+def _hf_config(cfg: ModelConfig) -> dict[str, Any]:
+    """A HF config.json dict for `cfg` (used when only a ModelConfig is at hand)."""
+    rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    if cfg.rope_scaling is not None:
+        rope.update(dataclasses.asdict(cfg.rope_scaling), rope_type="llama3")
+    return {"architectures": [{"qwen3": "Qwen3ForCausalLM"}.get(cfg.family, "LlamaForCausalLM")],
+            "model_type": cfg.family, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+            "rms_norm_eps": cfg.rms_norm_eps, "rope_parameters": rope, "attention_bias": cfg.attention_bias,
+            "tie_word_embeddings": cfg.tie_word_embeddings, "max_position_embeddings": cfg.max_position_embeddings,
+            "bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids) or None}
+
+
+def default_layer_ids(num_target_layers: int) -> tuple[int, ...]:
+    """Up to 3 feature layers spread over 1..n-2 (the last layer is excluded), DeepSpec style."""
+    n = num_target_layers
+    if n <= 4:
+        return tuple(range(-1, n - 1))[-3:]
+    return tuple(sorted({1 + round(i * (n - 3) / 2) for i in range(3)}))
+
+
+def random_dspark_checkpoint(out_dir: str | Path, target_dir_or_cfg: str | Path | LoadedTarget | ModelConfig, *,
+                             layers: int = 1, block_size: int = 4, target_layer_ids: tuple[int, ...] | None = None,
+                             markov_rank: int = 16, head_type: str = "vanilla", confidence: bool = True,
+                             mask_token_id: int | None = None, init_std: float = 0.02, seed: int = 0,
+                             dtype: str = "float32") -> Path:
+    """Write a random-init DeepSpec checkpoint for a (tiny) target; embed/lm_head are the target's own.
+
+    `markov_rank=0, confidence=False` gives a DFlash checkpoint. Linear/Embedding weights ~ N(0, init_std);
+    norm weights and biases are perturbed around 1 and 0 so every code path is exercised.
+    """
+    from specrt.exporter.loaders import load_target
+
+    target_w: dict[str, np.ndarray] = {}
+    if isinstance(target_dir_or_cfg, (str, Path)):
+        hf = json.loads((Path(target_dir_or_cfg) / CONFIG_FILE).read_text())
+        loaded = load_target(target_dir_or_cfg)
+        tcfg, target_w = loaded.config, loaded.weights
+    elif isinstance(target_dir_or_cfg, LoadedTarget):
+        tcfg, target_w = target_dir_or_cfg.config, target_dir_or_cfg.weights
+        hf = _hf_config(tcfg)
+    else:
+        tcfg, hf = target_dir_or_cfg, _hf_config(target_dir_or_cfg)
+    if tcfg.family not in _FAMILY_ARCH:
+        raise SpecrtError(f"no DSpark draft layout for a {tcfg.family} target; supported: {', '.join(_FAMILY_ARCH)}")
+    hf = dict(hf, architectures=[_FAMILY_ARCH[tcfg.family]], num_target_layers=tcfg.num_layers,
+              num_hidden_layers=layers, layer_types=["full_attention"] * layers, block_size=block_size,
+              tie_word_embeddings=False, num_anchors=512, markov_rank=markov_rank, enable_confidence_head=confidence,
+              mask_token_id=tcfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
+              target_layer_ids=list(target_layer_ids or default_layer_ids(tcfg.num_layers)))
+    if markov_rank:
+        hf["markov_head_type"] = head_type
+    if confidence:
+        hf["confidence_head_with_markov"] = markov_rank > 0
+    cfg = DSparkConfig.from_hf(hf)
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, shape in expected_dspark_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            weights[name] = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif name.endswith(".bias"):
+            weights[name] = 0.1 * rng.standard_normal(shape)
+        else:
+            weights[name] = init_std * rng.standard_normal(shape)
+    if "model.embed_tokens.weight" in target_w:
+        weights["embed_tokens.weight"] = target_w["model.embed_tokens.weight"]
+        weights["lm_head.weight"] = target_w.get("lm_head.weight", target_w["model.embed_tokens.weight"])
+    weights = {k: np.asarray(v, dtype=np.float32) for k, v in weights.items()}
+    hf["dtype"] = dtype
+    return save_deepspec_checkpoint(out_dir, hf, weights, dtype=dtype)

@@ -1,0 +1,167 @@
+"""The MTP draft graph: C context rows through the MTP block, then G chained draft steps, sampled in-graph.
+
+Weights live under `mtp.` (q/k/v and gate/up stacked like the target's); the embedding and head reuse the
+target's tensor names when the checkpoint aliases them or stores equal copies, so weights.bin holds them once.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from specrt import artifact as io
+from specrt.errors import SpecrtError
+from specrt.exporter.config import ModelConfig
+from specrt.exporter.loaders.mtp import EMBED, HEAD, MTPConfig
+from specrt.exporter.onnx.builder import GraphBuilder, onnx_dtype
+from specrt.exporter.onnx.layers import Shapes, linear, rms_norm, rope_tables, rotate_half_matrix
+from specrt.exporter.onnx.target import decoder_layer, input_shapes, stack_layer_weights
+
+PREFIX = "mtp"
+OWN_EMBED, OWN_HEAD = f"{PREFIX}.{EMBED}", f"{PREFIX}.{HEAD}"
+TARGET_EMBED = "model.embed_tokens.weight"
+
+
+def _target_head(target: ModelConfig) -> str:
+    return TARGET_EMBED if target.tie_word_embeddings else "lm_head.weight"
+
+
+def mtp_weights(cfg: MTPConfig, weights: dict[str, np.ndarray], target_weights: dict[str, np.ndarray]
+                ) -> dict[str, np.ndarray]:
+    """Graph tensors: `mtp.*` (stacked), plus embed/head under the target's names unless truly own."""
+    out = {f"{PREFIX}.{k}": v for k, v in weights.items() if k not in (EMBED, HEAD)}
+    stack_layer_weights(out, PREFIX, cfg.layer)
+    for own, name, target_name in ((cfg.has_own_embed, EMBED, TARGET_EMBED),
+                                   (cfg.has_own_head, HEAD, _target_head(cfg.layer))):
+        t = target_weights[target_name]
+        if own and not (weights[name].shape == t.shape and np.array_equal(weights[name], t)):
+            out[f"{PREFIX}.{name}"] = weights[name]
+        else:  # aliased: the graph reads the target's tensor (a no-op add when the target put it there)
+            out[target_name] = t
+    return out
+
+
+def _slot_io(g: GraphBuilder, shapes: Shapes, positions: str, cfg: ModelConfig, max_seq: int) -> tuple[str, str]:
+    """Scatter indices [B,Hkv,T,D] (slot = position, clamped) and bias [B,1,1,T,S] (key s visible iff s <= t)."""
+    with g.scope("slot_io"):
+        slot = g.op("Min", positions, g.const([max_seq - 1], "last_slot", "int64"))
+        idx_shape = g.op("Concat", shapes.batch, g.const([cfg.num_kv_heads], "hkv", "int64"), shapes.tokens,
+                         g.const([cfg.head_dim], "hd", "int64"), axis=0)
+        scatter_idx = g.op("Expand", g.op("Unsqueeze", slot, g.const([1, 3], "axes13", "int64")), idx_shape,
+                           name="scatter_index")
+        keys = g.const(np.arange(max_seq, dtype=np.int64).reshape(1, 1, max_seq), "key_positions")
+        visible = g.op("LessOrEqual", keys, g.op("Unsqueeze", positions, g.const([2], "axis2", "int64")))
+        neg = np.finfo(np.float32).min / 2  # explicit finite mask, never is_causal against a cache
+        bias = g.op("Where", visible, g.const(np.float32(0.0), "zero_f"), g.const(np.float32(neg), "neg_f"))
+        return scatter_idx, g.op("Unsqueeze", bias, g.const([1, 2], "axes12", "int64"), name="attention_bias")
+
+
+def _sample(g: GraphBuilder, logits: str, temp: tuple[str, str], noise_k: str, vocab: int, dtype: str
+            ) -> tuple[str, str]:
+    """(token [B] i64, probs [B,V] f32) by the rule in models/mtp.py `sample_draft`."""
+    sampled_mask, t = temp
+    with g.scope("sample"):
+        lf = g.op("Cast", logits, to=onnx_dtype("float32")) if dtype != "float32" else logits
+        probs = g.op("Softmax", g.op("Div", lf, t), axis=-1)
+        cdf = g.op("CumSum", probs, g.const(np.int64(1), "axis"))  # TensorRT needs the axis as an initializer
+        total = g.op("Slice", cdf, g.const([vocab - 1], "last", "int64"), g.const([vocab], "end", "int64"),
+                     g.const([1], "axes", "int64"), name="cdf_total")  # [B,1]
+        below = g.op("LessOrEqual", cdf, g.op("Mul", noise_k, total, name="threshold"))
+        # the count as a float sum: exact up to 2^24 tokens, and TensorRT reduces floats natively
+        count = g.op("ReduceSum", g.op("Cast", below, to=onnx_dtype("float32")), g.const([-1], "axes_r", "int64"),
+                     keepdims=0)
+        sampled = g.op("Min", g.op("Cast", count, to=onnx_dtype("int64")), g.const(np.int64(vocab - 1), "vmax"))
+        greedy = g.op("ArgMax", lf, axis=-1, keepdims=0, name="greedy")
+        return g.op("Where", sampled_mask, sampled, greedy, name="token"), probs
+
+
+def _fuse(g: GraphBuilder, ids: str, hidden: str, embed_w: str, cfg: ModelConfig, dtype: str) -> str:
+    """eh_proj([enorm(emb(ids)) ; hnorm(hidden)]) as [N,d]: the embedding comes first (vLLM / SGLang order)."""
+    e = rms_norm(g, g.op("Gather", g.weight(embed_w), ids, name="embed_tokens"), g.weight(f"{PREFIX}.enorm.weight"),
+                 cfg.rms_norm_eps, dtype, name="enorm")
+    hh = rms_norm(g, hidden, g.weight(f"{PREFIX}.hnorm.weight"), cfg.rms_norm_eps, dtype, name="hnorm")
+    u = g.op("Reshape", g.op("Concat", e, hh, axis=-1), g.const([-1, 2 * cfg.hidden_size], "flat", "int64"))
+    return linear(g, u, g.weight(f"{PREFIX}.eh_proj.weight"), name="eh_proj")
+
+
+def _head(g: GraphBuilder, h: str, head_w: str, cfg: ModelConfig, dtype: str) -> tuple[str, str]:
+    """(shared_head.norm(h), logits) for h [B,d]."""
+    normed = rms_norm(g, h, g.weight(f"{PREFIX}.shared_head.norm.weight"), cfg.rms_norm_eps, dtype,
+                      name="shared_head_norm")
+    return normed, linear(g, normed, g.weight(head_w), name="head")
+
+
+# tokens[B,C] ─Gather(embed)─ enorm ─┐
+# hidden[B,C,d] ──────────── hnorm ─┴─ Concat ─ eh_proj ─ decoder layer (past.0, slots = positions) ─ x[B*C,d]
+#                                                                                                     │ row last_row[b]
+# step 1:  h'_1 ─ shared_head.norm ─ head ─ logits_1 ─ sample(temperature, noise[:,0]) ─ tok_1
+# step k:  (tok_{k-1}, h'_{k-1} pre|post norm) at position P+k-1 ─ same block over the updated cache ─ ...
+# outputs: Concat over k ─ draft_tokens[B,G], draft_logits[B,G,V], draft_probs[B,G,V]; present.0.* = last cache
+def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *, batch: int, rows: int, steps: int,
+                    max_seq: int, dtype: str, feedback: str = "post") -> None:
+    """Emit the MTP draft graph into `g` with exactly `io.mtp_signature`'s inputs and outputs."""
+    if feedback not in ("post", "pre"):
+        raise SpecrtError(f"MTP feedback must be 'post' or 'pre', got {feedback!r}")
+    c, d, V = cfg.layer, target_cfg.hidden_size, target_cfg.vocab_size
+    embed_w = OWN_EMBED if OWN_EMBED in g.store else TARGET_EMBED  # mtp_weights decided the names
+    head_w = OWN_HEAD if OWN_HEAD in g.store else _target_head(target_cfg)
+    tokens = g.input(io.MTP_TOKENS, "int64", (batch, rows))
+    hidden = g.input(io.MTP_HIDDEN, dtype, (batch, rows, d))
+    positions = g.input(io.MTP_POSITIONS, "int64", (batch, rows))
+    last_row = g.input(io.MTP_LAST_ROW, "int64", (batch,))
+    temperature = g.input(io.TEMPERATURE, "float32", (batch,))
+    noise = g.input(io.NOISE, "float32", (batch, steps))
+    cache = io.past_names(0)
+    cache_shape = (batch, c.num_kv_heads, max_seq, c.head_dim)
+    for name in cache:
+        g.input(name, dtype, cache_shape)
+
+    def block(x: str, pos: str, shapes: Shapes, cache: tuple[str, str]) -> tuple[str, str, str]:
+        rope = (*rope_tables(g, pos, c.inv_freq(), dtype), rotate)
+        scatter_idx, bias = _slot_io(g, shapes, pos, c, max_seq)
+        return decoder_layer(g, x, PREFIX, cache, c, shapes, rope, scatter_idx, bias, dtype, max_seq)
+
+    with g.scope("mtp"):
+        shapes = input_shapes(g, tokens, c)
+        rotate = g.const(rotate_half_matrix(c.head_dim, dtype), "rotate_half")
+        is_sampled = g.op("Greater", temperature, g.const(np.float32(0.0), "zero_t"))
+        t = g.op("Unsqueeze", g.op("Where", is_sampled, temperature, g.const(np.float32(1.0), "one_t")),
+                 g.const([1], "axis1", "int64"), name="temperature_or_1")  # [B,1]
+        last = g.op("Unsqueeze", last_row, g.const([1], "axis1", "int64"))  # [B,1]
+        with g.scope("rows"):
+            # padding rows (c > last_row) continue the positions after the last row: their writes land
+            # in slots the chain or a later call overwrites before any query reads them
+            cols = g.op("Range", g.const(0, "zero", "int64"), g.op("Squeeze", shapes.tokens, g.const([0], "a0", "int64")),
+                        g.const(1, "one", "int64"))  # [C]
+            p_last = g.op("GatherElements", positions, last, axis=1, name="last_position")  # [B,1]
+            shifted = g.op("Add", p_last, g.op("Sub", cols, last))
+            pos = g.op("Where", g.op("LessOrEqual", cols, last), positions, shifted, name="row_positions")
+            x, pk, pv = block(_fuse(g, tokens, hidden, embed_w, c, dtype), pos, shapes, cache)
+            x3 = g.op("Reshape", x, g.op("Concat", shapes.batch, shapes.tokens, g.const([d], "d", "int64"), axis=0))
+            idx = g.op("Expand", g.op("Unsqueeze", last, g.const([2], "axis2", "int64")),
+                       g.op("Concat", shapes.batch, g.const([1, d], "one_d", "int64"), axis=0))
+            h = g.op("Reshape", g.op("GatherElements", x3, idx, axis=1, name="pick_last_row"),
+                     g.const([-1, d], "bd", "int64"))  # h'_1 [B,d]
+        one_row = Shapes(batch=shapes.batch, tokens=g.const([1], "one_token", "int64"),
+                         qkv=g.op("Concat", shapes.batch, g.const([1, c.num_heads + 2 * c.num_kv_heads, c.head_dim],
+                                                                  "qkv_1", "int64"), axis=0, name="qkv_shape_1"))
+        toks, logits_all, probs_all = [], [], []
+        for k in range(1, steps + 1):
+            with g.scope(f"step.{k}"):
+                if k > 1:  # one row: previous draft token, fed-back hidden, position P + k - 1
+                    pos_k = g.op("Add", p_last, g.const([[k - 1]], "offset", "int64"), name="position")
+                    h, pk, pv = block(_fuse(g, tok, fed, embed_w, c, dtype), pos_k, one_row, (pk, pv))
+                normed, logits = _head(g, h, head_w, c, dtype)
+                noise_k = g.op("Slice", noise, g.const([k - 1], "start", "int64"), g.const([k], "stop", "int64"),
+                               g.const([1], "axes", "int64"), name="noise_k")  # [B,1]
+                tok, probs = _sample(g, logits, (is_sampled, t), noise_k, V, dtype)
+                fed = normed if feedback == "post" else h
+                toks.append(g.op("Unsqueeze", tok, g.const([1], "axis1", "int64")))
+                logits_all.append(g.op("Unsqueeze", logits, g.const([1], "axis1", "int64")))
+                probs_all.append(g.op("Unsqueeze", probs, g.const([1], "axis1", "int64")))
+        with g.scope("outputs"):
+            outs = [g.op("Concat", *v, axis=1, name=n) if len(v) > 1 else g.op("Identity", v[0], name=n)
+                    for v, n in ((toks, "tokens"), (logits_all, "logits"), (probs_all, "probs"))]
+    g.output(outs[0], io.DRAFT_TOKENS, "int64", (batch, steps))
+    g.output(outs[1], io.DRAFT_LOGITS, dtype, (batch, steps, V))
+    g.output(outs[2], io.DRAFT_PROBS, "float32", (batch, steps, V))
+    for value, name in zip((pk, pv), io.present_names(0)):
+        g.output(value, name, dtype, cache_shape)

@@ -1,0 +1,46 @@
+"""Acceptance of drafted tokens against the target: greedy prefix match and Leviathan/Chen sampling.
+
+Greedy: accept d_k while it equals the target's argmax at the previous position; the bonus token is
+the target's argmax at the first mismatch (or after the last draft), so greedy speculative output is
+token-identical to greedy autoregressive output.
+Sampling: accept d_k with probability min(1, p(d_k) / q(d_k)); on the first rejection draw the bonus
+from norm(max(0, p - q)); if all are accepted draw it from p at the next position. The committed
+tokens then follow the target distribution p exactly, whatever the draft distribution q is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrt.runtime.sampling import SamplingParams, distribution, sample
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    accepted: int  # a: drafts accepted (a prefix of the proposal)
+    bonus: int  # the target's token at position a (correction or continuation)
+
+
+def accept_greedy(drafts: np.ndarray, target_logits: np.ndarray) -> Verdict:
+    """drafts [l], target_logits [l+1, V] (row k scores the token after the k-th verified token)."""
+    best = np.argmax(target_logits, axis=-1)
+    a = 0
+    while a < len(drafts) and drafts[a] == best[a]:
+        a += 1
+    return Verdict(a, int(best[a]))
+
+
+def accept_sampled(drafts: np.ndarray, draft_probs: np.ndarray, target_logits: np.ndarray,
+                   params: SamplingParams, rng: np.random.Generator) -> Verdict:
+    """Rejection sampling; draft_probs [l, V] is the distribution each draft was drawn from."""
+    for k, x in enumerate(drafts):
+        p = distribution(target_logits[k], params)
+        q = draft_probs[k].astype(np.float64)
+        # q(x) > 0: x was drawn from q. Accept with probability min(1, p/q): u < p/q  <=>  u*q < p.
+        if rng.random() * q[x] < p[x]:
+            continue
+        residual = np.maximum(p - q, 0.0)
+        mass = residual.sum()
+        return Verdict(k, sample(residual / mass if mass > 1e-12 else p, rng))
+    return Verdict(len(drafts), sample(distribution(target_logits[len(drafts)], params), rng))
