@@ -18,7 +18,8 @@ import numpy as np
 
 from specrt.errors import SpecrtError
 from specrt.exporter.config import ModelConfig
-from specrt.exporter.loaders import LoadedTarget
+from specrt.exporter.loaders import LoadedTarget, load_target
+from specrt.exporter.loaders.hf import _open, _read_json, weight_files
 
 # DeepSpec `architectures[0]` -> the HF CausalLM whose decoder layers the draft uses.
 DSPARK_ARCHITECTURES: dict[str, str] = {"Qwen3DSparkModel": "Qwen3ForCausalLM",
@@ -52,7 +53,8 @@ class DSparkConfig:
         if self.markov_rank < 0:
             raise SpecrtError(f"markov_rank must be >= 0, got {self.markov_rank}")
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
-            raise SpecrtError(f"markov_head_type {self.markov_head_type!r} is not one of {', '.join(MARKOV_HEAD_TYPES)}")
+            raise SpecrtError(f"markov_head_type {self.markov_head_type!r} is not one of "
+                              f"{', '.join(MARKOV_HEAD_TYPES)}")
         if self.confidence_head_with_markov and not (self.enable_confidence_head and self.markov_rank):
             raise SpecrtError("confidence_head_with_markov needs enable_confidence_head and markov_rank > 0")
         if not 0 <= self.mask_token_id < self.layers.vocab_size:
@@ -69,7 +71,8 @@ class DSparkConfig:
         """Build from a DeepSpec `config.json` dict (DSpark or DFlash)."""
         archs = hf.get("architectures") or [None]
         if archs[0] not in DSPARK_ARCHITECTURES:
-            raise SpecrtError(f"unsupported draft architecture {archs[0]!r}; accepted: {', '.join(DSPARK_ARCHITECTURES)}")
+            raise SpecrtError(f"unsupported draft architecture {archs[0]!r}; "
+                              f"accepted: {', '.join(DSPARK_ARCHITECTURES)}")
         missing = [k for k in ("block_size", "target_layer_ids", "mask_token_id") if k not in hf]
         rank = int(hf.get("markov_rank") or 0)
         confidence = bool(hf.get("enable_confidence_head", False))
@@ -131,7 +134,8 @@ def expected_dspark_shapes(cfg: DSparkConfig) -> dict[str, tuple[int, ...]]:
         if cfg.markov_head_type == "gated":
             shapes.update({"markov_head.gate_proj.weight": (r, d + r), "markov_head.gate_proj.bias": (r,)})
         elif cfg.markov_head_type == "rnn":
-            shapes.update({"markov_head.joint_proj.weight": (3 * r, 2 * r + d), "markov_head.joint_proj.bias": (3 * r,)})
+            shapes.update({"markov_head.joint_proj.weight": (3 * r, 2 * r + d),
+                           "markov_head.joint_proj.bias": (3 * r,)})
     if cfg.enable_confidence_head:
         shapes.update({"confidence_head.proj.weight": (1, d + (r if cfg.confidence_head_with_markov else 0)),
                        "confidence_head.proj.bias": (1,)})
@@ -149,8 +153,6 @@ class LoadedDSpark:
 
 def load_dspark(path: str | Path, target: ModelConfig) -> LoadedDSpark:
     """Load and validate a DeepSpec DSpark/DFlash checkpoint directory against `target`."""
-    from specrt.exporter.loaders.hf import _open, _read_json, weight_files
-
     ckpt = Path(path).expanduser()
     if not ckpt.is_dir():
         raise SpecrtError(f"draft checkpoint not found: {ckpt} (expected a DeepSpec checkpoint directory)")
@@ -181,7 +183,10 @@ def load_dspark(path: str | Path, target: ModelConfig) -> LoadedDSpark:
     for f in files:
         with _open(f) as st:
             for name in (n for n in wanted if located[n][0] == f):
-                weights[name] = st.get_tensor(name).float().numpy()  # bf16 / fp16 / fp32 -> fp32
+                try:
+                    weights[name] = st.get_tensor(name).float().numpy()  # bf16 / fp16 / fp32 -> fp32
+                except Exception as e:  # safetensors raises plain errors on bad data offsets
+                    raise SpecrtError(f"{f} is corrupt or truncated: {e}") from None
     return LoadedDSpark(config=cfg, weights=weights, source_files=[config_path, *index_files, *files])
 
 
@@ -196,10 +201,13 @@ def save_deepspec_checkpoint(out_dir: str | Path, config_dict: dict[str, Any], w
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
+    tensors, seen = {}, set()
     for name, w in weights.items():
         t = torch.from_numpy(np.ascontiguousarray(w)) if isinstance(w, np.ndarray) else w.detach()
-        tensors[name] = (t.to(getattr(torch, dtype)) if dtype else t).contiguous()
+        t = (t.to(getattr(torch, dtype)) if dtype else t).contiguous()
+        # DeepSpec stores separate embed/lm_head copies even when a tied target makes them equal
+        tensors[name] = t.clone() if t.data_ptr() in seen else t
+        seen.add(t.data_ptr())
     (out / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     return out
@@ -237,13 +245,12 @@ def random_dspark_checkpoint(out_dir: str | Path, target_dir_or_cfg: str | Path 
     `markov_rank=0, confidence=False` gives a DFlash checkpoint. Linear/Embedding weights ~ N(0, init_std);
     norm weights and biases are perturbed around 1 and 0 so every code path is exercised.
     """
-    from specrt.exporter.loaders import load_target
-
     target_w: dict[str, np.ndarray] = {}
-    if isinstance(target_dir_or_cfg, (str, Path)):
-        hf = json.loads((Path(target_dir_or_cfg) / CONFIG_FILE).read_text())
+    if isinstance(target_dir_or_cfg, (str, Path)):  # HF dir (its config.json is copied), GGUF file or preset
         loaded = load_target(target_dir_or_cfg)
         tcfg, target_w = loaded.config, loaded.weights
+        hf_path = Path(target_dir_or_cfg) / CONFIG_FILE
+        hf = _read_json(hf_path) if hf_path.is_file() else _hf_config(tcfg)
     elif isinstance(target_dir_or_cfg, LoadedTarget):
         tcfg, target_w = target_dir_or_cfg.config, target_dir_or_cfg.weights
         hf = _hf_config(tcfg)

@@ -119,7 +119,10 @@ def load_mtp(path: str | Path, target: ModelConfig) -> LoadedMTP:
         names = [k for k in wanted if located[k][0] == f]
         if names:
             with _open(f) as st:
-                weights.update({k: st.get_tensor(prefix + k).float().numpy() for k in names})
+                try:
+                    weights.update({k: st.get_tensor(prefix + k).float().numpy() for k in names})
+                except Exception as e:  # safetensors raises plain errors on bad data offsets
+                    raise SpecrtError(f"{f} is corrupt or truncated: {e}") from None
     cfg = MTPConfig(layer=target, layer_index=n, has_own_head=HEAD in weights, has_own_embed=EMBED in weights)
     used = sorted({located[k][0] for k in wanted})
     return LoadedMTP(cfg, weights, [*([config_path] if has_config else []), *index_files, *used])

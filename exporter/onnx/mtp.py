@@ -90,16 +90,20 @@ def _head(g: GraphBuilder, h: str, head_w: str, cfg: ModelConfig, dtype: str) ->
 
 
 # tokens[B,C] ─Gather(embed)─ enorm ─┐
-# hidden[B,C,d] ──────────── hnorm ─┴─ Concat ─ eh_proj ─ decoder layer (past.0, slots = positions) ─ x[B*C,d]
-#                                                                                                     │ row last_row[b]
+# hidden[B,C,d] ──────────── hnorm ─┴─ Concat ─ eh_proj ─ decoder layer ─ x[B*C,d] ─ row last_row[b] ─ h'_1
+#                                     (past.0; slot = position, causal: s <= t; rope at t)
 # step 1:  h'_1 ─ shared_head.norm ─ head ─ logits_1 ─ sample(temperature, noise[:,0]) ─ tok_1
 # step k:  (tok_{k-1}, h'_{k-1} pre|post norm) at position P+k-1 ─ same block over the updated cache ─ ...
-# outputs: Concat over k ─ draft_tokens[B,G], draft_logits[B,G,V], draft_probs[B,G,V]; present.0.* = last cache
+# outputs: Concat over k ─ draft_tokens[B,G], draft_logits[B,G,V], draft_probs[B,G,V]; present.0.*
 def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *, batch: int, rows: int, steps: int,
                     max_seq: int, dtype: str, feedback: str = "post") -> None:
-    """Emit the MTP draft graph into `g` with exactly `io.mtp_signature`'s inputs and outputs."""
+    """Emit the MTP draft graph into `g` with exactly `io.mtp_signature`'s inputs and outputs.
+
+    Add `mtp_weights(...)` to `g.store` first: which embedding / head tensor names exist there picks them."""
     if feedback not in ("post", "pre"):
         raise SpecrtError(f"MTP feedback must be 'post' or 'pre', got {feedback!r}")
+    if min(batch, rows, steps) < 1:
+        raise SpecrtError(f"MTP graph needs batch, rows and steps >= 1, got {batch}, {rows}, {steps}")
     c, d, V = cfg.layer, target_cfg.hidden_size, target_cfg.vocab_size
     embed_w = OWN_EMBED if OWN_EMBED in g.store else TARGET_EMBED  # mtp_weights decided the names
     head_w = OWN_HEAD if OWN_HEAD in g.store else _target_head(target_cfg)
@@ -129,8 +133,8 @@ def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *,
         with g.scope("rows"):
             # padding rows (c > last_row) continue the positions after the last row: their writes land
             # in slots the chain or a later call overwrites before any query reads them
-            cols = g.op("Range", g.const(0, "zero", "int64"), g.op("Squeeze", shapes.tokens, g.const([0], "a0", "int64")),
-                        g.const(1, "one", "int64"))  # [C]
+            n_rows = g.op("Squeeze", shapes.tokens, g.const([0], "a0", "int64"))
+            cols = g.op("Range", g.const(0, "zero", "int64"), n_rows, g.const(1, "one", "int64"))  # [C]
             p_last = g.op("GatherElements", positions, last, axis=1, name="last_position")  # [B,1]
             shifted = g.op("Add", p_last, g.op("Sub", cols, last))
             pos = g.op("Where", g.op("LessOrEqual", cols, last), positions, shifted, name="row_positions")

@@ -1,0 +1,230 @@
+"""DSpark draft head (DeepSpec layout) as small torch modules: the numerical reference of the ONNX graph.
+
+Parameter names are DeepSpec's (reference/deepspec-dspark.md §1.2, no `model.` prefix), so a checkpoint
+loads as it is. Like the target (models/llama.py), the draft keeps a static cache [B, Hkv, S_MAX, D] per
+layer holding only context K/V: one call writes C context rows at ctx_write_index[b] + c and drafts a
+block for the anchor at position ctx_len[b]; the block's own K/V never enter the cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from specrt.errors import SpecrtError
+from specrt.exporter.loaders.deepspec import DSparkConfig
+from specrt.exporter.models.llama import MLP, KVCache, RMSNorm, apply_rope, rope_cos_sin
+
+
+def sample_token(logits: Tensor, temperature: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
+    """The in-graph draft sampling rule; logits [B,V], temperature/noise [B] -> (tokens [B], probs [B,V] f32).
+
+    T = temperature if > 0 else 1; probs = softmax(logits / T); greedy = first argmax; inverse CDF:
+    sampled = min(#(cumsum(probs) <= noise * total), V-1); token = sampled if temperature > 0 else greedy.
+    """
+    hot = temperature > 0
+    t = torch.where(hot, temperature, torch.ones_like(temperature)).float().unsqueeze(-1)
+    probs = torch.softmax(logits.float() / t, dim=-1)
+    cdf = probs.cumsum(-1)
+    sampled = (cdf <= noise.float().unsqueeze(-1) * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
+    return torch.where(hot, sampled, logits.float().argmax(-1)), probs
+
+
+class DraftAttention(nn.Module):
+    """Block queries over [cached context K/V (s < ctx_len) ; the block's own K/V], no causal mask."""
+
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        c = cfg.layers
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        d, qd, kvd = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.q_proj = nn.Linear(d, qd, bias=c.attention_bias)
+        self.k_proj = nn.Linear(d, kvd, bias=c.attention_bias)
+        self.v_proj = nn.Linear(d, kvd, bias=c.attention_bias)
+        self.o_proj = nn.Linear(qd, d, bias=c.attention_bias)
+        if c.qk_norm:  # Qwen3: k_norm applies to context keys too
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.kv_cache: KVCache | None = None
+
+    def _kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        b, t, _ = x.shape
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "k_norm"):
+            k = self.k_norm(k)
+        return k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
+
+    def forward(self, x: Tensor, ctx: Tensor, rope_block: tuple[Tensor, Tensor], rope_ctx: tuple[Tensor, Tensor],
+                write_index: Tensor, visible: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        hkv, d = self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).view(b, t, self.num_heads, d)
+        if hasattr(self, "q_norm"):
+            q = self.q_norm(q)
+        q = apply_rope(q.transpose(1, 2), *rope_block)
+        kb, vb = self._kv(x)
+        kc, vc = self._kv(ctx)
+        kc = apply_rope(kc, *rope_ctx)
+        keys, values = self._write(write_index, kc, vc)
+        keys = torch.cat([keys, apply_rope(kb, *rope_block)], dim=2)  # [B, Hkv, S + K, D]
+        values = torch.cat([values, vb], dim=2)
+        qg = q.reshape(b, hkv, -1, d)  # query head h = j*g + i reads kv head j (HF repeat_kv order)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) * d ** -0.5
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values).view(b, self.num_heads, t, d)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * d))
+
+    def _write(self, write_index: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Scatter context K/V [B,Hkv,C,D] to slots write_index[b] + c (clamped to S-1, like the graph)."""
+        if self.kv_cache is None:
+            raise SpecrtError("call DSparkDraft.setup_caches(batch, max_seq) before forward")
+        cache = self.kv_cache
+        b, h, c, d = k.shape
+        pos = (write_index.view(b, 1) + torch.arange(c, device=k.device)).clamp(max=cache.k_cache.shape[2] - 1)
+        idx = pos.view(b, 1, c, 1).expand(b, h, c, d)
+        cache.k_cache.scatter_(2, idx, k.to(cache.k_cache.dtype))
+        cache.v_cache.scatter_(2, idx, v.to(cache.v_cache.dtype))
+        return cache.k_cache, cache.v_cache
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm block whose attention also reads the context K/V; the context itself is never updated."""
+
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = MLP(cfg.layers)
+        self.input_layernorm = RMSNorm(cfg.layers.hidden_size, cfg.layers.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.layers.hidden_size, cfg.layers.rms_norm_eps)
+
+    def forward(self, x: Tensor, ctx: Tensor, rope_block: tuple[Tensor, Tensor], rope_ctx: tuple[Tensor, Tensor],
+                write_index: Tensor, visible: Tensor) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), ctx, rope_block, rope_ctx, write_index, visible)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MarkovHead(nn.Module):
+    """Low-rank bias from the previous token (§1.7): vanilla W2·W1[prev], gated, or rnn."""
+
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        v, d, r = cfg.layers.vocab_size, cfg.layers.hidden_size, cfg.markov_rank
+        self.kind, self.rank = cfg.markov_head_type, r
+        self.markov_w1 = nn.Embedding(v, r)
+        self.markov_w2 = nn.Linear(r, v, bias=False)
+        if self.kind == "gated":
+            self.gate_proj = nn.Linear(d + r, r)
+        elif self.kind == "rnn":
+            self.joint_proj = nn.Linear(2 * r + d, 3 * r)
+
+    def step(self, base: Tensor, prev_emb: Tensor, h: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+        """Corrected logits [B,V] of one slot from base [B,V], W1[prev] [B,r], h_k [B,d]; also the new rnn state."""
+        if self.kind == "vanilla":
+            return base + self.markov_w2(prev_emb), state
+        if self.kind == "gated":
+            gate = torch.sigmoid(self.gate_proj(torch.cat([h, prev_emb], dim=-1)))
+            return base + self.markov_w2(gate * prev_emb), state
+        gate, cand, out = self.joint_proj(torch.cat([state, prev_emb, h], dim=-1)).split(self.rank, dim=-1)
+        g = torch.sigmoid(gate)
+        return base + self.markov_w2(torch.tanh(out)), g * state + (1 - g) * torch.tanh(cand)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, in_dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(in_dim, 1)
+
+
+@dataclass
+class DraftOutput:
+    """One draft call: tokens [B,K], corrected logits [B,K,V], probs [B,K,V] f32, base logits, confidences [B,K]."""
+
+    tokens: Tensor
+    logits: Tensor
+    probs: Tensor
+    base_logits: Tensor
+    confidence_logits: Tensor | None
+
+
+class DSparkDraft(nn.Module):
+    """The DSpark / DFlash draft: fc + hidden_norm context, draft layers, norm, lm_head, Markov + confidence heads."""
+
+    def __init__(self, cfg: DSparkConfig) -> None:
+        super().__init__()
+        c = self.config = cfg
+        d, v = c.layers.hidden_size, c.layers.vocab_size
+        self.embed_tokens = nn.Embedding(v, d)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(c.layers.num_layers))
+        self.norm = RMSNorm(d, c.layers.rms_norm_eps)
+        self.fc = nn.Linear(c.feature_dim, d, bias=False)
+        self.hidden_norm = RMSNorm(d, c.layers.rms_norm_eps)
+        self.lm_head = nn.Linear(d, v, bias=False)
+        self.markov_head = MarkovHead(cfg) if c.markov_rank else None
+        self.confidence_head = ConfidenceHead(d + (c.markov_rank if c.confidence_head_with_markov else 0)) \
+            if c.enable_confidence_head else None
+        self.register_buffer("inv_freq", torch.tensor(c.layers.inv_freq(), dtype=torch.float32), persistent=False)
+        self.max_seq = 0
+
+    @classmethod
+    def from_weights(cls, cfg: DSparkConfig, weights: dict[str, np.ndarray],
+                     dtype: torch.dtype = torch.float32) -> "DSparkDraft":
+        """Build and load from DeepSpec-named numpy weights (strict)."""
+        model = cls(cfg)
+        state = {k: torch.from_numpy(np.ascontiguousarray(w)) for k, w in weights.items()}
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise SpecrtError(f"weights do not match the draft: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        return model.to(dtype).eval()
+
+    def setup_caches(self, batch: int, max_seq: int) -> None:
+        """Allocate every layer's context K/V cache [batch, Hkv, max_seq, D] once."""
+        c, w = self.config.layers, self.lm_head.weight
+        self.max_seq = max_seq
+        for layer in self.layers:
+            layer.self_attn.kv_cache = KVCache(batch, c.num_kv_heads, max_seq, c.head_dim, w.dtype, w.device)
+
+    def forward(self, ctx_features: Tensor, ctx_positions: Tensor, ctx_write_index: Tensor, ctx_len: Tensor,
+                anchor_ids: Tensor, temperature: Tensor | None = None, noise: Tensor | None = None) -> DraftOutput:
+        """Write C context rows into the cache, then draft K tokens for the anchor at position ctx_len (artifact.py)."""
+        cfg, (b, k) = self.config, (anchor_ids.shape[0], self.config.block_size)
+        dev = anchor_ids.device
+        ctx = self.hidden_norm(self.fc(ctx_features))  # used unchanged by every layer
+        ids = torch.full((b, k), cfg.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = anchor_ids
+        x = self.embed_tokens(ids)
+        rope_block = rope_cos_sin(self.inv_freq, ctx_len.view(b, 1) + torch.arange(k, device=dev), x.dtype)
+        rope_ctx = rope_cos_sin(self.inv_freq, ctx_positions, x.dtype)
+        # cache slot s is visible iff s < ctx_len[b]; the K block slots always are (non-causal block)
+        visible = torch.cat([torch.arange(self.max_seq, device=dev).view(1, -1) < ctx_len.view(b, 1),
+                             torch.ones(b, k, dtype=torch.bool, device=dev)], dim=1)
+        for layer in self.layers:
+            x = layer(x, ctx, rope_block, rope_ctx, ctx_write_index, visible)
+        h = self.norm(x)
+        base = self.lm_head(h)
+        temperature = torch.zeros(b, device=dev) if temperature is None else temperature
+        noise = torch.zeros(b, k, device=dev) if noise is None else noise
+        return self.sample_block(base, h, anchor_ids, temperature, noise)
+
+    def sample_block(self, base: Tensor, h: Tensor, anchor_ids: Tensor, temperature: Tensor,
+                     noise: Tensor) -> DraftOutput:
+        """Left-to-right over the K slots: Markov-correct, sample, feed the token back as prev (prev_0 = anchor)."""
+        mk, b, k = self.markov_head, base.shape[0], base.shape[1]
+        prev, tokens, logits, probs, prev_embs = anchor_ids, [], [], [], []
+        state = h.new_zeros(b, mk.rank) if mk is not None else None
+        for i in range(k):
+            corrected = base[:, i]
+            if mk is not None:
+                prev_emb = mk.markov_w1(prev)
+                corrected, state = mk.step(corrected, prev_emb, h[:, i], state)
+                prev_embs.append(prev_emb)
+            prev, p = sample_token(corrected, temperature, noise[:, i])
+            tokens.append(prev), logits.append(corrected), probs.append(p)
+        conf = None
+        if self.confidence_head is not None:
+            feats = torch.cat([h, torch.stack(prev_embs, 1)], -1) if self.config.confidence_head_with_markov else h
+            conf = self.confidence_head.proj(feats).squeeze(-1)
+        return DraftOutput(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(probs, 1), base, conf)

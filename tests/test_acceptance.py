@@ -1,0 +1,78 @@
+"""The acceptance rules on synthetic distributions: greedy prefix match, and rejection sampling whose
+committed tokens follow the target distribution exactly (chi-square with a fixed seed)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from specrt.runtime.acceptance import accept_greedy, accept_sampled
+from specrt.runtime.sampling import SamplingParams, distribution
+
+
+def test_greedy_accepts_the_matching_prefix_and_adds_the_target_token():
+    logits = np.full((4, 10), -5.0)
+    for row, tok in enumerate([3, 7, 1, 9]):
+        logits[row, tok] = 5.0
+    v = accept_greedy(np.array([3, 7, 1]), logits)
+    assert (v.accepted, v.bonus) == (3, 9)  # all accepted: the bonus comes from the last row
+    v = accept_greedy(np.array([3, 2, 1]), logits)
+    assert (v.accepted, v.bonus) == (1, 7)  # mismatch at the second draft: the target's token replaces it
+    v = accept_greedy(np.array([4, 7, 1]), logits)
+    assert (v.accepted, v.bonus) == (0, 3)
+    v = accept_greedy(np.array([], dtype=np.int64), logits[:1])
+    assert (v.accepted, v.bonus) == (0, 3)  # no drafts: a plain autoregressive step
+
+
+def _chi2_matches(samples: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:
+    """p-value of a chi-square goodness-of-fit test, pooling bins with small expected counts."""
+    n = len(samples)
+    counts = np.bincount(samples, minlength=len(probs)).astype(float)
+    expected = probs * n
+    big = expected >= min_expected
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    assert counts[probs == 0].sum() == 0, "a token with zero target probability was emitted"
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return chisquare(obs, exp).pvalue
+
+
+@pytest.mark.parametrize("draft", ["good", "bad", "disjoint"])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
+                                    SamplingParams(temperature=1.3, top_p=0.8)], ids=["t1", "topk", "topp"])
+def test_rejection_sampling_commits_tokens_from_the_target_distribution(draft, params):
+    if draft == "disjoint" and params.top_k == 0 and params.top_p == 1.0:
+        pytest.skip("a draft disjoint from the target needs tokens the target never emits (top-k/top-p)")
+    rng = np.random.default_rng(1234)
+    vocab, gamma, trials = 12, 3, 20_000
+    target_logits = rng.normal(size=(gamma + 1, vocab)) * 1.5
+    p = [distribution(row, params) for row in target_logits]
+    if draft == "good":  # close to the target: most drafts accepted
+        q = [0.8 * pk + 0.2 / vocab for pk in p[:gamma]]
+    elif draft == "bad":  # unrelated to the target
+        q = [np.exp(x) / np.exp(x).sum() for x in rng.normal(size=(gamma, vocab)) * 2.0]
+    else:  # all mass on tokens the target never emits: every draft rejected
+        q = []
+        for pk in p[:gamma]:
+            qk = (pk == 0).astype(float)
+            q.append(qk / qk.sum())
+    q = np.stack(q)
+    first, second, accepted = [], [], []
+    for _ in range(trials):
+        drafts = np.array([rng.choice(vocab, p=qk) for qk in q])
+        v = accept_sampled(drafts, q, target_logits, params, rng)
+        tokens = [*drafts[:v.accepted], v.bonus]
+        first.append(tokens[0])
+        accepted.append(v.accepted)
+        if len(tokens) > 1:  # the second committed token, when this round produced one
+            second.append(tokens[1])
+    # Every committed position is a draw from the target's distribution at that position, whatever q is.
+    assert _chi2_matches(np.array(first), p[0]) > 1e-3
+    if draft != "disjoint":
+        assert _chi2_matches(np.array(second), p[1]) > 1e-3
+    mean_acc = np.mean(accepted)
+    if draft == "good":
+        assert mean_acc > 1.0
+    if draft == "disjoint":
+        assert mean_acc == 0.0
