@@ -62,6 +62,11 @@ class ModelConfig:
             raise SpecrtError(f"model config: head_dim must be even for rope, got {self.head_dim}")
 
     @property
+    def o_proj_bias(self) -> bool:
+        """HF Llama/Mistral/Qwen3 put a bias on o_proj too when attention_bias is set; Qwen2 never does."""
+        return self.attention_bias and self.family != "qwen2"
+
+    @property
     def kv_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "llama3_scaled", "mistral")
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "llama3_scaled", "mistral", "llama_bias")
 
 
 def build_tiny_hf_model(out_dir: Path, kind: str, *, tie: bool | None = None, seed: int = 0,
@@ -18,9 +18,9 @@ def build_tiny_hf_model(out_dir: Path, kind: str, *, tie: bool | None = None, se
                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
                   pad_token_id=0)
-    if kind == "llama":
+    if kind in ("llama", "llama_bias"):  # llama_bias: attention_bias on q/k/v/o (and mlp_bias off)
         cfg = tf.LlamaConfig(**common, tie_word_embeddings=True if tie is None else tie,
-                             rope_theta=10000.0)
+                             rope_theta=10000.0, attention_bias=kind == "llama_bias")
         cls = tf.LlamaForCausalLM
     elif kind == "llama3_scaled":
         cfg = tf.LlamaConfig(**common, tie_word_embeddings=False if tie is None else tie,

@@ -23,7 +23,7 @@ from specrt.runtime.sampling import SamplingParams
 SETTINGS = io.ExportSettings(batch=4, max_seq=128, prefill_chunk=16, verify_len=5)
 # case id -> (conftest kind, tie); llama is exported both tied and untied
 CASES = {"llama_tied": ("llama", True), "llama_untied": ("llama", False), "qwen2": ("qwen2", None),
-         "qwen3": ("qwen3", None), "llama3_scaled": ("llama3_scaled", None), "mistral": ("mistral", None)}
+         "qwen3": ("qwen3", None), "llama3_scaled": ("llama3_scaled", None), "mistral": ("mistral", None), "llama_bias": ("llama_bias", None)}
 SEQ = 20  # tokens compared against transformers
 ATOL = 1e-4
 

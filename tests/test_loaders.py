@@ -16,7 +16,7 @@ from specrt.exporter import fetch
 from specrt.exporter.loaders import LoadedTarget, load_target
 from specrt.exporter.loaders.gguf import unpermute_qk
 
-TINY_FAMILIES = ("llama", "qwen2", "qwen3", "llama3_scaled", "mistral")  # as in conftest.py
+TINY_FAMILIES = ("llama", "qwen2", "qwen3", "llama3_scaled", "mistral", "llama_bias")  # as in conftest.py
 
 
 def hf_state_dict(model_dir: Path, tied: bool) -> dict[str, np.ndarray]:
@@ -50,7 +50,7 @@ def test_hf_dir_matches_transformers(tiny_model_dir, kind):
     d = tiny_model_dir(kind)
     t = load_target(d)
     assert isinstance(t, LoadedTarget)
-    assert t.config.family == {"mistral": "llama", "llama3_scaled": "llama"}.get(kind, kind)
+    assert t.config.family == {"mistral": "llama", "llama3_scaled": "llama", "llama_bias": "llama"}.get(kind, kind)
     assert t.name == d.name and t.tokenizer is None
     assert d / "model.safetensors" in t.source_files
     assert_weights_equal(t.weights, hf_state_dict(d, t.config.tie_word_embeddings))

@@ -82,8 +82,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(d, qd, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(d, kvd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(d, kvd, bias=cfg.attention_bias)
-        # HF Llama/Qwen3 put the bias on o_proj too when attention_bias is set; Qwen2 never does.
-        self.o_proj = nn.Linear(qd, d, bias=cfg.attention_bias and cfg.family != "qwen2")
+        self.o_proj = nn.Linear(qd, d, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)

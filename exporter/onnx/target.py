@@ -86,7 +86,8 @@ def _attention(g: GraphBuilder, x: str, p: str, cache: tuple[str, str], cfg: Mod
         out = g.op("MatMul", probs, present_v, name="pv")  # [B,Hkv,G*T,D]
         out = g.op("Transpose", g.op("Reshape", out, g.const([0, H, -1, D], "heads", "int64")), perm=[0, 2, 1, 3])
         out = g.op("Reshape", out, g.const([-1, H * D], "flat", "int64"))
-        o = linear(g, out, w(f"{p}.o_proj.weight"), name="o_proj")
+        o = linear(g, out, w(f"{p}.o_proj.weight"), w(f"{p}.o_proj.bias") if cfg.o_proj_bias else None,
+                   name="o_proj")
     return o, present_k, present_v
 
 
