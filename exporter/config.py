@@ -95,6 +95,21 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def to_hf(self) -> dict[str, Any]:
+        """A Hugging Face config.json dict describing this model (round-trips through `from_hf`)."""
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[self.family]
+        rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling is not None:
+            rope.update(asdict(self.rope_scaling), rope_type="llama3")
+        return {"architectures": [arch], "model_type": self.family, "vocab_size": self.vocab_size,
+                "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                "rms_norm_eps": self.rms_norm_eps, "rope_parameters": rope, "attention_bias": self.attention_bias,
+                "tie_word_embeddings": self.tie_word_embeddings,
+                "max_position_embeddings": self.max_position_embeddings, "bos_token_id": self.bos_token_id,
+                "eos_token_id": list(self.eos_token_ids) or None}
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         d = dict(d)

@@ -9,7 +9,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from specrt.errors import SpecrtError
-from specrt.runtime.engine import Engine, Request
+from specrt.runtime.engine import Engine, Request, RunStats
 from specrt.runtime.sampling import SamplingParams
 
 
@@ -21,6 +21,7 @@ class MethodResult:
     decode_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    stats: RunStats | None = None  # speculative methods: rounds pooled over all prompts
 
     def row(self, reference: "MethodResult | None") -> dict:
         tps = self.decode_tokens / self.decode_s if self.decode_s else 0.0
@@ -28,6 +29,11 @@ class MethodResult:
         row = {"method": self.method, "tokens_per_s": round(tps, 3), "end_to_end_tokens_per_s": round(e2e, 3),
                "generated_tokens": self.generated_tokens, "prefill_s": round(self.prefill_s, 3),
                "decode_s": round(self.decode_s, 3)}
+        if self.stats is not None and self.stats.method != "ar":
+            spec = self.stats.to_dict()
+            row.update(tau=spec["tau"], rounds=spec["rounds"], gamma=spec["gamma"],
+                       per_position_acceptance=spec["per_position_acceptance"], draft_s=spec["draft_s"],
+                       verify_s=spec["verify_s"])
         if reference is not None:
             ref = reference.row(None)
             row["speedup"] = round(tps / ref["tokens_per_s"], 3) if ref["tokens_per_s"] else None
@@ -36,17 +42,22 @@ class MethodResult:
         return row
 
 
-def run_specrt(engine: Engine, prompts: list[list[int]], params: SamplingParams, method: str = "ar",
+def run_specrt(engine: Engine, prompts: list[list[int]], params: SamplingParams,
                progress: bool = True) -> MethodResult:
     """Batch-1 runs, one prompt at a time (the latency setting of the goals)."""
-    res = MethodResult(method)
-    for i, ids in enumerate(tqdm(prompts, desc=f"specrt {method}", unit="prompt", disable=not progress)):
+    res = MethodResult(engine.method, stats=RunStats(method=engine.method))
+    for i, ids in enumerate(tqdm(prompts, desc=f"specrt {engine.method}", unit="prompt", disable=not progress)):
         outputs, stats = engine.generate([Request(prompt_ids=ids, params=params, id=i)])
         res.outputs.append(outputs[0].output_ids)
         res.generated_tokens += stats.generated_tokens
         res.decode_tokens += stats.decode_tokens
         res.prefill_s += stats.prefill_s
         res.decode_s += stats.decode_s
+        res.stats.gamma = stats.gamma
+        res.stats.rounds += stats.rounds
+        res.stats.decode_s += stats.decode_s
+        res.stats.draft_s += stats.draft_s
+        res.stats.verify_s += stats.verify_s
     return res
 
 

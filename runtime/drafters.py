@@ -46,7 +46,7 @@ class _Drafter:
 
     def __init__(self, art_dir: Path, manifest: io.Manifest, name: str, *, threads: int | None = None) -> None:
         self.info = manifest.heads[name]
-        self.runner = OrtRunner(art_dir, manifest.graphs[name], threads=threads)
+        self.runner = OrtRunner(art_dir, manifest.graphs[name], threads=threads, spin=False)
         self.chunk = manifest.export.prefill_chunk
         self.offset, self.width = self.info["feature_offset"], self.info["feature_dim"]
 

@@ -136,7 +136,9 @@ class Engine:
             raise SpecrtError(f"--method {method} needs an artifact exported with a {method} head "
                               f"(this one has: {have}); export with --draft or --mtp")
         self.method = method
-        self.target = OrtRunner(self.art_dir, self.manifest.graphs["prefill"], threads=threads)
+        # Target and draft sessions run in turn: neither may keep its threads spinning when idle.
+        self.target = OrtRunner(self.art_dir, self.manifest.graphs["prefill"], threads=threads,
+                                spin=True)
         self.drafter = DRAFTERS[method](self.art_dir, self.manifest, threads=threads) if method != "ar" else None
         self.spec = Speculator(self, gamma=gamma, trace=trace) if self.drafter else None
         self.max_batch = self.settings.batch

@@ -182,22 +182,33 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, t
 @click.option("--prompts", required=True, type=click.Path(path_type=Path), help='JSONL of {"turns": [...]}.')
 @click.option("--limit", type=int, default=None, help="Use the first N prompts.")
 @click.option("--max-new-tokens", default=128, help="Tokens to generate per prompt (greedy, batch 1).")
-@click.option("--baseline", type=click.Choice(["none", "hf"]), default="hf",
+@click.option("--methods", default="ar", help="Comma-separated specrt methods to run: ar, mtp, dspark.")
+@click.option("--gamma", type=int, default=None, help="Drafts verified per round [default: the artifact's].")
+@click.option("--baseline", type=click.Choice(["none", "hf"]), default="none",
               help="Also run transformers generate() on the artifact's source model.")
 @click.option("--threads", type=int, default=None, help="Threads for ONNX Runtime and torch (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench(artifact: Path, prompts: Path, limit, max_new_tokens: int, baseline: str, threads, as_json: bool) -> None:
-    """Benchmark specrt against baselines on the same prompts, side by side in one run (greedy, batch 1)."""
+def bench(artifact: Path, prompts: Path, limit, max_new_tokens: int, methods: str, gamma, baseline: str, threads,
+          as_json: bool) -> None:
+    """Benchmark methods and baselines on the same prompts, side by side in one run (greedy, batch 1)."""
     from specrt.runtime import bench as b
-    from specrt.runtime.engine import Engine
+    from specrt.runtime.engine import METHODS, Engine
     from specrt.runtime.prompts import encode_prompt, read_prompts_file
     from specrt.runtime.sampling import SamplingParams
 
-    engine = Engine(artifact, threads=threads)
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    bad = [m for m in names if m not in METHODS]
+    if bad or not names:
+        raise SpecrtError(f"--methods: unknown method {bad[0] if bad else '(none)'}; choose from {', '.join(METHODS)}")
+    if "ar" in names:  # ar first: speedups are relative to specrt's own autoregressive decoding
+        names.remove("ar")
+    names.insert(0, "ar")
+    engines = [Engine(artifact, method=m, gamma=gamma if m != "ar" else None, threads=threads) for m in names]
+    engine = engines[0]
     ids = [encode_prompt(engine.tokenizer, p) for p in read_prompts_file(prompts, limit)]
     params = SamplingParams(max_new_tokens=max_new_tokens)
     progress = not as_json
-    results = [b.run_specrt(engine, ids, params, progress=progress)]
+    results = [b.run_specrt(e, ids, params, progress=progress) for e in engines]
     if baseline == "hf":
         generate = b.hf_baseline(b.artifact_source(engine), threads=threads)
         results.append(b.run_hf(generate, ids, max_new_tokens, sorted(engine.eos_ids), progress=progress))
@@ -208,9 +219,10 @@ def bench(artifact: Path, prompts: Path, limit, max_new_tokens: int, baseline: s
     if as_json:
         click.echo(json.dumps(report))
     else:
-        click.echo(f"{'method':8s} {'decode tok/s':>13s} {'e2e tok/s':>10s} {'speedup':>8s} {'tokens':>7s}")
+        click.echo(f"{'method':8s} {'tau':>6s} {'decode tok/s':>13s} {'e2e tok/s':>10s} {'speedup':>8s} {'tokens':>7s}")
         for row in report["results"]:
-            click.echo(f"{row['method']:8s} {row['tokens_per_s']:13.2f} {row['end_to_end_tokens_per_s']:10.2f} "
+            tau = f"{row['tau']:6.2f}" if "tau" in row else f"{'-':>6s}"
+            click.echo(f"{row['method']:8s} {tau} {row['tokens_per_s']:13.2f} {row['end_to_end_tokens_per_s']:10.2f} "
                        f"{row['speedup']:8.2f} {row['generated_tokens']:7d}")
         click.echo(f"identical greedy outputs: {identical}")
     if not identical:

@@ -114,3 +114,35 @@ def test_cli_runs_prompts_file(smollm2_art):
     d = json.loads(result.stdout)
     assert len(d["requests"]) == 3 and all(1 <= len(r["output_ids"]) <= 8 and r["text"] for r in d["requests"])
     assert d["stats"]["method"] == "ar"
+
+
+@pytest.fixture(scope="session")
+def smollm2_heads_art(gguf, tmp_path_factory) -> Path:
+    """SmolLM2 with untrained (random) DSpark (Llama layers, block 7) and MTP heads."""
+    from specrt.exporter.loaders import load_target
+    from specrt.exporter.loaders.deepspec import random_dspark_checkpoint
+    from specrt.exporter.loaders.mtp import random_mtp_checkpoint
+
+    root = tmp_path_factory.mktemp("smollm2_heads")
+    target = load_target(gguf)
+    draft = random_dspark_checkpoint(root / "dspark", target, layers=1, block_size=7, markov_rank=32)
+    (root / "target_config").mkdir()
+    (root / "target_config" / "config.json").write_text(json.dumps(target.config.to_hf()))
+    mtp = random_mtp_checkpoint(root / "mtp", root / "target_config")
+    settings = io.ExportSettings(batch=4, max_seq=512, prefill_chunk=64, verify_len=8)
+    return export_artifact(gguf, root / "art", settings, draft=draft, mtp=mtp, progress=False)
+
+
+@pytest.mark.parametrize("method", ["mtp", "dspark"])
+def test_untrained_heads_keep_greedy_output_identical(smollm2_heads_art, method):
+    engine = Engine(smollm2_heads_art, method="ar")
+    prompts = [encode_prompt(engine.tokenizer, p) for p in read_prompts_file(PROMPTS)]
+    params = SamplingParams(max_new_tokens=24)
+    reqs = [Request(prompt_ids=p, params=params, id=i) for i, p in enumerate(prompts)]
+    ar, _ = engine.generate(reqs)
+    spec_engine = Engine(smollm2_heads_art, method=method)
+    one, _ = spec_engine.generate(reqs[:1])  # batch 1
+    assert one[0].output_ids == ar[0].output_ids
+    spec, stats = spec_engine.generate(reqs)  # 5 mixed-length prompts on 4 slots
+    assert [o.output_ids for o in spec] == [o.output_ids for o in ar]
+    assert stats.to_dict()["rounds"] > 0

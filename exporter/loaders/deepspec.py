@@ -215,16 +215,7 @@ def save_deepspec_checkpoint(out_dir: str | Path, config_dict: dict[str, Any], w
 
 def _hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """A HF config.json dict for `cfg` (used when only a ModelConfig is at hand)."""
-    rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
-    if cfg.rope_scaling is not None:
-        rope.update(dataclasses.asdict(cfg.rope_scaling), rope_type="llama3")
-    return {"architectures": [{"qwen3": "Qwen3ForCausalLM"}.get(cfg.family, "LlamaForCausalLM")],
-            "model_type": cfg.family, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-            "rms_norm_eps": cfg.rms_norm_eps, "rope_parameters": rope, "attention_bias": cfg.attention_bias,
-            "tie_word_embeddings": cfg.tie_word_embeddings, "max_position_embeddings": cfg.max_position_embeddings,
-            "bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids) or None}
+    return cfg.to_hf()
 
 
 def default_layer_ids(num_target_layers: int) -> tuple[int, ...]:

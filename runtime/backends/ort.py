@@ -34,19 +34,24 @@ def _relax_dims(model: onnx.ModelProto, graph: io.GraphSpec) -> onnx.ModelProto:
     return model
 
 
-def session_options(threads: int | None = None) -> "ort.SessionOptions":
+def session_options(threads: int | None = None, *, spin: bool = True) -> "ort.SessionOptions":
+    """Options for every specrt session; `spin=False` when another session runs in turn with this one
+    (idle spinning threads would steal the cores the other session needs next)."""
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads or max(1, len(os.sched_getaffinity(0)))
     so.inter_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
+    if not spin:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return so
 
 
 class OrtRunner:
     """Serves one graph family of an artifact from one ONNX Runtime session."""
 
-    def __init__(self, art_dir: Path, graph: io.GraphSpec, *, threads: int | None = None) -> None:
+    def __init__(self, art_dir: Path, graph: io.GraphSpec, *, threads: int | None = None,
+                 spin: bool = True) -> None:
         if ort is None:
             raise SpecrtError("onnxruntime is not installed; install specrt[cpu] (or specrt[gpu])")
         self.spec = graph
@@ -60,7 +65,7 @@ class OrtRunner:
         self._host_specs = [t for t in graph.inputs if not t.name.startswith("past.")]
         self._outputs = [t for t in graph.outputs if not t.name.startswith("present.")]
         # Loaded from bytes, so tell ORT where the external weights live.
-        so = session_options(threads)
+        so = session_options(threads, spin=spin)
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(art_dir))
         try:
             self.session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
