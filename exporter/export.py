@@ -18,7 +18,7 @@ from specrt.exporter.config import ModelConfig
 from specrt.exporter.heads import HeadPlan, dspark_plan, feature_layout, mtp_plan
 from specrt.exporter.loaders import LoadedTarget, load_target
 from specrt.exporter.onnx.builder import GraphBuilder, WeightStore
-from specrt.exporter.onnx.target import build_target_graph, target_weights
+from specrt.exporter.onnx.target import FINAL, build_target_graph, target_weights
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -80,7 +80,7 @@ def _check_graphs(art: Path, graphs: dict[str, io.GraphSpec], bar: tqdm) -> None
 
 def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSettings, *,
                     draft: str | Path | None = None, mtp: str | Path | None = None, mtp_feedback: str = "post",
-                    progress: bool = True, force: bool = False) -> Path:
+                    extra_features: tuple[int | str, ...] = (), progress: bool = True, force: bool = False) -> Path:
     """Export `source` (HF dir, GGUF file or preset name) into the artifact directory `out`.
 
     Everything is written to a temporary sibling directory that is renamed into place at the end, so
@@ -111,7 +111,12 @@ def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSett
             if mtp is not None:
                 heads.append(mtp_plan(mtp, cfg, loaded.weights, settings, steps=settings.verify_len - 1,
                                       feedback=mtp_feedback))
+            # the target outputs what the heads read, plus any extra sources asked for (distillation)
             features = feature_layout(heads, cfg.hidden_size)
+            for f in extra_features:
+                if f != FINAL and not (isinstance(f, int) and -1 <= f < cfg.num_layers):
+                    raise SpecrtError(f"feature source {f!r}: use a layer id in -1..{cfg.num_layers - 1} or 'final'")
+            features += [f for f in dict.fromkeys(extra_features) if f not in features]
             tensors = target_weights(cfg, loaded.weights)
             for head in heads:
                 tensors.update(head.tensors)
