@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specrt.errors import SpecrtError
@@ -78,17 +79,27 @@ class DraftAttention(nn.Module):
         out = torch.matmul(probs, values).view(b, self.num_heads, t, d)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * d))
 
+    def forward_train(self, x: Tensor, ctx: Tensor, rope_block: tuple[Tensor, Tensor],
+                      rope_ctx: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
+        """Training path, no cache: queries x [B,Q,d] over keys [ctx (C) ; x (Q)] under a bool mask [B,Q,C+Q]."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q = self.q_norm(q)
+        q = apply_rope(q.transpose(1, 2), *rope_block)
+        kb, vb = self._kv(x)
+        kc, vc = self._kv(ctx)
+        keys = torch.cat([apply_rope(kc, *rope_ctx), apply_rope(kb, *rope_block)], dim=2)
+        values = torch.cat([vc, vb], dim=2)
+        # enable_gqa: query head h reads kv head h // g, the HF repeat_kv order of the eval path
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
     def _write(self, write_index: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Scatter context K/V [B,Hkv,C,D] to slots write_index[b] + c (clamped to S-1, like the graph)."""
         if self.kv_cache is None:
             raise SpecrtError("call DSparkDraft.setup_caches(batch, max_seq) before forward")
-        cache = self.kv_cache
-        b, h, c, d = k.shape
-        pos = (write_index.view(b, 1) + torch.arange(c, device=k.device)).clamp(max=cache.k_cache.shape[2] - 1)
-        idx = pos.view(b, 1, c, 1).expand(b, h, c, d)
-        cache.k_cache.scatter_(2, idx, k.to(cache.k_cache.dtype))
-        cache.v_cache.scatter_(2, idx, v.to(cache.v_cache.dtype))
-        return cache.k_cache, cache.v_cache
+        return self.kv_cache.update(write_index, k, v)
 
 
 class DraftLayer(nn.Module):
@@ -104,6 +115,11 @@ class DraftLayer(nn.Module):
     def forward(self, x: Tensor, ctx: Tensor, rope_block: tuple[Tensor, Tensor], rope_ctx: tuple[Tensor, Tensor],
                 write_index: Tensor, visible: Tensor) -> Tensor:
         h = x + self.self_attn(self.input_layernorm(x), ctx, rope_block, rope_ctx, write_index, visible)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_train(self, x: Tensor, ctx: Tensor, rope_block: tuple[Tensor, Tensor],
+                      rope_ctx: tuple[Tensor, Tensor], mask: Tensor) -> Tensor:
+        h = x + self.self_attn.forward_train(self.input_layernorm(x), ctx, rope_block, rope_ctx, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -131,6 +147,24 @@ class MarkovHead(nn.Module):
         gate, cand, out = self.joint_proj(torch.cat([state, prev_emb, h], dim=-1)).split(self.rank, dim=-1)
         g = torch.sigmoid(gate)
         return base + self.markov_w2(torch.tanh(out)), g * state + (1 - g) * torch.tanh(cand)
+
+    def features(self, prev_emb: Tensor, h: Tensor) -> Tensor:
+        """Teacher-forced training path: what W2 maps to the bias, [..., K, r] from W1[prev] [..., K, r], h [..., K, d].
+
+        Same math as `step` (logits_k = U_k + W2 · features_k); the rnn state is unrolled over K.
+        """
+        if self.kind == "vanilla":
+            return prev_emb
+        if self.kind == "gated":
+            return torch.sigmoid(self.gate_proj(torch.cat([h, prev_emb], dim=-1))) * prev_emb
+        state, outs = prev_emb.new_zeros(prev_emb[..., 0, :].shape), []
+        for i in range(prev_emb.shape[-2]):
+            gate, cand, out = self.joint_proj(torch.cat([state, prev_emb[..., i, :], h[..., i, :]], -1)).split(
+                self.rank, dim=-1)
+            g = torch.sigmoid(gate)
+            outs.append(torch.tanh(out))
+            state = g * state + (1 - g) * torch.tanh(cand)
+        return torch.stack(outs, dim=-2)
 
 
 class ConfidenceHead(nn.Module):
@@ -228,3 +262,34 @@ class DSparkDraft(nn.Module):
             feats = torch.cat([h, torch.stack(prev_embs, 1)], -1) if self.config.confidence_head_with_markov else h
             conf = self.confidence_head.proj(feats).squeeze(-1)
         return DraftOutput(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(probs, 1), base, conf)
+
+    # -- training (teacher forcing, exporter/distill/train_dspark.py) ----------------------------------------------
+
+    def forward_train(self, ctx_features: Tensor, anchors: Tensor, anchor_ids: Tensor) -> Tensor:
+        """Final-normed h [B,N,K,d] for N anchors per sequence at once (DeepSpec's training pattern, §1.5).
+
+        ctx_features [B,C,F] are the target features of positions 0..C-1. Block j = [anchor_ids[:,j], M×(K-1)] at
+        positions anchors[:,j]+k sees context positions < anchors[:,j] and every slot of its own block, nothing else.
+        """
+        (b, n), k, dev = anchors.shape, self.config.block_size, anchors.device
+        ctx = self.hidden_norm(self.fc(ctx_features))  # [B,C,d], used unchanged by every layer
+        ids = torch.full((b, n, k), self.config.mask_token_id, dtype=torch.long, device=dev)
+        ids[..., 0] = anchor_ids
+        x = self.embed_tokens(ids).view(b, n * k, -1)
+        q_pos = (anchors.unsqueeze(-1) + torch.arange(k, device=dev)).view(b, n * k)
+        ctx_pos = torch.arange(ctx.shape[1], device=dev)
+        rope_block = rope_cos_sin(self.inv_freq, q_pos, x.dtype)
+        rope_ctx = rope_cos_sin(self.inv_freq, ctx_pos.expand(b, -1), x.dtype)
+        # dense mask [B, N*K, C + N*K]: context s < anchor_j, and block-diagonal over the N blocks
+        ctx_visible = ctx_pos.view(1, 1, -1) < anchors.repeat_interleave(k, dim=1).unsqueeze(-1)
+        block_of = torch.arange(n, device=dev).repeat_interleave(k)
+        own_block = (block_of.view(-1, 1) == block_of.view(1, -1)).expand(b, -1, -1)
+        mask = torch.cat([ctx_visible, own_block], dim=-1)
+        for layer in self.layers:
+            x = layer.forward_train(x, ctx, rope_block, rope_ctx, mask)
+        return self.norm(x).view(b, n, k, -1)
+
+    def confidence_logits(self, h: Tensor, prev_emb: Tensor | None) -> Tensor:
+        """Confidence logits [...] from h [..., d] and W1[prev] [..., r] (§1.8), as in `sample_block`."""
+        feats = torch.cat([h, prev_emb], -1) if self.config.confidence_head_with_markov else h
+        return self.confidence_head.proj(feats).squeeze(-1)

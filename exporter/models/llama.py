@@ -63,10 +63,11 @@ class KVCache(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def update(self, write_index: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Scatter k/v [B, Hkv, T, D] into cache positions write_index[b] + t; return the whole cache."""
+        """Scatter k/v [B, Hkv, T, D] into cache positions write_index[b] + t (clamped to S-1, where the
+        graphs send padding writes); return the whole cache."""
         b, h, t, d = k.shape
         pos = write_index.view(b, 1, 1, 1) + torch.arange(t, device=k.device).view(1, 1, t, 1)
-        idx = pos.expand(b, h, t, d)
+        idx = pos.clamp(max=self.k_cache.shape[2] - 1).expand(b, h, t, d)
         self.k_cache.scatter_(2, idx, k.to(self.k_cache.dtype))
         self.v_cache.scatter_(2, idx, v.to(self.v_cache.dtype))
         return self.k_cache, self.v_cache

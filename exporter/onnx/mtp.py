@@ -13,7 +13,7 @@ from specrt.exporter.config import ModelConfig
 from specrt.exporter.loaders.mtp import EMBED, HEAD, MTPConfig
 from specrt.exporter.onnx.builder import GraphBuilder, onnx_dtype
 from specrt.exporter.onnx.layers import Shapes, linear, rms_norm, rope_tables, rotate_half_matrix
-from specrt.exporter.onnx.target import decoder_layer, input_shapes, stack_layer_weights
+from specrt.exporter.onnx.target import decoder_layer, input_shapes, slot_io, stack_layer_weights
 
 PREFIX = "mtp"
 OWN_EMBED, OWN_HEAD = f"{PREFIX}.{EMBED}", f"{PREFIX}.{HEAD}"
@@ -37,21 +37,6 @@ def mtp_weights(cfg: MTPConfig, weights: dict[str, np.ndarray], target_weights: 
         else:  # aliased: the graph reads the target's tensor (a no-op add when the target put it there)
             out[target_name] = t
     return out
-
-
-def _slot_io(g: GraphBuilder, shapes: Shapes, positions: str, cfg: ModelConfig, max_seq: int) -> tuple[str, str]:
-    """Scatter indices [B,Hkv,T,D] (slot = position, clamped) and bias [B,1,1,T,S] (key s visible iff s <= t)."""
-    with g.scope("slot_io"):
-        slot = g.op("Min", positions, g.const([max_seq - 1], "last_slot", "int64"))
-        idx_shape = g.op("Concat", shapes.batch, g.const([cfg.num_kv_heads], "hkv", "int64"), shapes.tokens,
-                         g.const([cfg.head_dim], "hd", "int64"), axis=0)
-        scatter_idx = g.op("Expand", g.op("Unsqueeze", slot, g.const([1, 3], "axes13", "int64")), idx_shape,
-                           name="scatter_index")
-        keys = g.const(np.arange(max_seq, dtype=np.int64).reshape(1, 1, max_seq), "key_positions")
-        visible = g.op("LessOrEqual", keys, g.op("Unsqueeze", positions, g.const([2], "axis2", "int64")))
-        neg = np.finfo(np.float32).min / 2  # explicit finite mask, never is_causal against a cache
-        bias = g.op("Where", visible, g.const(np.float32(0.0), "zero_f"), g.const(np.float32(neg), "neg_f"))
-        return scatter_idx, g.op("Unsqueeze", bias, g.const([1, 2], "axes12", "int64"), name="attention_bias")
 
 
 def _sample(g: GraphBuilder, logits: str, temp: tuple[str, str], noise_k: str, vocab: int, dtype: str
@@ -120,7 +105,8 @@ def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *,
 
     def block(x: str, pos: str, shapes: Shapes, cache: tuple[str, str]) -> tuple[str, str, str]:
         rope = (*rope_tables(g, pos, c.inv_freq(), dtype), rotate)
-        scatter_idx, bias = _slot_io(g, shapes, pos, c, max_seq)
+        with g.scope("slot_io"):
+            scatter_idx, bias = slot_io(g, shapes, pos, c, max_seq)
         return decoder_layer(g, x, PREFIX, cache, c, shapes, rope, scatter_idx, bias, dtype, max_seq)
 
     with g.scope("mtp"):

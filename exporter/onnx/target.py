@@ -24,27 +24,31 @@ FINAL = "final"  # feature source: the final-normed hidden state (what MTP consu
 
 def cache_io(g: GraphBuilder, shapes: Shapes, write_index: str, cfg: ModelConfig, max_seq: int,
              dtype: str) -> tuple[str, str]:
-    """Scatter indices [B,Hkv,T,D] for the new K/V and the additive attention bias [B,1,1,T,S]."""
+    """Scatter indices and attention bias for T new tokens written at write_index[b] + t."""
     with g.scope("cache_io"):
         t_range = g.op("Range", g.const(0, "zero", "int64"),
                        g.op("Squeeze", shapes.tokens, g.const([0], "axis0", "int64")),
                        g.const(1, "one", "int64"))  # [T]
         qpos = g.op("Add", g.op("Unsqueeze", write_index, g.const([1], "axis1", "int64")), t_range,
                     name="query_positions")  # [B,T]: cache slot of each new token
-        # Writes past the end go to the last slot, which the runtime never lets a valid token reach.
-        slot = g.op("Min", qpos, g.const([max_seq - 1], "last_slot", "int64"))
-        idx_shape = g.op("Concat", shapes.batch, g.const([cfg.num_kv_heads], "hkv", "int64"), shapes.tokens,
-                         g.const([cfg.head_dim], "hd", "int64"), axis=0)
-        scatter_idx = g.op("Expand", g.op("Unsqueeze", slot, g.const([1, 3], "axes13", "int64")), idx_shape,
-                           name="scatter_index")
-        # Query t of slot b sees key s iff s <= write_index[b] + t. An explicit mask, never is_causal:
-        # a causal flag against a cache aligns top-left in ORT.
-        keys = g.const(np.arange(max_seq, dtype=np.int64).reshape(1, 1, max_seq), "key_positions")
-        visible = g.op("LessOrEqual", keys, g.op("Unsqueeze", qpos, g.const([2], "axis2", "int64")))
-        neg = np.finfo(np.float32).min / 2  # finite: a fully masked (padding) row stays NaN-free
-        bias = g.op("Where", visible, g.const(np.float32(0.0), "zero_f"), g.const(np.float32(neg), "neg_f"))
-        bias = g.op("Unsqueeze", bias, g.const([1, 2], "axes12", "int64"), name="attention_bias")
-    return scatter_idx, bias
+        return slot_io(g, shapes, qpos, cfg, max_seq)
+
+
+def slot_io(g: GraphBuilder, shapes: Shapes, slots: str, cfg: ModelConfig, max_seq: int) -> tuple[str, str]:
+    """For new tokens at cache slots [B,T]: scatter indices [B,Hkv,T,D] and the bias [B,1,1,T,S]."""
+    # Writes past the end go to the last slot, which the runtime never lets a valid token reach.
+    last = g.op("Min", slots, g.const([max_seq - 1], "last_slot", "int64"))
+    idx_shape = g.op("Concat", shapes.batch, g.const([cfg.num_kv_heads], "hkv", "int64"), shapes.tokens,
+                     g.const([cfg.head_dim], "hd", "int64"), axis=0)
+    scatter_idx = g.op("Expand", g.op("Unsqueeze", last, g.const([1, 3], "axes13", "int64")), idx_shape,
+                       name="scatter_index")
+    # Query t of slot b sees key s iff s <= its own slot. An explicit mask, never is_causal: a causal
+    # flag against a cache aligns top-left in ORT.
+    keys = g.const(np.arange(max_seq, dtype=np.int64).reshape(1, 1, max_seq), "key_positions")
+    visible = g.op("LessOrEqual", keys, g.op("Unsqueeze", slots, g.const([2], "axis2", "int64")))
+    neg = np.finfo(np.float32).min / 2  # finite: a fully masked (padding) row stays NaN-free
+    bias = g.op("Where", visible, g.const(np.float32(0.0), "zero_f"), g.const(np.float32(neg), "neg_f"))
+    return scatter_idx, g.op("Unsqueeze", bias, g.const([1, 2], "axes12", "int64"), name="attention_bias")
 
 
 def _attention(g: GraphBuilder, x: str, p: str, cache: tuple[str, str], cfg: ModelConfig, shapes: Shapes,
