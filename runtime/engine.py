@@ -26,6 +26,7 @@ from specrt.runtime.tokenizer import Tokenizer
 
 TextCallback = Callable[[int, str], None]  # (request id, text delta)
 TokenCallback = Callable[[int, int], None]  # (request id, number of new tokens)
+FinishCallback = Callable[["RequestOutput"], None]  # a request's output, the moment it finishes
 
 
 @dataclass
@@ -162,7 +163,8 @@ class Engine:
                               f"--max-seq-len)")
 
     def generate(self, requests: Sequence[Request], *, on_text: TextCallback | None = None,
-                 on_token: TokenCallback | None = None) -> tuple[list[RequestOutput], RunStats]:
+                 on_token: TokenCallback | None = None, on_finish: FinishCallback | None = None
+                 ) -> tuple[list[RequestOutput], RunStats]:
         """Generate for all requests, up to B at a time; `on_text(id, delta)` streams text."""
         if len({r.id for r in requests}) != len(requests):  # outputs and callbacks are keyed by id
             raise SpecrtError("request ids must be unique within one generate() call")
@@ -180,7 +182,7 @@ class Engine:
             for i in range(n_slots):
                 if slots[i] is None and waiting:
                     slots[i] = self._admit(i, waiting.popleft(), stats, on_text, on_token)
-                    self._retire(slots, i, done)
+                    self._retire(slots, i, done, on_finish)
             if any(slots):
                 t0 = time.perf_counter()
                 if self.spec:
@@ -189,7 +191,7 @@ class Engine:
                     self._step(slots, stats, on_text, on_token)
                 stats.decode_s += time.perf_counter() - t0
                 for i in range(n_slots):
-                    self._retire(slots, i, done)
+                    self._retire(slots, i, done, on_finish)
         return [done[r.id] for r in requests], stats
 
     # -- the loop -------------------------------------------------------------------------------
@@ -277,7 +279,8 @@ class Engine:
         elif len(slot.output_ids) >= params.max_new_tokens:
             slot.finish_reason = "length"
 
-    def _retire(self, slots: list[_Slot | None], i: int, done: dict[int, RequestOutput]) -> None:
+    def _retire(self, slots: list[_Slot | None], i: int, done: dict[int, RequestOutput],
+                on_finish: FinishCallback | None) -> None:
         s = slots[i]
         if s is None or s.finish_reason is None:
             return
@@ -286,3 +289,5 @@ class Engine:
         done[s.request.id] = RequestOutput(id=s.request.id, prompt_tokens=len(s.request.prompt_ids),
                                            output_ids=s.output_ids, text=s.text, finish_reason=s.finish_reason)
         slots[i] = None
+        if on_finish:
+            on_finish(done[s.request.id])

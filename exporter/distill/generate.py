@@ -1,0 +1,145 @@
+"""Stage a of distillation: the target's own responses to the training prompts, as resumable JSONL.
+
+One line per finished prompt, appended and flushed as soon as that request finishes:
+    {"index", "file", "row", "prompt_ids", "response_ids", "finish_reason"}
+A sidecar `<out>.meta.json` records the generation settings; a restart with the same settings skips the
+indices already written (a truncated last line from an interrupted run is cut off first).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from specrt.errors import SpecrtError
+from specrt.exporter.distill.prompts import Prompt
+from specrt.runtime.engine import Engine, Request
+from specrt.runtime.prompts import encode_prompt
+from specrt.runtime.sampling import SamplingParams
+
+# DeepSpec regenerated its training responses with T=0.7, top-p 0.8, top-k 20 (non-thinking mode).
+SAMPLING: dict[str, dict[str, float | int]] = {
+    "greedy": dict(temperature=0.0),
+    "deepspec": dict(temperature=0.7, top_p=0.8, top_k=20),
+}
+TOO_LONG = "prompt_too_long"  # finish_reason of a prompt that leaves no room in the artifact's cache
+
+PromptLike = Prompt | str | Sequence[int]  # text is rendered with the chat template; ids are used as given
+
+
+def sampling_params(sampling: str, *, max_new_tokens: int, seed: int) -> SamplingParams:
+    """The SamplingParams of a named sampling mode ("greedy" or "deepspec")."""
+    if sampling not in SAMPLING:
+        raise SpecrtError(f"unknown sampling {sampling!r}; choose one of {', '.join(SAMPLING)}")
+    return SamplingParams(**SAMPLING[sampling], max_new_tokens=max_new_tokens, seed=seed)
+
+
+def meta_path(responses_jsonl: str | Path) -> Path:
+    """The settings sidecar of a responses file."""
+    p = Path(responses_jsonl)
+    return p.with_name(p.name + ".meta.json")
+
+
+def read_responses(path: str | Path, *, repair: bool = False) -> list[dict[str, Any]]:
+    """The complete lines of a responses file; a truncated last line is ignored (cut off if `repair`)."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    data = p.read_bytes()
+    end = data.rfind(b"\n") + 1  # bytes after the last newline belong to an interrupted write
+    rows = []
+    for lineno, line in enumerate(data[:end].splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise SpecrtError(f"{p}:{lineno}: not a JSON line; delete the file to regenerate it") from None
+    if repair and end < len(data):
+        with open(p, "r+b") as f:
+            f.truncate(end)
+    return rows
+
+
+def _prompt_ids(engine: Engine, prompt: PromptLike) -> tuple[list[int], str | None, int | None]:
+    """(ids, file, row) of one prompt; text goes through the chat template."""
+    if isinstance(prompt, Prompt):
+        ids = list(prompt.ids) if prompt.ids is not None else encode_prompt(engine.tokenizer, prompt.text)
+        return ids, prompt.file, prompt.row
+    if isinstance(prompt, str):
+        return encode_prompt(engine.tokenizer, prompt), None, None
+    return [int(t) for t in prompt], None, None
+
+
+def _check_meta(out: Path, meta: dict[str, Any]) -> None:
+    """Write the settings sidecar, or check that an existing one (from an earlier run) agrees."""
+    side = meta_path(out)
+    if side.is_file() and out.is_file():
+        old = json.loads(side.read_text())
+        diff = [k for k in meta if k not in ("artifact", "num_prompts") and old.get(k) != meta[k]]
+        if diff:
+            raise SpecrtError(f"{out} was generated with other settings ({', '.join(diff)} differ); "
+                              "use another output file or delete it")
+    side.write_text(json.dumps(meta, indent=1))
+
+
+def generate_responses(art_dir: str | Path, prompts: Sequence[PromptLike], out_jsonl: str | Path, *,
+                       max_new_tokens: int = 256, sampling: str = "greedy", seed: int = 0,
+                       threads: int | None = None, progress: bool = True) -> Path:
+    """Generate the target's response to every prompt (method "ar", B slots, continuous batching) into
+    `out_jsonl`, one flushed line per finished prompt; rerunning resumes where an earlier run stopped."""
+    out = Path(out_jsonl)
+    params = sampling_params(sampling, max_new_tokens=max_new_tokens, seed=seed)
+    engine = Engine(art_dir, method="ar", threads=threads)
+    encoded = [_prompt_ids(engine, p) for p in prompts]
+    _check_meta(out, {"artifact": str(Path(art_dir).resolve()), "target": engine.manifest.name,
+                      "target_sources": [s.get("sha256") for s in engine.manifest.sources],
+                      "sampling": sampling, "sampling_params": {k: v for k, v in dataclasses.asdict(params).items()
+                                                                if k not in ("stop_strings", "stop_token_ids")},
+                      "num_prompts": len(prompts)})
+    done = {int(r["index"]): r for r in read_responses(out, repair=True)}
+    for i, r in done.items():
+        if i >= len(encoded) or r["prompt_ids"] != encoded[i][0]:
+            raise SpecrtError(f"{out} line for index {i} was generated for another prompt list; "
+                              "use another output file or delete it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "a", encoding="utf-8") as f, \
+            tqdm(total=len(encoded), initial=len(done), desc="generate", unit="prompt", disable=not progress) as bar:
+        tokens, t0, shown = 0, time.perf_counter(), 0.0
+
+        def write(index: int, response: list[int], reason: str) -> None:
+            ids, file, row = encoded[index]
+            f.write(json.dumps({"index": index, "file": file, "row": row, "prompt_ids": ids,
+                                "response_ids": response, "finish_reason": reason}) + "\n")
+            f.flush()
+            bar.update(1)
+
+        def on_token(_: int, n: int) -> None:
+            nonlocal tokens, shown
+            tokens += n
+            now = time.perf_counter()
+            if now - shown > 1.0:  # the postfix is refreshed at most once a second
+                shown = now
+                bar.set_postfix(tok_s=f"{tokens / (now - t0):.1f}", refresh=False)
+
+        requests = []
+        for i, (ids, _, _) in enumerate(encoded):
+            room = engine.capacity - len(ids)  # cut max_new_tokens to what the cache can hold
+            if i in done:
+                continue
+            if room < 1:
+                write(i, [], TOO_LONG)
+                continue
+            requests.append(Request(prompt_ids=ids, id=i,
+                                    params=dataclasses.replace(params, max_new_tokens=min(max_new_tokens, room))))
+        if requests:
+            engine.generate(requests, on_token=on_token,
+                            on_finish=lambda o: write(o.id, o.output_ids, o.finish_reason))
+        elapsed = time.perf_counter() - t0
+        bar.set_postfix(tok_s=f"{tokens / elapsed:.1f}" if elapsed else "-")
+    return out
