@@ -59,8 +59,11 @@ class _Drafter:
         for start in range(0, r - 1, self.chunk):
             stop = min(start + self.chunk, r - 1)
             piece = Context(ctx.pos + start, ctx.features[start:stop], ctx.next_tokens[start:stop])
-            self.runner.run(slot, self._feeds([piece], [0], [0.0], np.zeros((1, self.steps), np.float32),
-                                              rows=self.chunk))
+            feeds = self.runner.inputs(slot, B=1, C=self.chunk)
+            feeds[io.TEMPERATURE][:] = 0.0
+            feeds[io.NOISE][:] = 0.0
+            self._fill(feeds, [piece], [0])
+            self.runner.run_bound(slot, B=1, C=self.chunk)
         return Context(ctx.pos + r - 1, ctx.features[r - 1:], ctx.next_tokens[r - 1:])
 
     def propose(self, slots: list[SlotView | None]) -> Proposal:
@@ -68,23 +71,25 @@ class _Drafter:
         n = len(slots)
         ctxs = [s.ctx if s is not None else None for s in slots]
         rows = max(len(c.next_tokens) for c in ctxs if c is not None)
-        noise = np.zeros((n, self.steps), np.float32)
-        temps = [0.0] * n
+        feeds = self.runner.inputs(0, B=n, C=rows)  # bound buffers: filled in place
+        temps, noise = feeds[io.TEMPERATURE], feeds[io.NOISE]
         anchors = [0] * n
         for i, s in enumerate(slots):
+            temps[i], noise[i] = (s.temperature, 0.0) if s is not None else (0.0, 0.0)
             if s is not None:
-                anchors[i], temps[i] = s.pending, s.temperature
+                anchors[i] = s.pending
                 if s.temperature > 0:
                     noise[i] = s.rng.random(self.steps, dtype=np.float32)
-        out = self.runner.run(0, self._feeds(ctxs, anchors, temps, noise, rows=rows))
+        self._fill(feeds, ctxs, anchors)
+        out = self.runner.run_bound(0, B=n, C=rows)
         for s in slots:
             if s is not None:
                 s.ctx = None  # written into the draft cache
         return Proposal(tokens=out[io.DRAFT_TOKENS], probs=out[io.DRAFT_PROBS],
                         confidence_logits=out.get(io.CONFIDENCE_LOGITS))
 
-    def _feeds(self, ctxs: list[Context | None], anchors: list[int], temps: list[float], noise: np.ndarray,
-               rows: int) -> dict[str, np.ndarray]:
+    def _fill(self, feeds: dict[str, np.ndarray], ctxs: list[Context | None], anchors: list[int]) -> None:
+        """Write the context rows (padded) and anchors into the bound input buffers."""
         raise NotImplementedError
 
 
@@ -95,21 +100,18 @@ class DSparkDrafter(_Drafter):
         super().__init__(art_dir, manifest, "dspark", threads=threads)
         self.steps = self.info["block"]
 
-    def _feeds(self, ctxs, anchors, temps, noise, rows):
-        n = len(ctxs)
-        feats = np.zeros((n, rows, self.width), np.float32)
-        pos = np.zeros((n, rows), np.int64)
-        write, valid = np.zeros(n, np.int64), np.zeros(n, np.int64)
-        for i, c in enumerate(ctxs):
-            if c is None:
-                continue
-            r = len(c.next_tokens)
-            feats[i, :r] = c.features[:, self.offset:self.offset + self.width]
-            pos[i] = c.pos + np.arange(rows)
-            write[i], valid[i] = c.pos, c.pos + r
-        return {io.CTX_FEATURES: feats, io.CTX_POSITIONS: pos, io.CTX_WRITE_INDEX: write, io.CTX_LEN: valid,
-                io.ANCHOR_IDS: np.asarray(anchors, np.int64), io.TEMPERATURE: np.asarray(temps, np.float32),
-                io.NOISE: noise}
+    def _fill(self, feeds, ctxs, anchors):
+        feats, pos = feeds[io.CTX_FEATURES], feeds[io.CTX_POSITIONS]
+        write, valid = feeds[io.CTX_WRITE_INDEX], feeds[io.CTX_LEN]
+        feats[:] = 0
+        feeds[io.ANCHOR_IDS][:] = anchors
+        for i, c in enumerate(ctxs):  # idle slots: an empty context at position 0 of their own row
+            r = len(c.next_tokens) if c is not None else 0
+            start = c.pos if c is not None else 0
+            if r:
+                feats[i, :r] = c.features[:, self.offset:self.offset + self.width]
+            np.add(start, np.arange(pos.shape[1]), out=pos[i])
+            write[i], valid[i] = start, start + r
 
 
 class MTPDrafter(_Drafter):
@@ -119,22 +121,19 @@ class MTPDrafter(_Drafter):
         super().__init__(art_dir, manifest, "mtp", threads=threads)
         self.steps = self.info["steps"]
 
-    def _feeds(self, ctxs, anchors, temps, noise, rows):
-        n = len(ctxs)
-        tokens = np.zeros((n, rows), np.int64)
-        hidden = np.zeros((n, rows, self.width), np.float32)
-        pos = np.zeros((n, rows), np.int64)
-        last = np.zeros(n, np.int64)
-        for i, c in enumerate(ctxs):
-            if c is None:
-                continue
-            r = len(c.next_tokens)
-            tokens[i, :r] = c.next_tokens
-            hidden[i, :r] = c.features[:, self.offset:self.offset + self.width]
-            pos[i] = c.pos + np.arange(rows)
+    def _fill(self, feeds, ctxs, anchors):
+        tokens, hidden = feeds[io.MTP_TOKENS], feeds[io.MTP_HIDDEN]
+        pos, last = feeds[io.MTP_POSITIONS], feeds[io.MTP_LAST_ROW]
+        tokens[:] = 0
+        hidden[:] = 0
+        for i, c in enumerate(ctxs):  # idle slots: one dummy row at position 0 of their own row
+            r = len(c.next_tokens) if c is not None else 1
+            start = c.pos if c is not None else 0
+            if c is not None:
+                tokens[i, :r] = c.next_tokens
+                hidden[i, :r] = c.features[:, self.offset:self.offset + self.width]
+            np.add(start, np.arange(pos.shape[1]), out=pos[i])
             last[i] = r - 1
-        return {io.MTP_TOKENS: tokens, io.MTP_HIDDEN: hidden, io.MTP_POSITIONS: pos, io.MTP_LAST_ROW: last,
-                io.TEMPERATURE: np.asarray(temps, np.float32), io.NOISE: noise}
 
 
 DRAFTERS = {"dspark": DSparkDrafter, "mtp": MTPDrafter}

@@ -234,14 +234,13 @@ class Engine:
               on_token: TokenCallback | None) -> None:
         """One decode step over slots [0, n): write each pending token, sample the next."""
         n = max(i for i, s in enumerate(slots) if s is not None) + 1
-        ids = np.zeros((n, 1), np.int64)
-        pos = np.zeros((n, 1), np.int64)
-        for i, s in enumerate(slots[:n]):
-            if s is not None:  # idle slots write a dummy token at position 0 of their own row
-                ids[i, 0], pos[i, 0] = s.pending, s.length
-        out = self.target.run(0, StepInputs(input_ids=ids, position_ids=pos, write_index=pos[:, 0],
-                                            logit_rows=np.zeros((n, 1), np.int64)).feeds())
-        logits = out[io.LOGITS]
+        feeds = self.target.inputs(0, B=n, T=1, R=1)  # bound buffers: filled in place
+        ids, pos = feeds[io.INPUT_IDS], feeds[io.POSITION_IDS]
+        for i, s in enumerate(slots[:n]):  # idle slots write a dummy token at position 0 of their row
+            ids[i, 0], pos[i, 0] = (s.pending, s.length) if s is not None else (0, 0)
+        feeds[io.WRITE_INDEX][:] = pos[:, 0]
+        feeds[io.LOGIT_ROWS][:] = 0
+        logits = self.target.run_bound(0, B=n, T=1, R=1)[io.LOGITS]
         stats.steps += 1
         for i, s in enumerate(slots[:n]):
             if s is None:

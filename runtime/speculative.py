@@ -20,7 +20,6 @@ import numpy as np
 from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.runtime.acceptance import Verdict, accept_greedy, accept_sampled
-from specrt.runtime.backends.base import StepInputs
 from specrt.runtime.drafters import Context, Proposal
 
 if TYPE_CHECKING:
@@ -86,15 +85,17 @@ class Speculator:
                ) -> tuple[np.ndarray, np.ndarray]:
         """One target call over [anchor, drafts] of every slot; logits [n,T,V], features [n,T,F]."""
         n, t = len(slots), max(lengths) + 1
-        ids = np.zeros((n, t), np.int64)
-        start = np.zeros(n, np.int64)
+        feeds = self.engine.target.inputs(0, B=n, T=t, R=t)  # bound buffers: filled in place
+        ids, start = feeds[io.INPUT_IDS], feeds[io.WRITE_INDEX]
+        ids[:] = 0
         for i, s in enumerate(slots):
+            start[i] = s.length if s is not None else 0
             if s is not None:
-                ids[i, 0], start[i] = s.pending, s.length
+                ids[i, 0] = s.pending
                 ids[i, 1:lengths[i] + 1] = proposal.tokens[i, :lengths[i]]
-        pos = start[:, None] + np.arange(t)
-        out = self.engine.target.run(0, StepInputs(input_ids=ids, position_ids=pos, write_index=start,
-                                                   logit_rows=np.broadcast_to(np.arange(t), (n, t))).feeds())
+        np.add(start[:, None], np.arange(t), out=feeds[io.POSITION_IDS])
+        feeds[io.LOGIT_ROWS][:] = np.arange(t)
+        out = self.engine.target.run_bound(0, B=n, T=t, R=t)
         return out[io.LOGITS], out[io.FEATURES]
 
     @staticmethod

@@ -111,14 +111,22 @@ class OrtRunner:
             self._bindings[key] = (b, host, outs, keep)
         return self._bindings[key]
 
-    def run(self, slot: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run on slots [slot, slot + B); returns output buffers that stay valid until the next call."""
-        sizes = self._sizes(feeds)
-        n = sizes["B"]
-        if slot < 0 or slot + n > self.slots:
-            raise ValueError(f"slots [{slot}, {slot + n}) outside the allocated {self.slots}")
-        binding, host, outs, _ = self._binding(slot, sizes)
-        for name, arr in host.items():
-            arr[...] = feeds[name]
+    def inputs(self, slot: int, **sizes: int) -> dict[str, np.ndarray]:
+        """The bound host input buffers for slots [slot, slot + B) at these axis sizes: fill them in
+        place, then `run_bound` (no per-step allocation)."""
+        if slot < 0 or slot + sizes["B"] > self.slots:
+            raise ValueError(f"slots [{slot}, {slot + sizes['B']}) outside the allocated {self.slots}")
+        return self._binding(slot, sizes)[1]
+
+    def run_bound(self, slot: int, **sizes: int) -> dict[str, np.ndarray]:
+        """Run on the buffers `inputs(slot, **sizes)` returned; outputs stay valid until the next call."""
+        binding, _, outs, _ = self._binding(slot, sizes)
         self.session.run_with_iobinding(binding)
         return outs
+
+    def run(self, slot: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Copy `feeds` into the bound buffers and run (convenient; the decode loop fills in place)."""
+        sizes = self._sizes(feeds)
+        for name, arr in self.inputs(slot, **sizes).items():
+            arr[...] = feeds[name]
+        return self.run_bound(slot, **sizes)
