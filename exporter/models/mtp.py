@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specrt.errors import SpecrtError
 from specrt.exporter.loaders.mtp import EMBED, HEAD, MTPConfig
-from specrt.exporter.models.llama import DecoderLayer, KVCache, RMSNorm, rope_cos_sin
+from specrt.exporter.models.llama import DecoderLayer, KVCache, RMSNorm, apply_rope, rope_cos_sin
 
 FEEDBACK = ("post", "pre")
 
@@ -139,3 +140,22 @@ class MTP(DecoderLayer):
             out_logits.append(logits)
             out_probs.append(probs)
         return MTPDraft(torch.stack(out_tokens, 1), torch.stack(out_logits, 1), torch.stack(out_probs, 1))
+
+    # -- training (exporter/distill/train_mtp.py) -----------------------------------------------------------------
+
+    def forward_train(self, tokens: Tensor, hidden: Tensor, positions: Tensor) -> Tensor:
+        """Training path, no cache: h' [B,T,d] for rows (x_{t+1}, h_t, t), causal over the T rows (as `step`)."""
+        x = self.eh_proj(torch.cat((self.enorm(self.embed_tokens(tokens)), self.hnorm(hidden)), dim=-1))
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        attn, (b, t, _) = self.self_attn, x.shape
+        a = self.input_layernorm(x)
+        q = attn.q_proj(a).view(b, t, attn.num_heads, attn.head_dim)
+        k = attn.k_proj(a).view(b, t, attn.num_kv_heads, attn.head_dim)
+        v = attn.v_proj(a).view(b, t, attn.num_kv_heads, attn.head_dim)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+        # rows are in position order, so causal over rows = causal over positions; gqa: head h reads kv head h // g
+        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        h = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,0 +1,129 @@
+"""Sequential Temperature Scaling (DSpark paper §3.2.1) of a DSpark head's confidences on the cache's "calib" split.
+
+For k = 1..K in order, with T_1..T_{k-1} already fixed, pick T_k on a grid to minimise the ECE (20 equal-width bins)
+of the prefix prediction Π_{i≤k} sigmoid(logit_i / T_i) against the prefix-acceptance indicator Π_{i≤k} accepted_i.
+
+Acceptance indicator (teacher-forced, slot k conditional on the ground-truth prefix):
+  "sampled" (default): accepted_k ~ Bernoulli(acc*_k), acc*_k = 1 − TV(p_draft, p_target), i.e. what T=1 rejection
+             sampling accepts, and the very quantity the confidence head is trained on (reference §3, §1.10);
+  "greedy":  accepted_k = [argmax draft logits == argmax target logits], what T=0 decoding accepts.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from specrt.errors import SpecrtError
+from specrt.exporter.config import ModelConfig
+from specrt.exporter.distill.cache import TargetCache
+from specrt.exporter.distill.losses import acceptance_target, l1_distance
+from specrt.exporter.distill.train_dspark import FINAL, FrozenHead, block_rows, make_batch
+from specrt.exporter.loaders.deepspec import load_dspark
+from specrt.exporter.models.dspark import DSparkDraft
+
+ECE_BINS = 20
+ACCEPTANCE = ("sampled", "greedy")
+DEFAULT_GRID = np.unique(np.append(np.exp(np.linspace(np.log(0.05), np.log(20.0), 241)), 1.0))
+
+
+@dataclass
+class Calibration:
+    """Per draft position k: the chosen temperature, ECE of the prefix prediction before / after, rows counted."""
+
+    temperatures: list[float]
+    ece_before: list[float]
+    ece_after: list[float]
+    counts: list[int]
+    acceptance: str = "sampled"
+    bins: int = ECE_BINS
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def ece(pred: np.ndarray, label: np.ndarray, bins: int = ECE_BINS) -> np.ndarray:
+    """ECE of predictions [n, ...] against labels [n]: Σ_b (n_b/n)·|mean pred − mean label| over equal-width bins
+    on [0, 1]; one value per trailing column of `pred` (so a whole temperature grid at once)."""
+    pred = pred.reshape(len(pred), -1)
+    n, g = pred.shape
+    if n == 0:
+        return np.zeros(g)
+    bin_of = np.minimum((pred * bins).astype(np.int64), bins - 1) + bins * np.arange(g)  # [n, g], per column
+    pred_sum = np.bincount(bin_of.ravel(), weights=pred.ravel(), minlength=bins * g)
+    label_sum = np.bincount(bin_of.ravel(), weights=np.repeat(label, g).astype(np.float64), minlength=bins * g)
+    return np.abs(pred_sum - label_sum).reshape(g, bins).sum(-1) / n  # n_b/n·|Σp/n_b − Σy/n_b| = |Σp − Σy|/n
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def sts_temperatures(conf_logits: np.ndarray, accepted: np.ndarray, valid: np.ndarray, *,
+                     grid: np.ndarray = DEFAULT_GRID, bins: int = ECE_BINS) -> Calibration:
+    """STS on confidence logits [N,K], acceptance indicators [N,K] and a contiguous validity mask [N,K]."""
+    logits, valid = np.asarray(conf_logits, np.float64), np.asarray(valid, bool)
+    label = np.cumprod(np.asarray(accepted, bool) & valid, axis=1).astype(np.float64)  # prefix accepted through k
+    prefix, prefix_raw = np.ones(len(logits)), np.ones(len(logits))  # Π_{i<k} with the chosen / with all T = 1
+    out = Calibration([], [], [], [], bins=bins)
+    for k in range(logits.shape[1]):
+        rows = valid[:, k]
+        scores = ece(prefix[rows, None] * sigmoid(logits[rows, k, None] / grid), label[rows, k], bins)
+        t_k = float(grid[np.argmin(scores)]) if rows.any() else 1.0
+        prefix *= sigmoid(logits[:, k] / t_k)
+        prefix_raw *= sigmoid(logits[:, k])
+        out.temperatures.append(t_k)
+        out.ece_before.append(float(ece(prefix_raw[rows], label[rows, k], bins)[0]))
+        out.ece_after.append(float(ece(prefix[rows], label[rows, k], bins)[0]))
+        out.counts.append(int(rows.sum()))
+    return out
+
+
+@torch.no_grad()
+def collect_confidence(model: DSparkDraft, head: FrozenHead, batches: list, acceptance: str,
+                       rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(confidence logits, accepted, valid), each [anchors, K], over teacher-forced blocks of the batches."""
+    if acceptance not in ACCEPTANCE:
+        raise SpecrtError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, got {acceptance!r}")
+    logits, accepted, valid = [], [], []
+    for batch in batches:
+        r = block_rows(model, head, batch)
+        if acceptance == "sampled":
+            acc = acceptance_target(l1_distance(torch.log_softmax(r.logits, -1), r.p_target)).numpy()
+            ok = rng.random(len(acc)) < acc
+        else:
+            ok = (r.logits.argmax(-1) == r.p_target.argmax(-1)).numpy()
+        v = batch.valid.reshape(-1, batch.valid.shape[-1]).numpy()
+        for dst, rows in ((logits, r.conf.numpy()), (accepted, ok)):
+            full = np.zeros(v.shape, rows.dtype)
+            full[v] = rows
+            dst.append(full)
+        valid.append(v)
+    return np.concatenate(logits), np.concatenate(accepted), np.concatenate(valid)
+
+
+def calibrate_dspark(cache: TargetCache, draft_dir: str | Path, target_cfg: ModelConfig, *, split: str = "calib",
+                     acceptance: str = "sampled", anchors_per_seq: int = 64, max_seqs: int | None = None,
+                     batch_seqs: int = 4, grid: np.ndarray = DEFAULT_GRID, bins: int = ECE_BINS, seed: int = 0,
+                     head_dtype: str | None = None) -> Calibration:
+    """STS temperatures for the DSpark head in `draft_dir` (DeepSpec layout) on the cache's `split` samples."""
+    loaded = load_dspark(draft_dir, target_cfg)
+    cfg = loaded.config
+    if not cfg.enable_confidence_head:
+        raise SpecrtError(f"{draft_dir}: the head has no confidence head to calibrate")
+    samples = (cache.manifest.get("splits") or {}).get(split)
+    if not samples:
+        raise SpecrtError(f"target cache {cache.path} has no {split!r} split (it has "
+                          f"{', '.join(cache.manifest.get('splits') or {}) or 'none'})")
+    samples = [i for i in samples if cache.samples[i][1] - cache.samples[i][2] >= 2][:max_seqs]
+    model = DSparkDraft.from_weights(cfg, loaded.weights)
+    head = FrozenHead(model.lm_head.weight, getattr(torch, head_dtype) if head_dtype else None)
+    ctx_cols, final_cols = cache.feature_slice(list(cfg.target_layer_ids)), cache.feature_slice([FINAL])
+    rng = np.random.default_rng(seed)
+    batches = (make_batch(cache, samples[i:i + batch_seqs], anchors_per_seq, cfg.block_size, rng, ctx_cols, final_cols)
+               for i in range(0, len(samples), batch_seqs))
+    conf, accepted, valid = collect_confidence(model, head, batches, acceptance, rng)
+    return replace(sts_temperatures(conf, accepted, valid, grid=grid, bins=bins), acceptance=acceptance)
