@@ -20,7 +20,7 @@ import torch
 from specrt.errors import SpecrtError
 from specrt.exporter.config import ModelConfig
 from specrt.exporter.distill.cache import TargetCache
-from specrt.exporter.distill.losses import acceptance_target, l1_distance
+from specrt.exporter.distill.losses import SoftCE_L1, acceptance_target
 from specrt.exporter.distill.train_dspark import FINAL, FrozenHead, block_rows, make_batch
 from specrt.exporter.loaders.deepspec import load_dspark
 from specrt.exporter.models.dspark import DSparkDraft
@@ -63,8 +63,11 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 def sts_temperatures(conf_logits: np.ndarray, accepted: np.ndarray, valid: np.ndarray, *,
-                     grid: np.ndarray = DEFAULT_GRID, bins: int = ECE_BINS) -> Calibration:
-    """STS on confidence logits [N,K], acceptance indicators [N,K] and a contiguous validity mask [N,K]."""
+                     grid: np.ndarray | None = None, bins: int = ECE_BINS) -> Calibration:
+    """STS on confidence logits [N,K], acceptance indicators [N,K] and a contiguous validity mask [N,K].
+
+    `grid`: candidate temperatures (default: 241 log-spaced in [0.05, 20], plus 1)."""
+    grid = DEFAULT_GRID if grid is None else np.asarray(grid, np.float64)
     logits, valid = np.asarray(conf_logits, np.float64), np.asarray(valid, bool)
     label = np.cumprod(np.asarray(accepted, bool) & valid, axis=1).astype(np.float64)  # prefix accepted through k
     prefix, prefix_raw = np.ones(len(logits)), np.ones(len(logits))  # Π_{i<k} with the chosen / with all T = 1
@@ -92,7 +95,7 @@ def collect_confidence(model: DSparkDraft, head: FrozenHead, batches: list, acce
     for batch in batches:
         r = block_rows(model, head, batch)
         if acceptance == "sampled":
-            acc = acceptance_target(l1_distance(torch.log_softmax(r.logits, -1), r.p_target)).numpy()
+            acc = acceptance_target(SoftCE_L1.apply(r.logits, r.labels, r.p_target)[1]).numpy()
             ok = rng.random(len(acc)) < acc
         else:
             ok = (r.logits.argmax(-1) == r.p_target.argmax(-1)).numpy()
@@ -107,7 +110,7 @@ def collect_confidence(model: DSparkDraft, head: FrozenHead, batches: list, acce
 
 def calibrate_dspark(cache: TargetCache, draft_dir: str | Path, target_cfg: ModelConfig, *, split: str = "calib",
                      acceptance: str = "sampled", anchors_per_seq: int = 64, max_seqs: int | None = None,
-                     batch_seqs: int = 4, grid: np.ndarray = DEFAULT_GRID, bins: int = ECE_BINS, seed: int = 0,
+                     batch_seqs: int = 4, grid: np.ndarray | None = None, bins: int = ECE_BINS, seed: int = 0,
                      head_dtype: str | None = None) -> Calibration:
     """STS temperatures for the DSpark head in `draft_dir` (DeepSpec layout) on the cache's `split` samples."""
     loaded = load_dspark(draft_dir, target_cfg)

@@ -16,6 +16,8 @@ from torch import Tensor
 
 CE_ALPHA, L1_ALPHA, CONF_ALPHA = 0.1, 0.9, 1.0  # DeepSpec's DSpark training config
 DECAY_GAMMA = 4.0  # position weight exp(-k / 4), k = 0..block-1
+# torch's CPU exp takes a ~10x slower path where e^x underflows fp32 (x < -87.3); e^-87 = 1.6e-38 changes no sum here
+EXP_FLOOR = -87.0
 
 
 def anchor_candidates(loss_mask: np.ndarray) -> np.ndarray:
@@ -47,13 +49,18 @@ def position_weights(block: int, gamma: float = DECAY_GAMMA) -> Tensor:
 
 
 def l1_distance(logp_draft: Tensor, p_target: Tensor) -> Tensor:
-    """‖softmax(draft) − p_t‖₁ per row (the full L1 = 2·TV, not halved)."""
+    """‖softmax(draft) − p_t‖₁ per row (the full L1 = 2·TV, not halved); the plain form of `SoftCE_L1`'s L1."""
     return (logp_draft.exp() - p_target).abs().sum(-1)
 
 
 def acceptance_target(l1: Tensor) -> Tensor:
     """acc* = clamp(1 − ½·L1, 0, 1), detached: the probability that a T=1 draft token is accepted."""
     return (1 - 0.5 * l1.detach()).clamp(0, 1)
+
+
+def row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """Row-wise ⟨a, b⟩ of [R,V] tensors without an [R,V] temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
 class SoftCE_L1(torch.autograd.Function):
@@ -65,7 +72,7 @@ class SoftCE_L1(torch.autograd.Function):
     def forward(ctx, logits: Tensor, labels: Tensor, p_target: Tensor) -> tuple[Tensor, Tensor]:
         logp = torch.log_softmax(logits, dim=-1)
         ce = -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        p = logp.exp_()  # the buffers are reused in place from here on
+        p = logp.clamp_(min=EXP_FLOOR).exp_()  # the buffers are reused in place from here on
         diff = p - p_target
         l1 = torch.linalg.vector_norm(diff, ord=1, dim=-1)
         ctx.save_for_backward(p, diff.sign_(), labels)
@@ -76,7 +83,7 @@ class SoftCE_L1(torch.autograd.Function):
     def backward(ctx, g_ce: Tensor, g_l1: Tensor) -> tuple[Tensor, None, None]:
         p, sign, labels = ctx.saved_tensors
         g_ce, g_l1 = g_ce.unsqueeze(-1), g_l1.unsqueeze(-1)
-        dot = torch.bmm(p.unsqueeze(1), sign.unsqueeze(2)).view(-1, 1)  # ⟨p, s⟩ without a [R,V] temporary
+        dot = row_dot(p, sign).unsqueeze(-1)  # ⟨p, s⟩
         grad = sign.mul_(g_l1).add_(g_ce - g_l1 * dot).mul_(p)  # p⊙(g_l1·s − g_l1·⟨p,s⟩ + g_ce)
         return grad.scatter_add_(-1, labels.unsqueeze(-1), -g_ce), None, None
 
@@ -88,11 +95,10 @@ class SoftCE_KL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, labels: Tensor, logp_target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         logp = torch.log_softmax(logits, dim=-1)
-        p_t = logp_target.exp()
+        p_t = logp_target.clamp(min=EXP_FLOOR).exp_()
         ce = -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        dot = lambda a, b: torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)  # row-wise ⟨a, b⟩, no temporary
-        kl = dot(p_t, logp_target) - dot(p_t, logp)
-        p = logp.exp_()
+        kl = row_dot(p_t, logp_target) - row_dot(p_t, logp)
+        p = logp.clamp_(min=EXP_FLOOR).exp_()
         l1 = torch.linalg.vector_norm(p - p_t, ord=1, dim=-1)
         ctx.mark_non_differentiable(l1)
         ctx.save_for_backward(p, p_t, labels)
