@@ -326,7 +326,7 @@ def train_dspark(cache: TargetCache, target_weights: dict[str, np.ndarray], targ
     """Train a DSpark head on the cache's train split; save it in DeepSpec's layout to `out_dir`.
 
     `target_layer_ids` default: every layer feature in the cache. `head_dtype` None = bf16 where the CPU has it.
-    The defaults take about 50 minutes for SmolLM2-135M on 2 CPU cores (1.7 steps/s with bf16).
+    The defaults take about 55 minutes for SmolLM2-135M on 2 CPU cores (~1.5 steps/s with bf16, evals included).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -105,7 +105,7 @@ def train_mtp(cache: TargetCache, target_weights: dict[str, np.ndarray], target_
     """Train an MTP head on the cache's train split; save it with `save_mtp_checkpoint` to `out_dir`.
 
     τ is the chained estimate for `gamma` draft steps from the depth-1 acceptances (see `chained_tau`).
-    The defaults take about 20 minutes for SmolLM2-135M on 2 CPU cores (4.2 steps/s with bf16)."""
+    The defaults take about 25 minutes for SmolLM2-135M on 2 CPU cores (~3.3 steps/s with bf16)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     final_cols = cache.feature_slice([FINAL])
