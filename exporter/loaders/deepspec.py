@@ -125,8 +125,10 @@ def expected_dspark_shapes(cfg: DSparkConfig) -> dict[str, tuple[int, ...]]:
                        p + "mlp.gate_proj.weight": (ff, d), p + "mlp.up_proj.weight": (ff, d),
                        p + "mlp.down_proj.weight": (d, ff), p + "input_layernorm.weight": (d,),
                        p + "post_attention_layernorm.weight": (d,)})
-        if lc.attention_bias:  # DeepSpec's attention puts the bias on q/k/v and o
-            shapes.update({p + f"self_attn.{n}_proj.bias": (s,) for n, s in (("q", q), ("k", kv), ("v", kv), ("o", d))})
+        if lc.attention_bias:  # q/k/v bias; o too where the family has one (ModelConfig.o_proj_bias)
+            shapes.update({p + f"self_attn.{n}_proj.bias": (s,) for n, s in (("q", q), ("k", kv), ("v", kv))})
+        if lc.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (d,)
         if lc.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
     if r:

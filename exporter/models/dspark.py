@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from specrt.errors import SpecrtError
 from specrt.exporter.loaders.deepspec import DSparkConfig
-from specrt.exporter.models.llama import MLP, KVCache, RMSNorm, apply_rope, rope_cos_sin
+from specrt.exporter.models.llama import MLP, Attention, KVCache, RMSNorm, apply_rope, rope_cos_sin
 
 
 def sample_token(logits: Tensor, temperature: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
@@ -33,22 +33,11 @@ def sample_token(logits: Tensor, temperature: Tensor, noise: Tensor) -> tuple[Te
     return torch.where(hot, sampled, logits.float().argmax(-1)), probs
 
 
-class DraftAttention(nn.Module):
+class DraftAttention(Attention):
     """Block queries over [cached context K/V (s < ctx_len) ; the block's own K/V], no causal mask."""
 
     def __init__(self, cfg: DSparkConfig) -> None:
-        super().__init__()
-        c = cfg.layers
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        d, qd, kvd = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.q_proj = nn.Linear(d, qd, bias=c.attention_bias)
-        self.k_proj = nn.Linear(d, kvd, bias=c.attention_bias)
-        self.v_proj = nn.Linear(d, kvd, bias=c.attention_bias)
-        self.o_proj = nn.Linear(qd, d, bias=c.attention_bias)
-        if c.qk_norm:  # Qwen3: k_norm applies to context keys too
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.kv_cache: KVCache | None = None
+        super().__init__(cfg.layers)  # the projections of the family's attention (Qwen3: k_norm on context keys too)
 
     def _kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
         b, t, _ = x.shape

@@ -199,7 +199,7 @@ def _attention(g: GraphBuilder, a: str, ctx: str, p: str, lc: ModelConfig, K: in
                    g.op("MatMul", p_block, vb, name="pv_block"))  # [B,Hkv,G*K,D]
         out = g.op("Transpose", g.op("Reshape", out, g.const([0, H, K, D], "heads", "int64")), perm=[0, 2, 1, 3])
         out = g.op("Reshape", out, g.const([-1, H * D], "flat", "int64"))
-        bo = w(f"{p}.self_attn.o_proj.bias") if lc.attention_bias else None
+        bo = w(f"{p}.self_attn.o_proj.bias") if lc.o_proj_bias else None
         o = linear(g, out, w(f"{p}.self_attn.o_proj.weight"), bo, name="o_proj")
     return o, present_k, present_v
 
