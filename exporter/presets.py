@@ -10,6 +10,21 @@ from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.exporter.fetch import PRESETS, cache_dir
 
+HEADS_DIR = Path(__file__).resolve().parents[1] / "specrt" / "heads"  # trained heads shipped with specrt
+
+
+def preset_heads(name: str) -> dict[str, Path]:
+    """The shipped draft heads of a preset: {"draft": DSpark dir, "mtp": MTP dir}, those that exist."""
+    root = HEADS_DIR / name
+    found = {"draft": root / "dspark", "mtp": root / "mtp"}
+    return {k: v for k, v in found.items() if (v / "config.json").is_file()} if name in PRESETS else {}
+
+
+def _heads_key(heads: dict[str, Path]) -> list[str]:
+    """Content hashes of the head files, so a retrained head gets a new cached artifact."""
+    return [f"{k}:{hashlib.sha256(f.read_bytes()).hexdigest()[:16]}"
+            for k, d in sorted(heads.items()) for f in sorted(d.iterdir()) if f.suffix in (".json", ".safetensors")]
+
 
 def resolve_model(name_or_path: str, *, progress: bool = True) -> Path:
     """A preset name (downloaded on first use) or an existing path."""
@@ -29,10 +44,11 @@ def default_settings() -> io.ExportSettings:
 def default_artifact(*, progress: bool = True) -> Path:
     """The default model exported with default settings, cached under the specrt cache directory."""
     settings = default_settings()
-    key = hashlib.sha256(json.dumps([asdict(settings), io.FORMAT_VERSION]).encode()).hexdigest()[:10]
-    art = cache_dir() / "artifacts" / f"smollm2-{key}"
+    heads = preset_heads("smollm2")
+    key = hashlib.sha256(json.dumps([asdict(settings), io.FORMAT_VERSION, _heads_key(heads)]).encode()).hexdigest()
+    art = cache_dir() / "artifacts" / f"smollm2-{key[:10]}"
     if (art / io.MANIFEST).is_file():
         return art
     from specrt.exporter.export import export_artifact
 
-    return export_artifact(resolve_model("smollm2", progress=progress), art, settings, progress=progress)
+    return export_artifact(resolve_model("smollm2", progress=progress), art, settings, progress=progress, **heads)

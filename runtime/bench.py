@@ -43,10 +43,11 @@ class MethodResult:
 
 
 def run_specrt(engine: Engine, prompts: list[list[int]], params: SamplingParams,
-               progress: bool = True) -> MethodResult:
+               progress: bool = True, desc: str | None = None) -> MethodResult:
     """Batch-1 runs, one prompt at a time (the latency setting of the goals)."""
     res = MethodResult(engine.method, stats=RunStats(method=engine.method))
-    for i, ids in enumerate(tqdm(prompts, desc=f"specrt {engine.method}", unit="prompt", disable=not progress)):
+    desc = desc or f"specrt {engine.method}"
+    for i, ids in enumerate(tqdm(prompts, desc=desc, unit="prompt", disable=not progress)):
         outputs, stats = engine.generate([Request(prompt_ids=ids, params=params, id=i)])
         res.outputs.append(outputs[0].output_ids)
         res.generated_tokens += stats.generated_tokens
@@ -59,6 +60,64 @@ def run_specrt(engine: Engine, prompts: list[list[int]], params: SamplingParams,
         res.stats.draft_s += stats.draft_s
         res.stats.verify_s += stats.verify_s
     return res
+
+
+def pooled(results: list[MethodResult]) -> MethodResult:
+    """One method's results over several prompt sets as one (token and time sums, rounds concatenated)."""
+    first = results[0]
+    res = MethodResult(first.method, stats=RunStats(method=first.method) if first.stats is not None else None)
+    for r in results:
+        res.outputs += r.outputs
+        res.generated_tokens += r.generated_tokens
+        res.decode_tokens += r.decode_tokens
+        res.prefill_s += r.prefill_s
+        res.decode_s += r.decode_s
+        if r.stats is not None and res.stats is not None:
+            res.stats.gamma = r.stats.gamma
+            res.stats.rounds += r.stats.rounds
+            res.stats.decode_s += r.stats.decode_s
+            res.stats.draft_s += r.stats.draft_s
+            res.stats.verify_s += r.stats.verify_s
+    return res
+
+
+def plot_report(report: dict, path: str | Path) -> Path:
+    """Per-position conditional acceptance per method (pooled over the prompt sets) and τ per prompt set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spec = [r for r in report["pooled"] if "per_position_acceptance" in r]
+    if not spec:
+        raise SpecrtError("--plot needs at least one speculative method (mtp or dspark) in --methods")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for row in spec:
+        cond = row["per_position_acceptance"]["conditional"]
+        left.plot(range(1, len(cond) + 1), cond, marker="o", label=f"{row['method']} (τ {row['tau']:.2f})")
+    left.set(xlabel="draft position k", ylabel="P(accept k | k-1 accepted)", ylim=(0, 1),
+             title="Per-position conditional acceptance")
+    left.grid(alpha=0.3)
+    left.legend()
+    names = [d["dataset"] for d in report["datasets"]]
+    methods = [r["method"] for r in spec]
+    width = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        taus = [next(r["tau"] for r in d["results"] if r["method"] == m) for d in report["datasets"]]
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(names))]
+        bars = right.bar(xs, taus, width, label=m)
+        right.bar_label(bars, fmt="%.2f", fontsize=7)
+    right.set_xticks(range(len(names)), names, rotation=15)
+    right.set(ylabel="τ (tokens per target call)", title="τ per prompt set")
+    right.grid(axis="y", alpha=0.3)
+    right.legend()
+    fig.suptitle(f"greedy, batch 1, {report['max_new_tokens']} new tokens", fontsize=9)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
 
 
 def hf_baseline(source: Path, threads: int | None = None) -> Callable:

@@ -1,4 +1,4 @@
-"""The `specrt` command line: export, run, bench, inspect, fetch-model, demo."""
+"""The `specrt` command line: export, run, bench, distill, inspect, fetch-model, demo."""
 from __future__ import annotations
 
 import json
@@ -79,14 +79,24 @@ def _settings(batch: int, max_seq_len: int, prefill_chunk: int, verify_len: int 
               help="MTP head checkpoint (DeepSeek naming; standalone dir or inside the target dir).")
 @click.option("--mtp-feedback", type=click.Choice(["post", "pre"]), default="post",
               help="Hidden fed back for chained MTP steps: after (SGLang) or before (vLLM) the head norm.")
+@click.option("--no-heads", is_flag=True, help="Export a preset without its shipped draft heads.")
 @click.option("--force", is_flag=True, help="Replace an existing artifact directory.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feedback: str, force: bool,
-           quiet: bool, **opts) -> None:
-    """Export MODEL (HF directory, .gguf file, or preset name `smollm2`) into an artifact directory."""
-    from specrt.exporter.export import export_artifact
-    from specrt.exporter.presets import resolve_model
+def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feedback: str, no_heads: bool,
+           force: bool, quiet: bool, **opts) -> None:
+    """Export MODEL (HF directory, .gguf file, or preset name `smollm2`) into an artifact directory.
 
+    A preset comes with the draft heads specrt ships for it (DSpark and MTP) unless --draft/--mtp or
+    --no-heads say otherwise."""
+    from specrt.exporter.export import export_artifact
+    from specrt.exporter.presets import preset_heads, resolve_model
+
+    if not no_heads and draft is None and mtp is None:
+        shipped = preset_heads(model)
+        draft, mtp = shipped.get("draft"), shipped.get("mtp")
+        if shipped and not quiet:
+            click.echo("with the shipped heads: " + ", ".join(f"--{'draft' if k == 'draft' else 'mtp'} {v}"
+                                                             for k, v in shipped.items()), err=True)
     block = None
     if draft is not None:
         from specrt.exporter.heads import dspark_block_size
@@ -179,18 +189,23 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, t
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--prompts", required=True, type=click.Path(path_type=Path), help='JSONL of {"turns": [...]}.')
-@click.option("--limit", type=int, default=None, help="Use the first N prompts.")
+@click.option("--prompts", "prompt_files", multiple=True, required=True, type=click.Path(path_type=Path),
+              help='JSONL of {"turns": [...]}; repeat for several prompt sets (reported one by one).')
+@click.option("--limit", type=int, default=None, help="Use the first N prompts of each file.")
 @click.option("--max-new-tokens", default=128, help="Tokens to generate per prompt (greedy, batch 1).")
 @click.option("--methods", default="ar", help="Comma-separated specrt methods to run: ar, mtp, dspark.")
 @click.option("--gamma", type=int, default=None, help="Drafts verified per round [default: the artifact's].")
 @click.option("--baseline", type=click.Choice(["none", "hf"]), default="none",
               help="Also run transformers generate() on the artifact's source model.")
 @click.option("--threads", type=int, default=None, help="Threads for ONNX Runtime and torch (default: all cores).")
+@click.option("--plot", type=click.Path(path_type=Path), default=None,
+              help="Write a PNG: per-position conditional acceptance per method, and tau per prompt set.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench(artifact: Path, prompts: Path, limit, max_new_tokens: int, methods: str, gamma, baseline: str, threads,
-          as_json: bool) -> None:
-    """Benchmark methods and baselines on the same prompts, side by side in one run (greedy, batch 1)."""
+def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens: int, methods: str, gamma,
+          baseline: str, threads, plot: Path | None, as_json: bool) -> None:
+    """Benchmark methods and baselines on the same prompts, side by side in one run (greedy, batch 1).
+
+    Every method must produce the same greedy tokens as `ar`; if any differs the command fails (exit 1)."""
     from specrt.runtime import bench as b
     from specrt.runtime.engine import METHODS, Engine
     from specrt.runtime.prompts import encode_prompt, read_prompts_file
@@ -200,34 +215,121 @@ def bench(artifact: Path, prompts: Path, limit, max_new_tokens: int, methods: st
     bad = [m for m in names if m not in METHODS]
     if bad or not names:
         raise SpecrtError(f"--methods: unknown method {bad[0] if bad else '(none)'}; choose from {', '.join(METHODS)}")
-    if "ar" in names:  # ar first: speedups are relative to specrt's own autoregressive decoding
-        names.remove("ar")
-    names.insert(0, "ar")
+    names = ["ar", *dict.fromkeys(m for m in names if m != "ar")]  # speedups are relative to specrt's own AR
+    stems = [p.stem for p in prompt_files]
+    if len(set(stems)) != len(stems):
+        raise SpecrtError(f"--prompts: two files share the name {next(s for s in stems if stems.count(s) > 1)!r}")
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise SpecrtError(f"--plot writes a PNG; got {plot}")
     engines = [Engine(artifact, method=m, gamma=gamma if m != "ar" else None, threads=threads) for m in names]
     engine = engines[0]
-    ids = [encode_prompt(engine.tokenizer, p) for p in read_prompts_file(prompts, limit)]
+    sets = {p.stem: [encode_prompt(engine.tokenizer, t) for t in read_prompts_file(p, limit)] for p in prompt_files}
     params = SamplingParams(max_new_tokens=max_new_tokens)
     progress = not as_json
-    results = [b.run_specrt(e, ids, params, progress=progress) for e in engines]
-    if baseline == "hf":
-        generate = b.hf_baseline(b.artifact_source(engine), threads=threads)
-        results.append(b.run_hf(generate, ids, max_new_tokens, sorted(engine.eos_ids), progress=progress))
-    reference = results[0]
-    identical = all(r.outputs == reference.outputs for r in results)
-    report = {"identical": identical, "prompts": len(ids), "max_new_tokens": max_new_tokens,
-              "results": [r.row(reference) for r in results]}
+    generate = b.hf_baseline(b.artifact_source(engine), threads=threads) if baseline == "hf" else None
+    per_set: dict[str, list] = {}
+    for name, ids in sets.items():
+        results = [b.run_specrt(e, ids, params, progress=progress, desc=f"{name} {e.method}") for e in engines]
+        if generate is not None:
+            results.append(b.run_hf(generate, ids, max_new_tokens, sorted(engine.eos_ids), progress=progress))
+        per_set[name] = results
+    datasets = [{"dataset": name, "prompts": len(sets[name]),
+                 "identical": all(r.outputs == results[0].outputs for r in results),
+                 "results": [dict(r.row(results[0]), dataset=name) for r in results]}
+                for name, results in per_set.items()]
+    columns = list(zip(*per_set.values()))  # per method: its result on every set
+    pooled = [b.pooled(list(col)) for col in columns]
+    identical = all(d["identical"] for d in datasets)
+    report = {"identical": identical, "prompts": sum(len(v) for v in sets.values()), "max_new_tokens": max_new_tokens,
+              "results": [row for d in datasets for row in d["results"]], "datasets": datasets,
+              "pooled": [r.row(pooled[0]) for r in pooled]}
+    if plot is not None:
+        report["plot"] = str(b.plot_report(report, plot))
     if as_json:
         click.echo(json.dumps(report))
     else:
-        click.echo(f"{'method':8s} {'tau':>6s} {'decode tok/s':>13s} {'e2e tok/s':>10s} {'speedup':>8s} {'tokens':>7s}")
-        for row in report["results"]:
+        rows = [(d["dataset"], row) for d in datasets for row in d["results"]]
+        if len(datasets) > 1:
+            rows += [("all", row) for row in report["pooled"]]
+        click.echo(f"{'prompts':10s} {'method':8s} {'tau':>6s} {'decode tok/s':>13s} {'e2e tok/s':>10s} "
+                   f"{'speedup':>8s} {'tokens':>7s}")
+        for name, row in rows:
             tau = f"{row['tau']:6.2f}" if "tau" in row else f"{'-':>6s}"
-            click.echo(f"{row['method']:8s} {tau} {row['tokens_per_s']:13.2f} {row['end_to_end_tokens_per_s']:10.2f} "
-                       f"{row['speedup']:8.2f} {row['generated_tokens']:7d}")
+            click.echo(f"{name[:10]:10s} {row['method']:8s} {tau} {row['tokens_per_s']:13.2f} "
+                       f"{row['end_to_end_tokens_per_s']:10.2f} {row['speedup']:8.2f} {row['generated_tokens']:7d}")
+        for row in report["pooled"]:
+            if "per_position_acceptance" in row:
+                cond = ", ".join(f"{a:.2f}" for a in row["per_position_acceptance"]["conditional"])
+                click.echo(f"{row['method']} conditional acceptance per position: {cond}")
         click.echo(f"identical greedy outputs: {identical}")
+        if plot is not None:
+            click.echo(f"wrote {report['plot']}")
     if not identical:
-        click.echo("specrt: error: methods produced different greedy tokens", err=True)
+        bad_sets = ", ".join(d["dataset"] for d in datasets if not d["identical"])
+        click.echo(f"specrt: error: methods produced different greedy tokens (on {bad_sets})", err=True)
         sys.exit(1)
+
+
+def _layer_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        return tuple(int(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated layer ids, got {value!r}") from None
+
+
+@main.command()
+@click.argument("target")
+@click.option("--head", type=click.Choice(["dspark", "mtp"]), required=True, help="Which draft head to train.")
+@click.option("--prompts", "prompts", multiple=True, required=True, type=click.Path(path_type=Path),
+              help='Training prompts, JSONL of {"turns": [...]} (repeatable). Rows equal to an eval row '
+                   "(the first 20 of each datasets/ file) are dropped.")
+@click.option("--out", "-o", required=True, type=click.Path(path_type=Path), help="Checkpoint directory to write.")
+@click.option("--work", type=click.Path(path_type=Path), default=None,
+              help="Stage cache (target, responses, features, training state) [default: OUT.work]. "
+                   "Share it between --head dspark and --head mtp to generate once.")
+@click.option("--layers", default=1, help="Draft decoder layers (MTP: 1).")
+@click.option("--block", default=7, help="DSpark block size (drafts per round).")
+@click.option("--markov-rank", default=64, help="DSpark Markov head rank (0 = none).")
+@click.option("--head-type", type=click.Choice(["vanilla", "gated", "rnn"]), default="vanilla",
+              help="DSpark Markov head type.")
+@click.option("--target-layers", callback=_layer_list, default=None,
+              help="DSpark feature layers, comma-separated [default: 3 spread over the target].")
+@click.option("--steps", default=3000, help="Optimizer steps.")
+@click.option("--lr", default=6e-4, help="Peak learning rate (warmup then cosine).")
+@click.option("--limit", type=int, default=None, help="Use at most N prompts, spread evenly over the files.")
+@click.option("--max-new-tokens", default=256, help="Response tokens generated per prompt.")
+@click.option("--sampling", type=click.Choice(["greedy", "deepspec"]), default="greedy",
+              help="Response sampling: greedy, or DeepSpec's T 0.7 / top-p 0.8 / top-k 20.")
+@click.option("--gen-batch", default=8, help="Request slots for generation.")
+@click.option("--max-seq-len", "max_seq", default=768, help="Cache positions per response (prompt + response).")
+@click.option("--calib-fraction", default=0.1, help="Share of prompts held out for confidence calibration.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
+              help="Dtype of the saved weights.")
+@click.option("--seed", default=0, help="Seed of the split, sampling and training.")
+@click.option("--threads", type=int, default=None, help="Threads for ONNX Runtime and torch (default: all cores).")
+@click.option("--force", is_flag=True, help="Replace an existing OUT.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def distill(target: str, prompts: tuple[Path, ...], out: Path, work: Path | None, force: bool, quiet: bool,
+            as_json: bool, **opts) -> None:
+    """Train a draft head for TARGET: generate -> features -> train -> calibrate -> save (each stage resumes)."""
+    from specrt.exporter.distill.pipeline import DistillSettings, distill as run_distill
+
+    report = run_distill(target, list(prompts), out, DistillSettings(**opts), work=work, progress=not quiet,
+                         force=force)
+    if as_json:
+        click.echo(json.dumps(report, indent=1))
+        return
+    tau, secs = report["tau"], report["seconds"]
+    click.echo(f"wrote {out} ({report['checkpoint_bytes'] / 1e6:.1f} MB): estimated tau "
+               f"{tau['untrained']:.2f} -> {tau['trained']:.2f}; {report['prompts']['split']}")
+    if report["calibration"]:
+        c = report["calibration"]
+        click.echo("calibration ECE per position: " + ", ".join(
+            f"{b:.3f}->{a:.3f}" for b, a in zip(c["ece_before"], c["ece_after"])))
+    click.echo("stage seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in secs.items()))
 
 
 @main.command()
@@ -277,14 +379,17 @@ def demo(prompt: str, max_new_tokens: int) -> None:
     from specrt.runtime.sampling import SamplingParams
 
     art = default_artifact(progress=True)
-    engine = Engine(art)
+    from specrt import artifact as io
+
+    engine = Engine(art, method="dspark" if "dspark" in io.load_manifest(art).heads else "ar")
     request = Request(prompt_ids=encode_prompt(engine.tokenizer, prompt),
                       params=SamplingParams(max_new_tokens=max_new_tokens))
     with tqdm(total=max_new_tokens, desc="generate", unit="tok") as bar:
         outputs, stats = engine.generate([request], on_token=lambda _id, n: bar.update(n))
     s = stats.to_dict()
     click.echo(f"\n>>> {prompt}\n{outputs[0].text}\n")
-    click.echo(f"{s['generated_tokens']} tokens; decode {s['decode_tokens_per_s']:.1f} tokens/s; "
+    spec = f"; {s['method']} tau {s['tau']:.2f} tokens per target call" if "tau" in s else ""
+    click.echo(f"{s['generated_tokens']} tokens; decode {s['decode_tokens_per_s']:.1f} tokens/s{spec}; "
                f"prefill {s['prefill_ms']:.0f} ms  (artifact: {art})")
 
 

@@ -111,7 +111,8 @@ def collect_confidence(model: DSparkDraft, head: FrozenHead, batches: list, acce
 def calibrate_dspark(cache: TargetCache, draft_dir: str | Path, target_cfg: ModelConfig, *, split: str = "calib",
                      acceptance: str = "sampled", anchors_per_seq: int = 64, max_seqs: int | None = None,
                      batch_seqs: int = 4, grid: np.ndarray | None = None, bins: int = ECE_BINS, seed: int = 0,
-                     head_dtype: str | None = None) -> Calibration:
+                     head_dtype: str | None = None,
+                     target_weights: dict[str, np.ndarray] | None = None) -> Calibration:
     """STS temperatures for the DSpark head in `draft_dir` (DeepSpec layout) on the cache's `split` samples."""
     loaded = load_dspark(draft_dir, target_cfg)
     cfg = loaded.config
@@ -122,7 +123,9 @@ def calibrate_dspark(cache: TargetCache, draft_dir: str | Path, target_cfg: Mode
         raise SpecrtError(f"target cache {cache.path} has no {split!r} split (it has "
                           f"{', '.join(cache.manifest.get('splits') or {}) or 'none'})")
     samples = [i for i in samples if cache.samples[i][1] - cache.samples[i][2] >= 2][:max_seqs]
-    model = DSparkDraft.from_weights(cfg, loaded.weights)
+    if loaded.shared and target_weights is None:
+        raise SpecrtError(f"{draft_dir} shares {', '.join(loaded.shared)} with the target; pass target_weights")
+    model = DSparkDraft.from_weights(cfg, loaded.with_target(target_weights) if loaded.shared else loaded.weights)
     head = FrozenHead(model.lm_head.weight, getattr(torch, head_dtype) if head_dtype else None)
     ctx_cols, final_cols = cache.feature_slice(list(cfg.target_layer_ids)), cache.feature_slice([FINAL])
     rng = np.random.default_rng(seed)

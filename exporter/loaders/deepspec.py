@@ -43,9 +43,15 @@ class DSparkConfig:
     confidence_head_with_markov: bool = False
     architecture: str = "Qwen3DSparkModel"
     num_target_layers: int | None = None
+    # specrt's key: STS temperatures of the confidence head per draft position (empty = uncalibrated, all 1)
+    confidence_temperatures: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         ids = list(self.target_layer_ids)
+        temps = self.confidence_temperatures
+        if temps and (len(temps) != self.block_size or min(temps) <= 0 or not self.enable_confidence_head):
+            raise SpecrtError(f"confidence_temperatures {list(temps)} must be {self.block_size} positive values "
+                              "of a head with a confidence head")
         if self.block_size < 1:
             raise SpecrtError(f"block_size must be >= 1, got {self.block_size}")
         if not ids or any(i < -1 for i in ids) or any(b <= a for a, b in zip(ids, ids[1:])):
@@ -86,14 +92,16 @@ class DSparkConfig:
                    mask_token_id=int(hf["mask_token_id"]), markov_rank=rank,
                    markov_head_type=str(hf.get("markov_head_type", "vanilla")), enable_confidence_head=confidence,
                    confidence_head_with_markov=confidence and bool(hf["confidence_head_with_markov"]),
-                   architecture=archs[0], num_target_layers=hf.get("num_target_layers"))
+                   architecture=archs[0], num_target_layers=hf.get("num_target_layers"),
+                   confidence_temperatures=tuple(float(t) for t in hf.get("confidence_temperatures") or ()))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DSparkConfig":
-        d = dict(d, layers=ModelConfig.from_dict(d["layers"]), target_layer_ids=tuple(d["target_layer_ids"]))
+        d = dict(d, layers=ModelConfig.from_dict(d["layers"]), target_layer_ids=tuple(d["target_layer_ids"]),
+                 confidence_temperatures=tuple(d.get("confidence_temperatures") or ()))
         return cls(**d)
 
     def check_target(self, target: ModelConfig) -> None:
@@ -144,6 +152,9 @@ def expected_dspark_shapes(cfg: DSparkConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")  # frozen copies of the target's in DeepSpec
+
+
 @dataclass
 class LoadedDSpark:
     """A loaded draft head: config, float32 weights under DeepSpec names, provenance."""
@@ -151,6 +162,13 @@ class LoadedDSpark:
     config: DSparkConfig
     weights: dict[str, np.ndarray]
     source_files: list[Path] = field(default_factory=list)
+    shared: tuple[str, ...] = ()  # of SHARED_WITH_TARGET: absent from the checkpoint, the target's tensors are used
+
+    def with_target(self, target_weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The full DeepSpec weight dict: the shared tensors filled in from the target's weights."""
+        embed = target_weights["model.embed_tokens.weight"]
+        fill = {"embed_tokens.weight": embed, "lm_head.weight": target_weights.get("lm_head.weight", embed)}
+        return {**self.weights, **{n: fill[n] for n in self.shared}}
 
 
 def load_dspark(path: str | Path, target: ModelConfig) -> LoadedDSpark:
@@ -172,7 +190,11 @@ def load_dspark(path: str | Path, target: ModelConfig) -> LoadedDSpark:
         with _open(f) as st:
             for key in st.keys():
                 located[key] = (f, tuple(st.get_slice(key).get_shape()))
+    # specrt's compact layout leaves out embed_tokens / lm_head: they are then the target's own (frozen in training)
+    shared = [n for n in SHARED_WITH_TARGET if n not in located]
     for name, want in wanted.items():
+        if name in shared:
+            continue
         if name not in located:
             raise SpecrtError(f"{ckpt}: missing tensor {name} (expected shape {list(want)})")
         if located[name][1] != want:
@@ -184,12 +206,13 @@ def load_dspark(path: str | Path, target: ModelConfig) -> LoadedDSpark:
     weights: dict[str, np.ndarray] = {}
     for f in files:
         with _open(f) as st:
-            for name in (n for n in wanted if located[n][0] == f):
+            for name in (n for n in wanted if n not in shared and located[n][0] == f):
                 try:
                     weights[name] = st.get_tensor(name).float().numpy()  # bf16 / fp16 / fp32 -> fp32
                 except Exception as e:  # safetensors raises plain errors on bad data offsets
                     raise SpecrtError(f"{f} is corrupt or truncated: {e}") from None
-    return LoadedDSpark(config=cfg, weights=weights, source_files=[config_path, *index_files, *files])
+    return LoadedDSpark(config=cfg, weights=weights, source_files=[config_path, *index_files, *files],
+                        shared=tuple(shared))
 
 
 def save_deepspec_checkpoint(out_dir: str | Path, config_dict: dict[str, Any], weights: dict[str, Any], *,

@@ -128,9 +128,13 @@ def load_mtp(path: str | Path, target: ModelConfig) -> LoadedMTP:
     return LoadedMTP(cfg, weights, [*([config_path] if has_config else []), *index_files, *used])
 
 
-def save_mtp_checkpoint(out_dir: str | Path, target_hf_config: dict[str, Any], weights: Mapping[str, Any]) -> Path:
-    """Write the standalone form: config.json (target config + MTP keys) and model.safetensors of layer N."""
-    from safetensors.numpy import save_file
+def save_mtp_checkpoint(out_dir: str | Path, target_hf_config: dict[str, Any], weights: Mapping[str, Any], *,
+                        dtype: str | None = None) -> Path:
+    """Write the standalone form: config.json (target config + MTP keys) and model.safetensors of layer N.
+
+    `dtype` ("bfloat16", "float32", ...) casts every tensor; the loader reads any of them back as float32."""
+    import torch
+    from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,10 +145,11 @@ def save_mtp_checkpoint(out_dir: str | Path, target_hf_config: dict[str, Any], w
     hf["architectures"] = [archs[0].removesuffix(ARCH_SUFFIX) + ARCH_SUFFIX]
     hf["num_nextn_predict_layers"] = 1
     prefix = f"model.layers.{int(hf['num_hidden_layers'])}."
-    # torch tensors (distillation) or numpy arrays; safetensors wants contiguous numpy
-    arrays = {prefix + k: np.ascontiguousarray(v.detach().cpu().numpy() if hasattr(v, "detach") else v)
-              for k, v in weights.items()}
-    save_file(arrays, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tensors = {}
+    for k, v in weights.items():  # torch tensors (distillation) or numpy arrays
+        t = v.detach().cpu() if hasattr(v, "detach") else torch.from_numpy(np.ascontiguousarray(v))
+        tensors[prefix + k] = (t.to(getattr(torch, dtype)) if dtype else t).contiguous().clone()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     return out
 

@@ -33,6 +33,8 @@ def dspark_weights(cfg: DSparkConfig, weights: dict[str, np.ndarray],
                                                           out.pop(f"{m}.up_proj.weight")])
     head_name = "lm_head.weight" if "lm_head.weight" in target_weights else "model.embed_tokens.weight"
     for own, shared in (("embed_tokens.weight", "model.embed_tokens.weight"), ("lm_head.weight", head_name)):
+        if own not in weights:  # a compact checkpoint: the target's tensor by definition
+            continue
         ref = target_weights.get(shared)
         same = ref is not None and np.array_equal(weights[own], ref)
         out[shared if same else P + own] = weights[own]

@@ -1,0 +1,230 @@
+"""`specrt distill`: the whole distillation pipeline, one resumable stage after another.
+
+    target    export the target once more, with the feature outputs the heads train on (work/target)
+    generate  the target's own responses to the training prompts (work/responses.jsonl; resumable per prompt)
+    features  one prefill pass per response into an fp16 memmap cache (work/cache)
+    train     DSpark or MTP training on that cache (work/train-<head>; resumable from its last save)
+    calibrate STS temperatures of the DSpark confidence head on the held-out "calib" prompts
+    save      the compact bf16 checkpoint (embedding and head left to the target's) + report.json, atomically
+
+The work directory is shared by both heads: the target and cache always carry the default DSpark feature
+layers and the final hidden state, so `--head mtp` after `--head dspark` reuses generation and features.
+Wall time spent in each stage accumulates in work/timings.json across resumed runs and goes into the report.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from specrt import artifact as io
+from specrt.errors import SpecrtError
+from specrt.exporter.distill.cache import TargetCache
+from specrt.exporter.distill.calibrate import calibrate_dspark
+from specrt.exporter.distill.features import capture_features
+from specrt.exporter.distill.generate import SAMPLING, generate_responses
+from specrt.exporter.distill.prompts import PromptSplit, rows_label, training_prompts
+from specrt.exporter.distill.train_dspark import TrainResult, train_dspark
+from specrt.exporter.distill.train_mtp import train_mtp
+from specrt.exporter.loaders import load_target
+from specrt.exporter.loaders.deepspec import SHARED_WITH_TARGET, default_layer_ids, load_dspark, save_deepspec_checkpoint
+from specrt.exporter.loaders.mtp import load_mtp, save_mtp_checkpoint
+from specrt.exporter.onnx.target import FINAL
+from specrt.exporter.presets import resolve_model
+
+HEADS = ("dspark", "mtp")
+STAGES = ("target", "generate", "features", "train", "calibrate", "save")
+REPORT = "report.json"
+TIMINGS = "timings.json"
+CURVE_POINTS = 200  # loss-curve rows kept in the report (evenly spaced over the run)
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    """What `specrt distill` trains and on which data; the defaults produce the committed SmolLM2 heads."""
+
+    head: str
+    layers: int = 1
+    block: int = 7
+    markov_rank: int = 64
+    head_type: str = "vanilla"
+    target_layers: tuple[int, ...] | None = None  # DSpark feature layers (default: DeepSpec-style spread)
+    steps: int = 3000
+    lr: float = 6e-4
+    max_new_tokens: int = 256
+    sampling: str = "greedy"
+    gen_batch: int = 8
+    max_seq: int = 768
+    limit: int | None = None
+    calib_fraction: float = 0.1
+    seed: int = 0
+    dtype: str = "bfloat16"  # of the saved weights
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head not in HEADS:
+            raise SpecrtError(f"--head must be one of {', '.join(HEADS)}, got {self.head!r}")
+        if self.sampling not in SAMPLING:
+            raise SpecrtError(f"--sampling must be one of {', '.join(SAMPLING)}, got {self.sampling!r}")
+        for name in ("layers", "block", "steps", "max_new_tokens", "gen_batch"):
+            if getattr(self, name) < 1:
+                raise SpecrtError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.head == "mtp" and self.layers != 1:
+            raise SpecrtError(f"an MTP head has exactly one layer (DeepSeek-V3 layout), got --layers {self.layers}")
+        if self.markov_rank < 0:
+            raise SpecrtError(f"--markov-rank must be >= 0, got {self.markov_rank}")
+        if self.max_new_tokens >= self.max_seq:
+            raise SpecrtError(f"--max-new-tokens {self.max_new_tokens} leaves no room for a prompt in "
+                              f"--max-seq-len {self.max_seq}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise SpecrtError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+
+
+class _Timings:
+    """Seconds per stage, summed over every run that worked in this work directory."""
+
+    def __init__(self, work: Path) -> None:
+        self.path = work / TIMINGS
+        self.seconds: dict[str, float] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] = round(self.seconds.get(stage, 0.0) + seconds, 1)
+        self.path.write_text(json.dumps(self.seconds, indent=1) + "\n")
+
+
+def feature_sources(num_layers: int, target_layers: Sequence[int] | None) -> list[int | str]:
+    """What the work-dir target outputs: DSpark's default layers (and any asked for) plus the final hidden state."""
+    layers = sorted({*default_layer_ids(num_layers), *(target_layers or ())})
+    return [*layers, FINAL]
+
+
+def _stage_target(source: Path, work: Path, s: DistillSettings, sources: list[int | str], progress: bool) -> Path:
+    from specrt.exporter.export import export_artifact
+
+    art, key_path = work / "target", work / "target.json"
+    key = {"source": str(source.resolve()), "features": sources, "batch": s.gen_batch, "max_seq": s.max_seq}
+    if (art / io.MANIFEST).is_file() and key_path.is_file():
+        old = json.loads(key_path.read_text())
+        if old != key:
+            raise SpecrtError(f"work directory {work} was made for another target or settings "
+                              f"({', '.join(k for k in key if old.get(k) != key[k])} differ); use another --work")
+        return art
+    settings = io.ExportSettings(batch=s.gen_batch, max_seq=s.max_seq, prefill_chunk=min(64, s.max_seq // 2),
+                                 verify_len=1)
+    export_artifact(source, art, settings, extra_features=tuple(sources), progress=progress, force=True)
+    key_path.write_text(json.dumps(key, indent=1) + "\n")
+    return art
+
+
+def _train(s: DistillSettings, cache: TargetCache, loaded, train_dir: Path, ids: list[int],
+           progress: bool) -> TrainResult:
+    if s.head == "dspark":
+        return train_dspark(cache, loaded.weights, loaded.config, train_dir, layers=s.layers, block=s.block,
+                            markov_rank=s.markov_rank, head_type=s.head_type, target_layer_ids=tuple(ids),
+                            steps=s.steps, lr=s.lr, seed=s.seed, threads=s.threads, progress=progress)
+    return train_mtp(cache, loaded.weights, loaded.config, train_dir, steps=s.steps, lr=s.lr, seed=s.seed,
+                     threads=s.threads, progress=progress)
+
+
+def _save_compact(s: DistillSettings, train_dir: Path, staging: Path, loaded) -> None:
+    """Re-save the trained head in `s.dtype` without the tensors it shares with the target."""
+    if s.head == "dspark":
+        head = load_dspark(train_dir, loaded.config)
+        hf = json.loads((train_dir / "config.json").read_text())
+        weights = {k: v for k, v in head.weights.items() if k not in SHARED_WITH_TARGET}
+        save_deepspec_checkpoint(staging, dict(hf, dtype=s.dtype), weights, dtype=s.dtype)
+    else:
+        head = load_mtp(train_dir, loaded.config)
+        save_mtp_checkpoint(staging, loaded.config.to_hf(), head.weights, dtype=s.dtype)
+
+
+def _curve(history: list[dict[str, float]]) -> list[dict[str, float]]:
+    every = max(1, len(history) // CURVE_POINTS)
+    return [h for i, h in enumerate(history) if (i + 1) % every == 0 or i + 1 == len(history)]
+
+
+def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, settings: DistillSettings, *,
+            work: str | Path | None = None, progress: bool = True, force: bool = False) -> dict[str, Any]:
+    """Run (or resume) every stage; write the head to `out` with its report, and return the report."""
+    s = settings
+    out = Path(out)
+    work = Path(work) if work is not None else out.with_name(out.name + ".work")
+    if out.exists() and not force:
+        raise SpecrtError(f"{out} already exists; pass --force to replace it")
+    for f in prompt_files:
+        if not Path(f).is_file():
+            raise SpecrtError(f"prompts file not found: {f}")
+    if not prompt_files:
+        raise SpecrtError("give at least one --prompts FILE.jsonl")
+    split: PromptSplit = training_prompts(prompt_files=[Path(f) for f in prompt_files], limit=s.limit,
+                                          calib_fraction=s.calib_fraction, seed=s.seed)
+    work.mkdir(parents=True, exist_ok=True)
+    timings = _Timings(work)
+    t_run = time.perf_counter()
+
+    def timed(stage: str, fn):
+        t0 = time.perf_counter()
+        result = fn()
+        timings.add(stage, time.perf_counter() - t0)
+        return result
+
+    source = resolve_model(target, progress=progress)
+    loaded = load_target(source)
+    cfg = loaded.config
+    ids = list(s.target_layers or default_layer_ids(cfg.num_layers))
+    sources = feature_sources(cfg.num_layers, s.target_layers)
+    art = timed("target", lambda: _stage_target(source, work, s, sources, progress))
+    responses = timed("generate", lambda: generate_responses(
+        art, split.prompts, work / "responses.jsonl", max_new_tokens=s.max_new_tokens, sampling=s.sampling,
+        seed=s.seed, threads=s.threads, progress=progress))
+    cache_dir = timed("features", lambda: capture_features(art, responses, work / "cache", feature_sources=sources,
+                                                           splits=split.indices, threads=s.threads,
+                                                           progress=progress))
+    cache = TargetCache(cache_dir)
+    train_dir = work / f"train-{s.head}"
+    result = timed("train", lambda: _train(s, cache, loaded, train_dir, ids, progress))
+
+    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        timed("save", lambda: _save_compact(s, train_dir, staging, loaded))
+        calibration = None
+        if s.head == "dspark":
+            cal = timed("calibrate", lambda: calibrate_dspark(cache, staging, cfg, seed=s.seed,
+                                                              target_weights=loaded.weights))
+            calibration = cal.to_dict()
+            config_path = staging / "config.json"
+            hf = json.loads(config_path.read_text())
+            hf["confidence_temperatures"] = cal.temperatures
+            config_path.write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        report = {
+            "head": s.head, "target": str(source), "settings": asdict(s),
+            "prompts": {"files": [str(f) for f in prompt_files], "split": rows_label(split),
+                        "train": len(split.train), "calib": len(split.calib)},
+            "cache": {"samples": len(cache), **cache.manifest.get("counts", {}),
+                      "tokens": int(len(cache.tokens)), "capture": cache.manifest.get("capture", {}),
+                      "generation": cache.manifest.get("generation", {}).get("sampling_params", {})},
+            "train": {"config": result.config, "steps": result.steps, "steps_per_s": round(result.steps_per_s, 3),
+                      "evals": result.evals, "loss_curve": _curve(result.history)},
+            "tau": {"untrained": result.tau_initial, "trained": result.tau,
+                    "estimate": "teacher-forced on held-out responses (DSpark: expected accepted drafts + 1 "
+                                "per block; MTP: chained from depth-1 acceptance)"},
+            "calibration": calibration,
+            "seconds": {**timings.seconds, "total": round(sum(timings.seconds.values()), 1)},
+            "checkpoint_bytes": sum(f.stat().st_size for f in staging.iterdir() if f.is_file()),
+        }
+        (staging / REPORT).write_text(json.dumps(report, indent=1) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    report["this_run_seconds"] = round(time.perf_counter() - t_run, 1)
+    return report

@@ -1,0 +1,167 @@
+"""`specrt distill` end to end on a tiny target, the compact checkpoints it writes, and multi-set `specrt bench`."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from specrt import artifact as io
+from specrt.cli import main
+from specrt.exporter.loaders import load_target
+from specrt.exporter.loaders.deepspec import load_dspark
+from specrt.exporter.loaders.mtp import load_mtp
+
+WORDS = "the a cat dog sat ran on under mat log and then it was big small red blue".split()
+STAGE_FILES = ("responses.jsonl", "cache/features.bin", "cache/manifest.json")
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir, tmp_path_factory) -> Path:
+    """A tiny 4-layer llama with a word-level tokenizer and a chat template, so text prompts work."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    d = tmp_path_factory.mktemp("distill_target") / "model"
+    shutil.copytree(tiny_model_dir("llama", num_layers=4), d)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "[UNK]": 3, **{w: 4 + i for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>",
+         "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"}))
+    return d
+
+
+def prompts_file(path: Path, n: int, seed: int) -> Path:
+    rng = np.random.default_rng(seed)
+    path.write_text("".join(json.dumps({"turns": [" ".join(rng.choice(WORDS, int(rng.integers(3, 9))))]}) + "\n"
+                            for _ in range(n)))
+    return path
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+COMMON = ("--max-new-tokens", 20, "--gen-batch", 2, "--max-seq-len", 64, "--steps", 6, "--quiet", "--json")
+
+
+@pytest.fixture(scope="module")
+def distilled(target, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("distill_run")
+    prompts = prompts_file(root / "train.jsonl", 24, seed=0)
+    work = root / "work"
+    out = {"root": root, "work": work, "prompts": prompts, "dspark": root / "dspark", "mtp": root / "mtp"}
+    r = invoke("distill", target, "--head", "dspark", "--prompts", prompts, "--out", out["dspark"], "--work", work,
+               "--block", 3, "--markov-rank", 8, *COMMON)
+    assert r.exit_code == 0, r.output
+    out["dspark_report"] = json.loads(r.output)
+    out["mtimes"] = {f: (work / f).stat().st_mtime_ns for f in STAGE_FILES}
+    r = invoke("distill", target, "--head", "mtp", "--prompts", prompts, "--out", out["mtp"], "--work", work, *COMMON)
+    assert r.exit_code == 0, r.output
+    out["mtp_report"] = json.loads(r.output)
+    return out
+
+
+def test_dspark_checkpoint_is_compact_calibrated_and_reported(target, distilled):
+    ck, report = distilled["dspark"], distilled["dspark_report"]
+    cfg = json.loads((ck / "config.json").read_text())
+    assert cfg["block_size"] == 3 and cfg["markov_rank"] == 8 and cfg["dtype"] == "bfloat16"
+    assert len(cfg["confidence_temperatures"]) == 3 and min(cfg["confidence_temperatures"]) > 0
+    with safe_open(str(ck / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert {str(f.get_slice(n).get_dtype()) for n in names} == {"BF16"}
+    assert "embed_tokens.weight" not in names and "lm_head.weight" not in names and "fc.weight" in names
+    tcfg = load_target(target).config
+    loaded = load_dspark(ck, tcfg)
+    assert set(loaded.shared) == {"embed_tokens.weight", "lm_head.weight"}
+    assert loaded.config.confidence_temperatures == tuple(cfg["confidence_temperatures"])
+    assert report["head"] == "dspark" and report["train"]["steps"] == 6
+    assert len(report["train"]["loss_curve"]) == 6 and report["train"]["evals"][0]["step"] == 0
+    assert report["tau"]["untrained"] >= 1.0 and report["tau"]["trained"] >= 1.0
+    cal = report["calibration"]
+    assert len(cal["temperatures"]) == len(cal["ece_before"]) == len(cal["ece_after"]) == 3
+    assert report["prompts"]["train"] + report["prompts"]["calib"] == 24
+    assert set(report["seconds"]) == {"target", "generate", "features", "train", "save", "calibrate", "total"}
+    assert report["checkpoint_bytes"] == sum(f.stat().st_size for f in ck.iterdir() if f.name != "report.json")
+    assert json.loads((ck / "report.json").read_text())["tau"] == report["tau"]
+
+
+def test_mtp_reuses_the_work_dir_and_saves_bf16(target, distilled):
+    work = distilled["work"]
+    assert {f: (work / f).stat().st_mtime_ns for f in STAGE_FILES} == distilled["mtimes"]
+    report = distilled["mtp_report"]
+    assert report["head"] == "mtp" and report["calibration"] is None
+    assert report["seconds"]["generate"] == distilled["dspark_report"]["seconds"]["generate"]
+    with safe_open(str(distilled["mtp"] / "model.safetensors"), "pt") as f:
+        assert {str(f.get_slice(n).get_dtype()) for n in f.keys()} == {"BF16"}
+    loaded = load_mtp(distilled["mtp"], load_target(target).config)
+    assert not loaded.config.has_own_embed and not loaded.config.has_own_head
+
+
+def test_distilled_heads_export_and_bench_identically(target, distilled, tmp_path):
+    art = tmp_path / "art"
+    r = invoke("export", target, "--out", art, "--draft", distilled["dspark"], "--mtp", distilled["mtp"],
+               "--batch", 1, "--max-seq-len", 96, "--prefill-chunk", 8, "--quiet")
+    assert r.exit_code == 0, r.output
+    manifest = io.load_manifest(art)
+    assert manifest.heads["dspark"]["config"]["confidence_temperatures"] == \
+        json.loads((distilled["dspark"] / "config.json").read_text())["confidence_temperatures"]
+    a = prompts_file(tmp_path / "set_a.jsonl", 3, seed=5)
+    b = prompts_file(tmp_path / "set_b.jsonl", 2, seed=6)
+    plot = tmp_path / "plot.png"
+    r = invoke("bench", art, "--prompts", a, "--prompts", b, "--methods", "dspark,mtp", "--max-new-tokens", 16,
+               "--plot", plot, "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output)
+    assert report["identical"] and report["prompts"] == 5
+    assert [(row["dataset"], row["method"]) for row in report["results"]] == \
+        [(s, m) for s in ("set_a", "set_b") for m in ("ar", "dspark", "mtp")]
+    for row in report["results"]:
+        assert {"method", "tokens_per_s", "speedup"} <= set(row)
+        if row["method"] != "ar":
+            assert row["tau"] >= 1.0 and len(row["per_position_acceptance"]["conditional"]) == 3
+    pooled = {row["method"]: row for row in report["pooled"]}
+    by_set = [row for row in report["results"] if row["method"] == "dspark"]
+    assert pooled["dspark"]["rounds"] == sum(row["rounds"] for row in by_set)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and report["plot"] == str(plot)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--prompts", "nope.jsonl"), "prompts file not found: nope.jsonl"),
+    (("--steps", "0"), "--steps must be >= 1"),
+    (("--max-new-tokens", "64", "--max-seq-len", "64"), "leaves no room for a prompt"),
+    (("--head", "mtp", "--layers", "2"), "exactly one layer"),
+])
+def test_distill_bad_input_is_one_line(target, distilled, tmp_path, args, message):
+    base = {"--head": "dspark", "--prompts": str(distilled["prompts"]), "--steps": "2", "--max-new-tokens": "8",
+            "--max-seq-len": "64", "--gen-batch": "2"}
+    it = iter(args)
+    base.update(dict(zip(it, it)))
+    out = tmp_path / "ck"
+    r = invoke("distill", target, "--out", out, "--work", tmp_path / "w", "--quiet",
+               *[x for kv in base.items() for x in kv])
+    assert r.exit_code == 1 and message in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_distill_refuses_existing_out_and_foreign_work(target, distilled, tiny_model_dir, tmp_path):
+    r = invoke("distill", target, "--head", "mtp", "--prompts", distilled["prompts"], "--out", distilled["mtp"],
+               "--work", distilled["work"], *COMMON)
+    assert r.exit_code == 1 and "already exists; pass --force" in r.output
+    other = tmp_path / "other"
+    shutil.copytree(target, other)
+    r = invoke("distill", other, "--head", "mtp", "--prompts", distilled["prompts"], "--out", tmp_path / "ck",
+               "--work", distilled["work"], *COMMON)
+    assert r.exit_code == 1 and "was made for another target" in r.output
+
+
+def test_bench_plot_needs_png_and_speculative_method(target, distilled, tmp_path):
+    r = invoke("bench", tmp_path / "missing", "--prompts", distilled["prompts"], "--plot", tmp_path / "x.svg")
+    assert r.exit_code == 1 and "PNG" in r.output
