@@ -146,3 +146,46 @@ def test_untrained_heads_keep_greedy_output_identical(smollm2_heads_art, method)
     spec, stats = spec_engine.generate(reqs)  # 5 mixed-length prompts on 4 slots
     assert [o.output_ids for o in spec] == [o.output_ids for o in ar]
     assert stats.to_dict()["rounds"] > 0
+
+
+# -- the trained heads shipped for the default model ----------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def shipped_art(gguf, tmp_path_factory) -> Path:
+    """`specrt export smollm2` (the preset, which brings its shipped heads), batch 1."""
+    from click.testing import CliRunner
+
+    from specrt.cli import main
+
+    out = tmp_path_factory.mktemp("smollm2_shipped") / "art"
+    r = CliRunner().invoke(main, ["export", "smollm2", "--out", str(out), "--batch", "1", "--max-seq-len", "512",
+                                  "--quiet"])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+def test_preset_export_carries_the_shipped_heads(shipped_art):
+    from specrt.exporter.presets import HEADS_DIR
+
+    m = io.load_manifest(shipped_art)
+    assert set(m.heads) == {"dspark", "mtp"} and m.gamma == 7
+    cfg = json.loads((HEADS_DIR / "smollm2" / "dspark" / "config.json").read_text())
+    assert m.heads["dspark"]["config"]["confidence_temperatures"] == cfg["confidence_temperatures"]
+    size = sum(f.stat().st_size for d in ("dspark", "mtp") for f in (HEADS_DIR / "smollm2" / d).iterdir())
+    assert size <= 40e6  # the committed heads stay small: bf16, embedding and head shared with the target
+
+
+@pytest.mark.parametrize("method", ["dspark", "mtp"])
+def test_shipped_heads_are_trained_and_lossless(shipped_art, method):
+    engine = Engine(shipped_art, method="ar")
+    prompts = [encode_prompt(engine.tokenizer, p) for p in read_prompts_file(PROMPTS)][:2]
+    params = SamplingParams(max_new_tokens=64)
+    spec_engine = Engine(shipped_art, method=method)
+    for i, ids in enumerate(prompts):
+        req = Request(prompt_ids=ids, params=params, id=i)
+        (ar,), _ = engine.generate([req])
+        (spec,), stats = spec_engine.generate([req])
+        assert spec.output_ids == ar.output_ids
+        # an untrained head gets tau ~1.0 on these prompts; a trained one accepts drafts
+        assert stats.to_dict()["tau"] > 1.3, stats.to_dict()
