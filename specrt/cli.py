@@ -369,7 +369,9 @@ def fetch_model(name: str) -> None:
 @main.command()
 @click.option("--prompt", default="Explain in three sentences why the sky is blue.", help="User message.")
 @click.option("--max-new-tokens", default=128, help="Tokens to generate.")
-def demo(prompt: str, max_new_tokens: int) -> None:
+@click.option("--method", type=click.Choice(["dspark", "mtp", "ar"]), default="dspark",
+              help="Decoding method; the speculative ones use the shipped trained heads.")
+def demo(prompt: str, max_new_tokens: int, method: str) -> None:
     """Fetch the default model, export it (cached), and generate for a sample prompt."""
     from tqdm import tqdm
 
@@ -379,9 +381,7 @@ def demo(prompt: str, max_new_tokens: int) -> None:
     from specrt.runtime.sampling import SamplingParams
 
     art = default_artifact(progress=True)
-    from specrt import artifact as io
-
-    engine = Engine(art, method="dspark" if "dspark" in io.load_manifest(art).heads else "ar")
+    engine = Engine(art, method=method)
     request = Request(prompt_ids=encode_prompt(engine.tokenizer, prompt),
                       params=SamplingParams(max_new_tokens=max_new_tokens))
     with tqdm(total=max_new_tokens, desc="generate", unit="tok") as bar:
