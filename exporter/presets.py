@@ -6,11 +6,12 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+import specrt
 from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.exporter.fetch import PRESETS, cache_dir
 
-HEADS_DIR = Path(__file__).resolve().parents[1] / "specrt" / "heads"  # trained heads shipped with specrt
+HEADS_DIR = Path(specrt.__file__).resolve().parent / "heads"  # trained heads shipped with specrt (package data)
 
 
 def preset_heads(name: str) -> dict[str, Path]:

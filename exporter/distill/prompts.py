@@ -68,7 +68,11 @@ def dataset_files(datasets_dir: str | Path = DATASETS_DIR, files: Sequence[str] 
 
 
 def eval_prompts(datasets_dir: str | Path = DATASETS_DIR, *, eval_rows: int = EVAL_ROWS) -> dict[str, list[str]]:
-    """Dataset name -> the texts benchmarks report on (the first `eval_rows` rows of each file)."""
+    """Dataset name -> the texts benchmarks report on (the first `eval_rows` rows of each file).
+
+    An installed wheel has no `datasets/` (it lives in the repository): then there is nothing to hold out."""
+    if Path(datasets_dir) == DATASETS_DIR and not DATASETS_DIR.is_dir():
+        return {}
     return {p.stem: read_prompts_file(p, eval_rows) for p in dataset_files(datasets_dir)} if eval_rows else {}
 
 
