@@ -23,6 +23,21 @@ class MethodResult:
     decode_s: float = 0.0
     stats: RunStats | None = None  # speculative methods: rounds pooled over all prompts
 
+    def add(self, outputs: list[list[int]], generated: int, decoded: int, prefill_s: float, decode_s: float,
+            stats: RunStats | None) -> None:
+        """Accumulate more prompts: token and time sums; speculative rounds concatenated."""
+        self.outputs += outputs
+        self.generated_tokens += generated
+        self.decode_tokens += decoded
+        self.prefill_s += prefill_s
+        self.decode_s += decode_s
+        if stats is not None and self.stats is not None:
+            self.stats.gamma = stats.gamma
+            self.stats.rounds += stats.rounds
+            self.stats.decode_s += stats.decode_s
+            self.stats.draft_s += stats.draft_s
+            self.stats.verify_s += stats.verify_s
+
     def row(self, reference: "MethodResult | None") -> dict:
         tps = self.decode_tokens / self.decode_s if self.decode_s else 0.0
         e2e = self.generated_tokens / (self.prefill_s + self.decode_s) if self.prefill_s + self.decode_s else 0.0
@@ -49,16 +64,8 @@ def run_specrt(engine: Engine, prompts: list[list[int]], params: SamplingParams,
     desc = desc or f"specrt {engine.method}"
     for i, ids in enumerate(tqdm(prompts, desc=desc, unit="prompt", disable=not progress)):
         outputs, stats = engine.generate([Request(prompt_ids=ids, params=params, id=i)])
-        res.outputs.append(outputs[0].output_ids)
-        res.generated_tokens += stats.generated_tokens
-        res.decode_tokens += stats.decode_tokens
-        res.prefill_s += stats.prefill_s
-        res.decode_s += stats.decode_s
-        res.stats.gamma = stats.gamma
-        res.stats.rounds += stats.rounds
-        res.stats.decode_s += stats.decode_s
-        res.stats.draft_s += stats.draft_s
-        res.stats.verify_s += stats.verify_s
+        res.add([outputs[0].output_ids], stats.generated_tokens, stats.decode_tokens, stats.prefill_s,
+                stats.decode_s, stats)
     return res
 
 
@@ -67,17 +74,7 @@ def pooled(results: list[MethodResult]) -> MethodResult:
     first = results[0]
     res = MethodResult(first.method, stats=RunStats(method=first.method) if first.stats is not None else None)
     for r in results:
-        res.outputs += r.outputs
-        res.generated_tokens += r.generated_tokens
-        res.decode_tokens += r.decode_tokens
-        res.prefill_s += r.prefill_s
-        res.decode_s += r.decode_s
-        if r.stats is not None and res.stats is not None:
-            res.stats.gamma = r.stats.gamma
-            res.stats.rounds += r.stats.rounds
-            res.stats.decode_s += r.stats.decode_s
-            res.stats.draft_s += r.stats.draft_s
-            res.stats.verify_s += r.stats.verify_s
+        res.add(r.outputs, r.generated_tokens, r.decode_tokens, r.prefill_s, r.decode_s, r.stats)
     return res
 
 
