@@ -38,7 +38,6 @@ from specrt.exporter.onnx.target import FINAL
 from specrt.exporter.presets import resolve_model
 
 HEADS = ("dspark", "mtp")
-STAGES = ("target", "generate", "features", "train", "calibrate", "save")
 REPORT = "report.json"
 TIMINGS = "timings.json"
 CURVE_POINTS = 200  # loss-curve rows kept in the report (evenly spaced over the run)
