@@ -17,8 +17,8 @@ from specrt.exporter.config import ModelConfig
 from specrt.exporter.onnx.builder import GraphBuilder
 from specrt.exporter.onnx.target import FINAL
 
-Builder = Callable[[GraphBuilder, int], None]  # (graph builder, context rows C) -> emits the graph
-Signature = Callable[[int], tuple[tuple[io.TensorSpec, ...], tuple[io.TensorSpec, ...]]]
+Builder = Callable[[GraphBuilder], None]  # emits the head's graph (named axes B/C) into the builder
+Signature = tuple[tuple[io.TensorSpec, ...], tuple[io.TensorSpec, ...]]
 
 
 @dataclass
@@ -30,7 +30,7 @@ class HeadPlan:
     tensors: dict[str, np.ndarray]
     build: Builder
     signature: Signature
-    info: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)  # HeadSpec fields but the feature slice
     source_files: list[Path] = field(default_factory=list)
 
 
@@ -42,27 +42,21 @@ def dspark_plan(path: str | Path, target: ModelConfig, target_weights: dict[str,
                 s: io.ExportSettings) -> HeadPlan:
     """A DeepSpec DSpark (or DFlash) checkpoint as a head; γ is the block size."""
     from specrt.exporter.loaders.deepspec import load_dspark
-    from specrt.exporter.onnx.dspark import build_dspark_graph, dspark_weights
+    from specrt.exporter.onnx.dspark import build_dspark_graph, dspark_signature, dspark_weights
 
     loaded = load_dspark(path, target)
     cfg = loaded.config
-    lc = cfg.layers
 
-    def build(g: GraphBuilder, rows: int) -> None:
-        build_dspark_graph(g, cfg, target, batch=s.batch, ctx_rows=rows, max_seq=s.max_seq, dtype=s.dtype)
-
-    def signature(rows: int):
-        return io.dspark_signature(num_layers=lc.num_layers, num_kv_heads=lc.num_kv_heads, head_dim=lc.head_dim,
-                                   hidden_size=lc.hidden_size, vocab_size=lc.vocab_size,
-                                   num_features=len(cfg.target_layer_ids), batch=s.batch, ctx_rows=rows,
-                                   block=cfg.block_size, max_seq=s.max_seq, dtype=s.dtype,
-                                   confidence=cfg.enable_confidence_head)
+    def build(g: GraphBuilder) -> None:
+        build_dspark_graph(g, cfg, target, max_seq=s.max_seq, dtype=s.dtype)
 
     info = {"kind": "dflash" if not cfg.markov_rank and not cfg.enable_confidence_head else "dspark",
-            "block": cfg.block_size, "confidence": cfg.enable_confidence_head, "config": _config_dict(cfg)}
+            "steps": cfg.block_size, "confidence": cfg.enable_confidence_head,
+            "temperatures": tuple(cfg.confidence_temperatures), "config": _config_dict(cfg)}
     return HeadPlan(name="dspark", features=list(cfg.target_layer_ids),
                     tensors=dspark_weights(cfg, loaded.weights, target_weights), build=build,
-                    signature=signature, info=info, source_files=list(loaded.source_files))
+                    signature=dspark_signature(cfg, max_seq=s.max_seq, dtype=s.dtype), info=info,
+                    source_files=list(loaded.source_files))
 
 
 def mtp_plan(path: str | Path, target: ModelConfig, target_weights: dict[str, np.ndarray],
@@ -74,15 +68,12 @@ def mtp_plan(path: str | Path, target: ModelConfig, target_weights: dict[str, np
     loaded = load_mtp(path, target)
     cfg = loaded.config
 
-    def build(g: GraphBuilder, rows: int) -> None:
-        build_mtp_graph(g, cfg, target, batch=s.batch, rows=rows, steps=steps, max_seq=s.max_seq, dtype=s.dtype,
-                        feedback=feedback)
+    def build(g: GraphBuilder) -> None:
+        build_mtp_graph(g, cfg, target, steps=steps, max_seq=s.max_seq, dtype=s.dtype, feedback=feedback)
 
-    def signature(rows: int):
-        return io.mtp_signature(num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
-                                hidden_size=target.hidden_size, vocab_size=target.vocab_size, batch=s.batch,
-                                rows=rows, steps=steps, max_seq=s.max_seq, dtype=s.dtype)
-
+    signature = io.mtp_signature(num_kv_heads=cfg.layer.num_kv_heads, head_dim=cfg.layer.head_dim,
+                                 hidden_size=target.hidden_size, vocab_size=target.vocab_size, steps=steps,
+                                 max_seq=s.max_seq, dtype=s.dtype)
     info = {"kind": "mtp", "steps": steps, "feedback": feedback, "config": _config_dict(cfg)}
     return HeadPlan(name="mtp", features=[FINAL], tensors=mtp_weights(cfg, loaded.weights, target_weights),
                     build=build, signature=signature, info=info, source_files=list(loaded.source_files))

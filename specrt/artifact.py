@@ -4,10 +4,12 @@ An artifact is a directory:
 
     manifest.json     format version, model config, export settings, graph I/O specs, checksums
     weights.bin       every initializer of every graph, stored once (ONNX external data)
-    <graph>.onnx      fixed-shape graphs (target prefill chunk, decode, verify; draft graphs)
+    <family>.onnx     target.onnx, and dspark.onnx / mtp.onnx for draft heads
     tokenizer/        tokenizer.json (+ config), when the source model has one
 
-Target graph contract (B slots, T tokens per slot, R logit rows per slot, S = S_MAX cache positions):
+Every graph family (the target; one per draft head) is one ONNX file over named axes (B slots, T tokens
+per slot, R logit rows per slot, C context rows); the manifest lists the fixed shapes ("buckets") each
+family is run at. Target graph contract (S = S_MAX cache positions):
 
     inputs   input_ids[B,T] i64, position_ids[B,T] i64, write_index[B] i64 (cache length per slot),
              logit_rows[B,R] i64 (which of the T rows get logits), past.{i}.key / past.{i}.value [B,Hkv,S,D]
@@ -20,13 +22,15 @@ iff s <= write_index[b] + t. Rollback is only a smaller write_index on the next 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from specrt.errors import SpecrtError
+from specrt.exporter.config import ModelConfig
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.bin"
 TOKENIZER_DIR = "tokenizer"
@@ -39,6 +43,10 @@ LOGITS = "logits"
 FEATURES = "features"
 
 DTYPES = ("float32", "float16")
+TARGET = "target"  # the target's graph family; draft families are named after their head ("dspark", "mtp")
+
+Dim = int | str  # a fixed size, or a named axis: B slots, T tokens, R logit rows, C context rows
+Bucket = dict[str, int]  # sizes of a family's named axes for one fixed shape it is run at
 
 
 def past_names(layer: int) -> tuple[str, str]:
@@ -51,63 +59,107 @@ def present_names(layer: int) -> tuple[str, str]:
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """A graph input or output. `axes` names its leading dims that a backend may treat as symbolic
-    (B slots, T/C tokens, R rows); the remaining dims are fixed by the graph body."""
+    """A graph input or output; string dims are named axes whose size a bucket fixes."""
 
     name: str
     dtype: str  # numpy dtype name
-    shape: tuple[int, ...]
-    axes: tuple[str, ...] = ()
+    shape: tuple[Dim, ...]
 
-    def resolve(self, sizes: dict[str, int]) -> tuple[int, ...]:
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return tuple(d for d in self.shape if isinstance(d, str))
+
+    def resolve(self, sizes: Bucket) -> tuple[int, ...]:
         """The shape with the named axes replaced by `sizes`."""
-        return tuple(sizes[a] for a in self.axes) + self.shape[len(self.axes):]
+        return tuple(sizes[d] if isinstance(d, str) else d for d in self.shape)
 
 
 @dataclass(frozen=True, slots=True)
 class GraphSpec:
-    """One exported graph: its file, the dims it was fixed to, and its I/O signature."""
+    """One exported graph family: its file, its I/O signature over named axes, and the buckets it serves.
+
+    `buckets` maps a use ("prefill", "decode", "verify" for the target; "prefill", "propose" for a draft
+    head) to the fixed shapes the runtime runs it at. A backend that needs shapes ahead of time (TensorRT
+    profiles, CUDA graphs) prepares exactly these; the loop rounds each call up to the nearest one.
+    """
 
     name: str
     file: str
-    family: str  # graphs of one family share weights and differ only in B/T/R
-    dims: dict[str, int]
+    max_seq: int
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    buckets: dict[str, tuple[Bucket, ...]]
+
+    def bucket(self, use: str, **need: int) -> Bucket:
+        """The smallest bucket of `use` whose named sizes are all >= `need`."""
+        fits = [b for b in self.buckets.get(use, ()) if all(b[k] >= v for k, v in need.items())]
+        if not fits:
+            raise SpecrtError(f"graph {self.name}: no {use} bucket holds {need} "
+                              f"(exported: {list(self.buckets.get(use, ()))})")
+        return min(fits, key=lambda b: (math.prod(b.values()), tuple(b.values())))
+
+    def cache_inputs(self) -> tuple[TensorSpec, ...]:
+        return tuple(t for t in self.inputs if t.name.startswith("past."))
+
+    def host_inputs(self) -> tuple[TensorSpec, ...]:
+        return tuple(t for t in self.inputs if not t.name.startswith("past."))
+
+    def host_outputs(self) -> tuple[TensorSpec, ...]:
+        return tuple(t for t in self.outputs if not t.name.startswith("present."))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GraphSpec":
-        return cls(name=d["name"], file=d["file"], family=d["family"], dims=dict(d["dims"]),
-                   inputs=tuple(_tensor(t) for t in d["inputs"]), outputs=tuple(_tensor(t) for t in d["outputs"]))
+        return cls(name=d["name"], file=d["file"], max_seq=int(d["max_seq"]),
+                   inputs=tuple(_tensor(t) for t in d["inputs"]), outputs=tuple(_tensor(t) for t in d["outputs"]),
+                   buckets={use: tuple(dict(b) for b in bs) for use, bs in d["buckets"].items()})
 
 
 def _tensor(t: dict[str, Any]) -> TensorSpec:
-    return TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), tuple(t.get("axes", ())))
+    return TensorSpec(t["name"], t["dtype"], tuple(t["shape"]))
 
 
-def target_signature(*, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int,
-                     batch: int, tokens: int, rows: int, max_seq: int, dtype: str,
-                     feature_dim: int = 0) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """The target graph's inputs and outputs for fixed B/T/R/S (see the module docstring)."""
-    inputs = [TensorSpec(INPUT_IDS, "int64", (batch, tokens), ("B", "T")),
-              TensorSpec(POSITION_IDS, "int64", (batch, tokens), ("B", "T")),
-              TensorSpec(WRITE_INDEX, "int64", (batch,), ("B",)),
-              TensorSpec(LOGIT_ROWS, "int64", (batch, rows), ("B", "R"))]
-    outputs = [TensorSpec(LOGITS, dtype, (batch, rows, vocab_size), ("B", "R"))]
+def batch_sizes(batch: int) -> list[int]:
+    """Slot-count buckets: powers of two below `batch`, and `batch`."""
+    sizes = [1 << i for i in range(batch.bit_length()) if 1 << i < batch]
+    return [*sizes, batch]
+
+
+def target_buckets(s: "ExportSettings") -> dict[str, tuple[Bucket, ...]]:
+    """Prefill one slot a chunk at a time; decode 1 token for 1..B slots; verify 2..verify_len tokens."""
+    bs = batch_sizes(s.batch)
+    return {"prefill": ({"B": 1, "T": s.prefill_chunk, "R": 1},),
+            "decode": tuple({"B": b, "T": 1, "R": 1} for b in bs),
+            "verify": tuple({"B": b, "T": t, "R": t} for b in bs for t in range(2, s.verify_len + 1))}
+
+
+def head_buckets(s: "ExportSettings") -> dict[str, tuple[Bucket, ...]]:
+    """Prefill one slot's prompt context a chunk at a time; propose with 1..verify_len new context rows."""
+    return {"prefill": ({"B": 1, "C": s.prefill_chunk},),
+            "propose": tuple({"B": b, "C": c} for b in batch_sizes(s.batch) for c in range(1, s.verify_len + 1))}
+
+
+def target_signature(*, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int, max_seq: int,
+                     dtype: str, feature_dim: int = 0) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The target graph's inputs and outputs over named axes B/T/R (see the module docstring)."""
+    inputs = [TensorSpec(INPUT_IDS, "int64", ("B", "T")),
+              TensorSpec(POSITION_IDS, "int64", ("B", "T")),
+              TensorSpec(WRITE_INDEX, "int64", ("B",)),
+              TensorSpec(LOGIT_ROWS, "int64", ("B", "R"))]
+    outputs = [TensorSpec(LOGITS, dtype, ("B", "R", vocab_size))]
     if feature_dim:
-        outputs.append(TensorSpec(FEATURES, dtype, (batch, tokens, feature_dim), ("B", "T")))
+        outputs.append(TensorSpec(FEATURES, dtype, ("B", "T", feature_dim)))
     return cache_signature(inputs, outputs, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                           head_dim=head_dim, batch=batch, max_seq=max_seq, dtype=dtype)
+                           head_dim=head_dim, max_seq=max_seq, dtype=dtype)
 
 
 def cache_signature(inputs: list[TensorSpec], outputs: list[TensorSpec], *, num_layers: int, num_kv_heads: int,
-                    head_dim: int, batch: int, max_seq: int, dtype: str
+                    head_dim: int, max_seq: int, dtype: str
                     ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """Append the per-layer past (inputs) and present (outputs) KV tensors, [B,Hkv,S,D] each."""
-    cache = (batch, num_kv_heads, max_seq, head_dim)
+    cache = ("B", num_kv_heads, max_seq, head_dim)
     for i in range(num_layers):
-        inputs += [TensorSpec(n, dtype, cache, ("B",)) for n in past_names(i)]
-        outputs += [TensorSpec(n, dtype, cache, ("B",)) for n in present_names(i)]
+        inputs += [TensorSpec(n, dtype, cache) for n in past_names(i)]
+        outputs += [TensorSpec(n, dtype, cache) for n in present_names(i)]
     return tuple(inputs), tuple(outputs)
 
 
@@ -122,8 +174,9 @@ class ExportSettings:
 
     def __post_init__(self) -> None:
         for name in ("batch", "max_seq", "prefill_chunk", "verify_len"):
-            if getattr(self, name) < 1:
-                raise SpecrtError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecrtError(f"--{name.replace('_', '-')} must be >= 1, got {value!r}")
         if self.dtype not in DTYPES:
             raise SpecrtError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attention not in ("standard",):
@@ -133,31 +186,81 @@ class ExportSettings:
                               f"({self.prefill_chunk}) and verify length ({self.verify_len})")
 
 
+@dataclass(frozen=True, slots=True)
+class HeadSpec:
+    """A draft head in the artifact: how the runtime drives its graph family (named like the head)."""
+
+    name: str  # "dspark" | "mtp": the graph family
+    kind: str  # "dspark" | "dflash" | "mtp"
+    steps: int  # tokens drafted per call: the DSpark block size, or MTP's chained steps
+    feature_offset: int  # this head's slice of the target's features[B,T,F]
+    feature_dim: int
+    confidence: bool = False  # DSpark: a confidence head outputs confidence_logits[B,K]
+    temperatures: tuple[float, ...] = ()  # DSpark: STS calibration temperature per draft position
+    feedback: str = ""  # MTP: hidden fed back to chained steps, "post" or "pre" the head norm
+    config: dict[str, Any] = field(default_factory=dict)  # the head checkpoint's own config, as exported
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HeadSpec":
+        return cls(**{**d, "temperatures": tuple(d.get("temperatures") or ())})
+
+
+@dataclass(frozen=True, slots=True)
+class SourceFile:
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsInfo:
+    file: str
+    bytes: int
+    created: str
+
+
 @dataclass
 class Manifest:
-    model: dict[str, Any]
+    model: ModelConfig
     export: ExportSettings
-    graphs: dict[str, GraphSpec]
-    tokenizer: dict[str, Any] | None
-    sources: list[dict[str, Any]]
+    graphs: dict[str, GraphSpec]  # by family: "target", and one per draft head
+    tokenizer: dict[str, Any] | None  # tokenizer/ files, chat template, special tokens (runtime/tokenizer.py)
+    sources: tuple[SourceFile, ...]
+    weights: WeightsInfo
     name: str = ""
     format_version: int = FORMAT_VERSION
     specrt_version: str = ""
-    weights: dict[str, Any] = field(default_factory=dict)
-    features: list[Any] = field(default_factory=list)  # target feature sources: layer ids, "final"
-    heads: dict[str, dict[str, Any]] = field(default_factory=dict)  # draft heads by name
+    features: tuple[int | str, ...] = ()  # target feature sources: layer ids, "final"
+    heads: dict[str, HeadSpec] = field(default_factory=dict)
+    runtime_shapes: str = "symbolic"  # each family is one graph over named axes, run at its buckets
 
     @property
     def gamma(self) -> int:
         """Draft tokens verified per round at most (verify graphs take gamma + 1 tokens)."""
         return self.export.verify_len - 1
 
+    @property
+    def eos_ids(self) -> set[int]:
+        ids = set(self.model.eos_token_ids)
+        if self.tokenizer:
+            ids |= set(self.tokenizer.get("eos_token_ids") or ())
+        return ids
+
     def to_json(self) -> str:
-        d = asdict(self)
-        return json.dumps(d, indent=1)
+        return json.dumps(asdict(self), indent=1)
 
     def save(self, art_dir: Path) -> None:
         (art_dir / MANIFEST).write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Manifest":
+        return cls(model=ModelConfig.from_dict(d["model"]), export=ExportSettings(**d["export"]),
+                   graphs={k: GraphSpec.from_dict(g) for k, g in d["graphs"].items()},
+                   tokenizer=d.get("tokenizer"), sources=tuple(SourceFile(**f) for f in d.get("sources", ())),
+                   weights=WeightsInfo(**d["weights"]), name=d.get("name", ""), format_version=d["format_version"],
+                   specrt_version=d.get("specrt_version", ""), features=tuple(d.get("features", ())),
+                   heads={k: HeadSpec.from_dict(h) for k, h in d.get("heads", {}).items()},
+                   runtime_shapes=d.get("runtime_shapes", "symbolic"))
 
 
 def load_manifest(art_dir: str | Path) -> Manifest:
@@ -172,22 +275,38 @@ def load_manifest(art_dir: str | Path) -> Manifest:
         d = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SpecrtError(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise SpecrtError(f"cannot read {path}: {e.strerror or e}") from None
+    if not isinstance(d, dict):
+        raise SpecrtError(f"{path} is malformed: expected a JSON object, got a {type(d).__name__}")
     version = d.get("format_version")
     if version != FORMAT_VERSION:
         raise SpecrtError(f"{art} has artifact format version {version}, this specrt reads version "
                           f"{FORMAT_VERSION}; re-export it with this specrt")
     try:
-        m = Manifest(model=d["model"], export=ExportSettings(**d["export"]),
-                     graphs={k: GraphSpec.from_dict(g) for k, g in d["graphs"].items()},
-                     tokenizer=d.get("tokenizer"), sources=d.get("sources", []), name=d.get("name", ""),
-                     format_version=version, specrt_version=d.get("specrt_version", ""),
-                     weights=d.get("weights", {}), features=d.get("features", []), heads=d.get("heads", {}))
-    except (KeyError, TypeError) as e:
+        m = Manifest.from_dict(d)
+    except SpecrtError as e:
         raise SpecrtError(f"{path} is malformed: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise SpecrtError(f"{path} is malformed: {type(e).__name__} {e}") from None
+    if TARGET not in m.graphs:
+        raise SpecrtError(f"{path} is malformed: no {TARGET!r} graph")
     for g in m.graphs.values():
         if not (art / g.file).is_file():
             raise SpecrtError(f"artifact {art} is incomplete: graph file {g.file} is missing")
     return m
+
+
+def check_graph_io(graph: GraphSpec, declared: dict[str, tuple[Dim, ...]], file: str) -> None:
+    """Compare a graph file's declared I/O shapes with its spec in the manifest (one-line error on mismatch)."""
+    for t in (*graph.inputs, *graph.outputs):
+        if t.name not in declared:
+            raise SpecrtError(f"{file} has no tensor {t.name!r} that the manifest lists; re-export the artifact")
+        got = declared[t.name]
+        if len(got) != len(t.shape) or any(isinstance(a, int) and isinstance(b, int) and a != b
+                                           for a, b in zip(t.shape, got)):
+            raise SpecrtError(f"{file}: {t.name} has shape {list(got)} but the manifest says {list(t.shape)} "
+                              f"(manifest and graphs disagree; re-export the artifact)")
 
 
 # ---- draft graphs --------------------------------------------------------------------------------
@@ -227,39 +346,36 @@ MTP_LAST_ROW = "last_row"
 
 
 def dspark_signature(*, num_layers: int, num_kv_heads: int, head_dim: int, hidden_size: int, vocab_size: int,
-                     num_features: int, batch: int, ctx_rows: int, block: int, max_seq: int, dtype: str,
+                     num_features: int, block: int, max_seq: int, dtype: str,
                      confidence: bool) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """The DSpark draft graph's inputs and outputs (see the comment above)."""
-    b, c = ("B",), ("B", "C")
-    inputs = [TensorSpec(CTX_FEATURES, dtype, (batch, ctx_rows, num_features * hidden_size), c),
-              TensorSpec(CTX_POSITIONS, "int64", (batch, ctx_rows), c),
-              TensorSpec(CTX_WRITE_INDEX, "int64", (batch,), b),
-              TensorSpec(CTX_LEN, "int64", (batch,), b),
-              TensorSpec(ANCHOR_IDS, "int64", (batch,), b),
-              TensorSpec(TEMPERATURE, "float32", (batch,), b),
-              TensorSpec(NOISE, "float32", (batch, block), b)]
-    outputs = [TensorSpec(DRAFT_TOKENS, "int64", (batch, block), b),
-               TensorSpec(DRAFT_LOGITS, dtype, (batch, block, vocab_size), b),
-               TensorSpec(DRAFT_PROBS, "float32", (batch, block, vocab_size), b)]
+    """The DSpark draft graph's inputs and outputs over named axes B/C (see the comment above)."""
+    inputs = [TensorSpec(CTX_FEATURES, dtype, ("B", "C", num_features * hidden_size)),
+              TensorSpec(CTX_POSITIONS, "int64", ("B", "C")),
+              TensorSpec(CTX_WRITE_INDEX, "int64", ("B",)),
+              TensorSpec(CTX_LEN, "int64", ("B",)),
+              TensorSpec(ANCHOR_IDS, "int64", ("B",)),
+              TensorSpec(TEMPERATURE, "float32", ("B",)),
+              TensorSpec(NOISE, "float32", ("B", block))]
+    outputs = [TensorSpec(DRAFT_TOKENS, "int64", ("B", block)),
+               TensorSpec(DRAFT_LOGITS, dtype, ("B", block, vocab_size)),
+               TensorSpec(DRAFT_PROBS, "float32", ("B", block, vocab_size))]
     if confidence:
-        outputs.append(TensorSpec(CONFIDENCE_LOGITS, dtype, (batch, block), b))
+        outputs.append(TensorSpec(CONFIDENCE_LOGITS, dtype, ("B", block)))
     return cache_signature(inputs, outputs, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           batch=batch, max_seq=max_seq, dtype=dtype)
+                           max_seq=max_seq, dtype=dtype)
 
 
-def mtp_signature(*, num_kv_heads: int, head_dim: int, hidden_size: int, vocab_size: int, batch: int,
-                  rows: int, steps: int, max_seq: int, dtype: str
-                  ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """The MTP draft graph's inputs and outputs (see the comment above)."""
-    b, c = ("B",), ("B", "C")
-    inputs = [TensorSpec(MTP_TOKENS, "int64", (batch, rows), c),
-              TensorSpec(MTP_HIDDEN, dtype, (batch, rows, hidden_size), c),
-              TensorSpec(MTP_POSITIONS, "int64", (batch, rows), c),
-              TensorSpec(MTP_LAST_ROW, "int64", (batch,), b),
-              TensorSpec(TEMPERATURE, "float32", (batch,), b),
-              TensorSpec(NOISE, "float32", (batch, steps), b)]
-    outputs = [TensorSpec(DRAFT_TOKENS, "int64", (batch, steps), b),
-               TensorSpec(DRAFT_LOGITS, dtype, (batch, steps, vocab_size), b),
-               TensorSpec(DRAFT_PROBS, "float32", (batch, steps, vocab_size), b)]
+def mtp_signature(*, num_kv_heads: int, head_dim: int, hidden_size: int, vocab_size: int, steps: int,
+                  max_seq: int, dtype: str) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The MTP draft graph's inputs and outputs over named axes B/C (see the comment above)."""
+    inputs = [TensorSpec(MTP_TOKENS, "int64", ("B", "C")),
+              TensorSpec(MTP_HIDDEN, dtype, ("B", "C", hidden_size)),
+              TensorSpec(MTP_POSITIONS, "int64", ("B", "C")),
+              TensorSpec(MTP_LAST_ROW, "int64", ("B",)),
+              TensorSpec(TEMPERATURE, "float32", ("B",)),
+              TensorSpec(NOISE, "float32", ("B", steps))]
+    outputs = [TensorSpec(DRAFT_TOKENS, "int64", ("B", steps)),
+               TensorSpec(DRAFT_LOGITS, dtype, ("B", steps, vocab_size)),
+               TensorSpec(DRAFT_PROBS, "float32", ("B", steps, vocab_size))]
     return cache_signature(inputs, outputs, num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           batch=batch, max_seq=max_seq, dtype=dtype)
+                           max_seq=max_seq, dtype=dtype)

@@ -15,13 +15,15 @@ from safetensors.numpy import load_file
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
+from specrt.exporter.export import export_artifact
 from specrt.exporter.loaders import load_target
 from specrt.exporter.loaders.deepspec import (DSparkConfig, load_dspark, random_dspark_checkpoint,
                                               save_deepspec_checkpoint)
 from specrt.exporter.models.dspark import DSparkDraft
 from specrt.exporter.models.llama import Transformer
 from specrt.exporter.onnx.builder import GraphBuilder, WeightStore
-from specrt.exporter.onnx.dspark import build_dspark_graph, dspark_weights
+from specrt.exporter.onnx.dspark import build_dspark_graph, dspark_signature, dspark_weights
+from specrt.runtime.backends import bucket_of, infer, load_runner
 from test_export import TRT_CONSTANT_INPUTS, TRT_OPS
 
 FIXTURE = Path(__file__).parent / "fixtures" / "deepspec_dspark_tiny"
@@ -31,9 +33,9 @@ ATOL = 1e-4
 # -- helpers ---------------------------------------------------------------------------------------------
 
 
-def export_draft(out: Path, cfg: DSparkConfig, target_cfg, draft_w, target_w, *, batch: int, ctx_rows: int,
-                 max_seq: int, dtype: str = "float32") -> Path:
-    """Write weights.bin + dspark.onnx for one draft graph into `out` (what the exporter will do)."""
+def export_draft(out: Path, cfg: DSparkConfig, target_cfg, draft_w, target_w, *, max_seq: int,
+                 dtype: str = "float32") -> Path:
+    """Write weights.bin + dspark.onnx (axes B/C) for one draft head into `out` (what the exporter does)."""
     out.mkdir(parents=True, exist_ok=True)
     store = WeightStore(out / io.WEIGHTS_FILE)
     tensors = dspark_weights(cfg, draft_w, target_w)
@@ -41,7 +43,7 @@ def export_draft(out: Path, cfg: DSparkConfig, target_cfg, draft_w, target_w, *,
         store.add(name, tensors[name].astype(dtype))
     store.close()
     g = GraphBuilder(store)
-    build_dspark_graph(g, cfg, target_cfg, batch=batch, ctx_rows=ctx_rows, max_seq=max_seq, dtype=dtype)
+    build_dspark_graph(g, cfg, target_cfg, max_seq=max_seq, dtype=dtype)
     onnx.save(g.model("dspark"), out / "dspark.onnx")
     return out / "dspark.onnx"
 
@@ -161,8 +163,8 @@ def test_fixture_matches_deepspec(deepspec, backend, tmp_path):
     results = []
     for c, w in ((cfg, draft.weights), (base_cfg, base_w)):
         if backend == "onnx":
-            run = OnnxDraft(export_draft(tmp_path / str(len(results)), c, target.config, w, target.weights, batch=2,
-                                         ctx_rows=C, max_seq=S), c, 2, S)
+            run = OnnxDraft(export_draft(tmp_path / str(len(results)), c, target.config, w, target.weights,
+                                         max_seq=S), c, 2, S)
         else:
             run = TorchDraft(c, w, 2, S)
         split = [(p + 1) // 2 for p in anchors]
@@ -183,8 +185,7 @@ def test_fixture_trace_replay(deepspec, tmp_path):
     target, draft, _, _ = deepspec
     trace = json.loads((FIXTURE / "expected_trace.json").read_text())
     cfg, K, S, C = draft.config, trace["block_size"], 128, 32
-    run = OnnxDraft(export_draft(tmp_path, cfg, target.config, draft.weights, target.weights, batch=1, ctx_rows=C,
-                                 max_seq=S), cfg, 1, S)
+    run = OnnxDraft(export_draft(tmp_path, cfg, target.config, draft.weights, target.weights, max_seq=S), cfg, 1, S)
     verifier = Transformer.from_weights(target.config, target.weights)
     verifier.setup_caches(1, S)
 
@@ -214,6 +215,38 @@ def test_fixture_trace_replay(deepspec, tmp_path):
         assert out[:trace["max_new_tokens"]] == sample["output_ids"]
 
 
+def test_fixture_through_exported_artifact(deepspec, tmp_path):
+    """`specrt export` of DeepSpec's target with its draft, run through OrtRunner with the caches bound in place:
+    the target's features (prefill bucket) and each slot's draft (the draft's prefill bucket) match DeepSpec's."""
+    _, draft, z, _ = deepspec
+    cfg, ids, K = draft.config, z["input_ids"], draft.config.block_size
+    settings = io.ExportSettings(batch=2, max_seq=64, prefill_chunk=20, verify_len=K + 1)
+    art = export_artifact(FIXTURE / "target", tmp_path / "art", settings, draft=FIXTURE / "draft", progress=False)
+    m = io.load_manifest(art)
+    assert m.features == tuple(cfg.target_layer_ids) and m.heads["dspark"].feature_dim == cfg.feature_dim
+    target, drafter = (load_runner("ort", art, m, family, threads=1) for family in (io.TARGET, "dspark"))
+    target.allocate(1)
+    C = m.graphs[io.TARGET].bucket("prefill")["T"]
+    feats = np.concatenate([infer(target, 0, {
+        io.INPUT_IDS: ids[None, s:s + C], io.POSITION_IDS: np.arange(s, s + C)[None], io.WRITE_INDEX: np.array([s]),
+        io.LOGIT_ROWS: np.array([[C - 1]])})[io.FEATURES][0].copy() for s in range(0, len(ids), C)])
+    for j in range(2):
+        n = int(z[f"anchor{j}_position"])
+        np.testing.assert_allclose(feats[:n], z[f"anchor{j}_context_features"], atol=ATOL)
+    drafter.allocate(2)
+    bucket = m.graphs["dspark"].bucket("prefill")
+    for j in (1, 0):  # the second slot first: a call must touch only its own cache rows
+        anchor = int(z[f"anchor{j}_position"])
+        split = (anchor + 1) // 2
+        for rows in ((0, split), (split, anchor)):  # the context in two calls through the draft's cache
+            feeds = make_feeds([feats], [rows], bucket["C"], [ids[rows[1]]], K)
+            assert bucket_of(m.graphs["dspark"], feeds) == bucket
+            out = infer(drafter, j, feeds)
+        np.testing.assert_allclose(out[io.DRAFT_LOGITS][0], z[f"anchor{j}_corrected_logits"], atol=ATOL)
+        np.testing.assert_allclose(out[io.CONFIDENCE_LOGITS][0], z[f"anchor{j}_confidence_logits"], atol=ATOL)
+        np.testing.assert_array_equal(out[io.DRAFT_TOKENS][0], z[f"anchor{j}_draft_tokens"])
+
+
 # -- random heads: ONNX vs torch -------------------------------------------------------------------------
 
 HEADS = {"vanilla": dict(head_type="vanilla"), "gated": dict(head_type="gated"), "rnn": dict(head_type="rnn"),
@@ -241,8 +274,7 @@ def test_onnx_matches_torch(tiny_model_dir, tmp_path, family, head):
     cfg = draft.config
     assert cfg.architecture == ("Qwen3DSparkModel" if family == "qwen3" else "LlamaDSparkModel")
     B, C, S, K = 2, 6, 32, cfg.block_size
-    onnx_run = OnnxDraft(export_draft(tmp_path / "art", cfg, tcfg, draft.weights, target_w, batch=B, ctx_rows=C,
-                                      max_seq=S), cfg, B, S)
+    onnx_run = OnnxDraft(export_draft(tmp_path / "art", cfg, tcfg, draft.weights, target_w, max_seq=S), cfg, B, S)
     torch_run = TorchDraft(cfg, draft.weights, B, S)
     rng = np.random.default_rng(3)
     feats = [rng.standard_normal((20, cfg.feature_dim)).astype(np.float32) for _ in range(B)]
@@ -278,8 +310,8 @@ def test_fp16_graph_runs_close_to_fp32(tiny_model_dir, tmp_path):
     src = tiny_model_dir("qwen3", num_layers=4)
     target, draft = load_target(src), random_head(tmp_path, src, "vanilla")
     cfg, B, C, S = draft.config, 2, 6, 32
-    run = OnnxDraft(export_draft(tmp_path / "fp16", cfg, target.config, draft.weights, target.weights, batch=B,
-                                 ctx_rows=C, max_seq=S, dtype="float16"), cfg, B, S, dtype="float16")
+    run = OnnxDraft(export_draft(tmp_path / "fp16", cfg, target.config, draft.weights, target.weights, max_seq=S,
+                                 dtype="float16"), cfg, B, S, dtype="float16")
     feats = [np.random.default_rng(b).standard_normal((8, cfg.feature_dim)).astype(np.float32) for b in range(B)]
     feeds = make_feeds(feats, [(0, 4), (0, 6)], C, [5, 9], cfg.block_size)
     got, want = run(feeds), TorchDraft(cfg, draft.weights, B, S)(feeds)
@@ -293,26 +325,29 @@ def test_fp16_graph_runs_close_to_fp32(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("head", ["vanilla", "rnn", "dflash"])
 def test_graph_signature_and_ops(tiny_model_dir, tmp_path, head):
+    """The file declares `io.dspark_signature` over named axes B/C; path names; TensorRT parser ops only."""
     src = tiny_model_dir("qwen3", num_layers=4)
     target, draft = load_target(src), random_head(tmp_path, src, head)
     cfg, lc = draft.config, draft.config.layers
-    path = export_draft(tmp_path / "art", cfg, target.config, draft.weights, target.weights, batch=3, ctx_rows=5,
-                        max_seq=24)
+    path = export_draft(tmp_path / "art", cfg, target.config, draft.weights, target.weights, max_seq=24)
     onnx.checker.check_model(str(path), full_check=True)
     inputs, outputs = io.dspark_signature(
         num_layers=lc.num_layers, num_kv_heads=lc.num_kv_heads, head_dim=lc.head_dim, hidden_size=lc.hidden_size,
-        vocab_size=lc.vocab_size, num_features=len(cfg.target_layer_ids), batch=3, ctx_rows=5, block=cfg.block_size,
-        max_seq=24, dtype="float32", confidence=cfg.enable_confidence_head)
+        vocab_size=lc.vocab_size, num_features=len(cfg.target_layer_ids), block=cfg.block_size, max_seq=24,
+        dtype="float32", confidence=cfg.enable_confidence_head)
+    assert dspark_signature(cfg, max_seq=24, dtype="float32") == (inputs, outputs)
     model = onnx.load(str(path), load_external_data=False)
 
     def declared(values):
         return [(v.name, onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name,
-                 tuple(d.dim_value for d in v.type.tensor_type.shape.dim)) for v in values]
+                 tuple(d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim)) for v in values]
 
     assert declared(model.graph.input) == [(t.name, t.dtype, t.shape) for t in inputs]
     assert declared(model.graph.output) == [(t.name, t.dtype, t.shape) for t in outputs]
+    assert {a for t in (*inputs, *outputs) for a in t.axes} == {"B", "C"}
     names = [n.name for n in model.graph.node]
     assert all(n.startswith("/dspark/") for n in names) and len(set(names)) == len(names)
+    assert any(n.startswith("/dspark/layers.1/attn/ctx/") for n in names)  # the context rows' k/v projection
     assert [(o.domain, o.version) for o in model.opset_import] == [("", 23)]
     used = {n.op_type for n in model.graph.node}
     assert used <= TRT_OPS, f"ops outside the TensorRT parser allowlist: {sorted(used - TRT_OPS)}"

@@ -15,15 +15,18 @@ from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.exporter import export as export_mod
 from specrt.exporter.export import export_artifact
-from specrt.runtime.backends.base import StepInputs
+from specrt.exporter.loaders.deepspec import DSparkConfig, random_dspark_checkpoint
+from specrt.exporter.loaders.mtp import random_mtp_checkpoint
+from specrt.exporter.onnx.dspark import dspark_signature
+from specrt.runtime.backends import bucket_of, infer
 from specrt.runtime.backends.ort import OrtRunner
-from specrt.runtime.engine import Engine, Request
-from specrt.runtime.sampling import SamplingParams
 
 SETTINGS = io.ExportSettings(batch=4, max_seq=128, prefill_chunk=16, verify_len=5)
 # case id -> (conftest kind, tie); llama is exported both tied and untied
 CASES = {"llama_tied": ("llama", True), "llama_untied": ("llama", False), "qwen2": ("qwen2", None),
-         "qwen3": ("qwen3", None), "llama3_scaled": ("llama3_scaled", None), "mistral": ("mistral", None), "llama_bias": ("llama_bias", None)}
+         "qwen3": ("qwen3", None), "llama3_scaled": ("llama3_scaled", None), "mistral": ("mistral", None),
+         "llama_bias": ("llama_bias", None)}
+HEADED = "headed"  # a 4-layer llama with a tokenizer, exported with a DSpark and an MTP head
 SEQ = 20  # tokens compared against transformers
 ATOL = 1e-4
 
@@ -61,31 +64,56 @@ class Tiny:
 
     @property
     def vocab(self) -> int:
-        return int(self.manifest.model["vocab_size"])
+        return self.manifest.model.vocab_size
+
+
+def _write_tokenizer(model_dir: Path, vocab: int) -> None:
+    """A word-level tokenizer.json over the tiny vocabulary, so the export copies a tokenizer/ too."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")).save(
+        str(model_dir / "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir, tmp_path_factory):
-    """tiny(case_id) -> Tiny, exported once per module."""
+    """tiny(case_id) -> Tiny, exported once per module; HEADED has a tokenizer and both draft heads."""
     cache: dict[str, Tiny] = {}
 
     def get(case: str) -> Tiny:
         if case not in cache:
-            kind, tie = CASES[case]
-            model_dir = tiny_model_dir(kind, tie=tie)
-            art = export_artifact(model_dir, tmp_path_factory.mktemp(f"art_{case}") / "art", SETTINGS,
-                                  progress=False)
+            work = tmp_path_factory.mktemp(f"art_{case}")
+            if case == HEADED:
+                model_dir = Path(shutil.copytree(tiny_model_dir("llama", num_layers=4), work / "model"))
+                _write_tokenizer(model_dir, 256)
+                heads = dict(draft=random_dspark_checkpoint(work / "dspark", model_dir, block_size=4),
+                             mtp=random_mtp_checkpoint(work / "mtp", model_dir, seed=1))
+            else:
+                kind, tie = CASES[case]
+                model_dir, heads = tiny_model_dir(kind, tie=tie), {}
+            art = export_artifact(model_dir, work / "art", SETTINGS, progress=False, **heads)
             cache[case] = Tiny(model_dir, art)
         return cache[case]
 
     return get
 
 
+def _request(prompt, *, id: int = 0, **params):
+    """An engine request. The engine is imported only by the tests that use it, so the graph tests here (and
+    test_dspark / test_mtp, which import this module's TensorRT allowlist) never depend on it."""
+    from specrt.runtime.engine import Request
+    from specrt.runtime.sampling import SamplingParams
+
+    return Request(list(prompt), SamplingParams(**params), id=id)
+
+
 @pytest.fixture(scope="module")
 def engines(tiny):
-    cache: dict[str, Engine] = {}
+    from specrt.runtime.engine import Engine
 
-    def get(case: str) -> Engine:
+    cache: dict = {}
+
+    def get(case: str):
         if case not in cache:
             cache[case] = Engine(tiny(case).art, threads=1)
         return cache[case]
@@ -100,13 +128,13 @@ def _session(art: Path, file: str) -> ort.InferenceSession:
     return ort.InferenceSession(str(art / file), so, providers=["CPUExecutionProvider"])
 
 
-def _zero_cache(spec: io.GraphSpec) -> dict[str, np.ndarray]:
-    return {t.name: np.zeros(t.shape, t.dtype) for t in spec.inputs if t.name.startswith("past.")}
+def _zero_cache(spec: io.GraphSpec, slots: int) -> dict[str, np.ndarray]:
+    return {t.name: np.zeros(t.resolve({"B": slots}), t.dtype) for t in spec.cache_inputs()}
 
 
 def _run_plain(sess: ort.InferenceSession, spec: io.GraphSpec, cache: dict[str, np.ndarray], ids: np.ndarray,
                start: int, rows: np.ndarray) -> np.ndarray:
-    """One call of a fixed-shape graph through plain onnxruntime; updates `cache` from present.*."""
+    """One call of target.onnx through plain onnxruntime at the shape of `ids`; updates `cache` from present.*."""
     b, t = ids.shape
     feeds = {io.INPUT_IDS: ids, io.POSITION_IDS: np.broadcast_to(np.arange(start, start + t), (b, t)).copy(),
              io.WRITE_INDEX: np.full((b,), start, np.int64), io.LOGIT_ROWS: rows, **cache}
@@ -130,14 +158,15 @@ def _random_ids(vocab: int, shape: tuple[int, ...], seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_verify_graph_logits_match_transformers(tiny, case):
-    """4 different 20-token sequences, fed 5 tokens per call through the fixed-shape verify graph."""
+def test_verify_bucket_logits_match_transformers(tiny, case):
+    """4 different 20-token sequences, fed 5 tokens per call at the largest verify bucket of target.onnx."""
     t = tiny(case)
-    spec = t.manifest.graphs["verify"]
+    spec = t.manifest.graphs[io.TARGET]
     sess = _session(t.art, spec.file)
-    B, T = spec.dims["B"], spec.dims["T"]
+    bucket = spec.bucket("verify", B=SETTINGS.batch, T=SETTINGS.verify_len)
+    B, T = bucket["B"], bucket["T"]
     ids = _random_ids(t.vocab, (B, SEQ), seed=1)
-    cache = _zero_cache(spec)
+    cache = _zero_cache(spec, B)
     rows = np.broadcast_to(np.arange(T), (B, T)).copy()
     got = np.concatenate([_run_plain(sess, spec, cache, ids[:, s:s + T], s, rows) for s in range(0, SEQ, T)],
                          axis=1)
@@ -148,45 +177,56 @@ def test_verify_graph_logits_match_transformers(tiny, case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_chunked_prefill_then_decode_matches_transformers(tiny, case):
-    """Prefill graph (full chunk, and a padded partial chunk) then decode-graph steps, plain onnxruntime."""
+    """Each slot prefilled alone at the prefill bucket (a whole chunk; a partial chunk padded with zeros), then
+    decode-bucket steps for all 4 slots at once: the runtime's pattern, through plain onnxruntime."""
     t = tiny(case)
-    prefill, decode = t.manifest.graphs["prefill"], t.manifest.graphs["decode"]
-    sp, sd = _session(t.art, prefill.file), _session(t.art, decode.file)
-    B, C = prefill.dims["B"], prefill.dims["T"]
+    spec = t.manifest.graphs[io.TARGET]
+    sess = _session(t.art, spec.file)
+    prefill, decode = spec.bucket("prefill"), spec.bucket("decode", B=SETTINGS.batch)
+    B, C = decode["B"], prefill["T"]
+    assert prefill["B"] == 1 and decode["T"] == 1
     ids = _random_ids(t.vocab, (B, SEQ), seed=2)
     want = _hf_logits(t.hf, ids)
-    for prompt_len in (C, 11):  # a whole chunk; a partial chunk padded with zeros
-        cache = _zero_cache(prefill)
-        chunk = np.zeros((B, C), np.int64)
-        chunk[:, :prompt_len] = ids[:, :prompt_len]
-        got = [_run_plain(sp, prefill, cache, chunk, 0, np.full((B, 1), prompt_len - 1, np.int64))[:, 0]]
+    for prompt_len in (C, 11):
+        cache = _zero_cache(spec, B)
+        first = []
+        for b in range(B):
+            own = {name: buf[b:b + 1] for name, buf in cache.items()}
+            chunk = np.zeros((1, C), np.int64)
+            chunk[0, :prompt_len] = ids[b, :prompt_len]
+            first.append(_run_plain(sess, spec, own, chunk, 0, np.array([[prompt_len - 1]]))[0, 0])
+            for name, buf in cache.items():
+                buf[b:b + 1] = own[name]
+        got = [np.stack(first)]
         for pos in range(prompt_len, SEQ):
-            got.append(_run_plain(sd, decode, cache, ids[:, pos:pos + 1], pos, np.zeros((B, 1), np.int64))[:, 0])
-        got = np.stack(got, axis=1)
-        np.testing.assert_allclose(got, want[:, prompt_len - 1:], rtol=0, atol=ATOL)
+            got.append(_run_plain(sess, spec, cache, ids[:, pos:pos + 1], pos, np.zeros((B, 1), np.int64))[:, 0])
+        np.testing.assert_allclose(np.stack(got, axis=1), want[:, prompt_len - 1:], rtol=0, atol=ATOL)
 
 
 @pytest.mark.parametrize("case", ["llama_tied", "qwen3"])
-def test_ort_runner_serves_every_shape_from_one_session(tiny, case):
-    """OrtRunner (symbolic B/T/R, one shared cache buffer): chunks of 16, then 1-token and 3-token steps."""
+def test_ort_runner_serves_every_bucket_from_one_session(tiny, case):
+    """OrtRunner (one session, one cache buffer bound in place): the prefill, decode and verify buckets."""
     t = tiny(case)
-    runner = OrtRunner(t.art, t.manifest.graphs["prefill"], threads=1)
+    spec = t.manifest.graphs[io.TARGET]
+    runner = OrtRunner(t.art, spec, threads=1)
     runner.allocate(2)
     ids = _random_ids(t.vocab, (1, SEQ), seed=3)
     want = _hf_logits(t.hf, ids)[0]
 
-    def run(slot: int, start: int, tokens: np.ndarray, rows: list[int]) -> np.ndarray:
+    def run(use: str, slot: int, start: int, tokens: np.ndarray, rows: list[int]) -> np.ndarray:
         n = len(tokens)
-        out = runner.run(slot, StepInputs(input_ids=tokens[None], position_ids=np.arange(start, start + n)[None],
-                                          write_index=np.array([start]), logit_rows=np.array([rows])).feeds())
-        return out[io.LOGITS][0].copy()
+        feeds = {io.INPUT_IDS: tokens[None], io.POSITION_IDS: np.arange(start, start + n)[None],
+                 io.WRITE_INDEX: np.array([start]), io.LOGIT_ROWS: np.array([rows])}
+        assert bucket_of(spec, feeds) == spec.bucket(use, T=n)  # each call is exactly an exported bucket
+        return infer(runner, slot, feeds)[io.LOGITS][0].copy()
 
     for slot in (1, 0):  # the second slot first: the call must touch only its own cache rows
-        got = run(slot, 0, ids[0, :16], [15])
-        np.testing.assert_allclose(got[0], want[15], rtol=0, atol=ATOL)
-        np.testing.assert_allclose(run(slot, 16, ids[0, 16:17], [0])[0], want[16], rtol=0, atol=ATOL)
-        got = run(slot, 17, ids[0, 17:20], [0, 1, 2])
+        np.testing.assert_allclose(run("prefill", slot, 0, ids[0, :16], [15])[0], want[15], rtol=0, atol=ATOL)
+        np.testing.assert_allclose(run("decode", slot, 16, ids[0, 16:17], [0])[0], want[16], rtol=0, atol=ATOL)
+        got = run("verify", slot, 17, ids[0, 17:20], [0, 1, 2])
         np.testing.assert_allclose(got, want[17:20], rtol=0, atol=ATOL)
+    bucket = spec.bucket("decode")  # host buffers are allocated once per bucket and reused
+    assert all(a is b for a, b in zip(runner.inputs(0, bucket).values(), runner.inputs(0, bucket).values()))
 
 
 # -- generation ----------------------------------------------------------------------------------------
@@ -203,7 +243,7 @@ def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 def test_greedy_generation_matches_transformers(tiny, engines, case):
     t = tiny(case)
     prompt = _random_ids(t.vocab, (23,), seed=4).tolist()  # two prefill chunks, the second partial
-    outs, stats = engines(case).generate([Request(prompt, SamplingParams(max_new_tokens=64, ignore_eos=True))])
+    outs, stats = engines(case).generate([_request(prompt, max_new_tokens=64, ignore_eos=True)])
     assert outs[0].output_ids == _hf_greedy(t.hf, prompt, 64)
     assert outs[0].finish_reason == "length"
     assert stats.generated_tokens == 64 and stats.method == "ar"
@@ -215,8 +255,7 @@ def test_batch_equals_single(tiny, engines, case):
     t = tiny(case)
     engine = engines(case)
     lengths, new_tokens = (3, 40, 16, 9, 32), (12, 30, 5, 20, 16)  # 16, 32: whole chunks
-    requests = [Request(_random_ids(t.vocab, (n,), seed=10 + i).tolist(),
-                        SamplingParams(max_new_tokens=m, ignore_eos=True), id=i)
+    requests = [_request(_random_ids(t.vocab, (n,), seed=10 + i), id=i, max_new_tokens=m, ignore_eos=True)
                 for i, (n, m) in enumerate(zip(lengths, new_tokens))]
     batched, stats = engine.generate(requests)
     assert [o.id for o in batched] == list(range(5))
@@ -232,8 +271,8 @@ def test_batch_equals_single_sampled(tiny, engines):
     """Seeded sampling depends only on (seed + request id), not on which slot or batch a request runs in."""
     t = tiny("llama_untied")
     engine = engines("llama_untied")
-    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=7, max_new_tokens=16, ignore_eos=True)
-    requests = [Request(_random_ids(t.vocab, (5 + 7 * i,), seed=20 + i).tolist(), params, id=i) for i in range(5)]
+    params = dict(temperature=1.0, top_k=50, top_p=0.95, seed=7, max_new_tokens=16, ignore_eos=True)
+    requests = [_request(_random_ids(t.vocab, (5 + 7 * i,), seed=20 + i), id=i, **params) for i in range(5)]
     batched, _ = engine.generate(requests)
     for r, o in zip(requests, batched):
         assert o.output_ids == engine.generate([r])[0][0].output_ids
@@ -243,10 +282,10 @@ def test_batch_equals_single_sampled(tiny, engines):
 def test_duplicate_request_ids_rejected(engines):
     """Outputs are keyed by request id: two requests with the default id 0 must not silently share one."""
     engine = engines("llama_tied")
-    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    params = dict(max_new_tokens=4, ignore_eos=True)
     with pytest.raises(SpecrtError, match="unique"):
-        engine.generate([Request([5, 6, 7], params), Request([9, 10, 11, 12], params)])
-    outs, _ = engine.generate([Request([5, 6, 7], params, id=0), Request([9, 10, 11, 12], params, id=1)])
+        engine.generate([_request([5, 6, 7], **params), _request([9, 10, 11, 12], **params)])
+    outs, _ = engine.generate([_request([5, 6, 7], id=0, **params), _request([9, 10, 11, 12], id=1, **params)])
     assert [o.prompt_tokens for o in outs] == [3, 4]
 
 
@@ -255,14 +294,14 @@ def test_edge_lengths_match_transformers(tiny, engines):
     t = tiny("qwen2")
     engine = engines("qwen2")
     prompt = _random_ids(t.vocab, (32,), seed=40).tolist()  # exactly two prefill chunks
-    one, _ = engine.generate([Request(prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))])
+    one, _ = engine.generate([_request(prompt, max_new_tokens=1, ignore_eos=True)])
     assert one[0].output_ids == _hf_greedy(t.hf, prompt, 1)
     capacity = SETTINGS.max_seq - 1
     prompt = _random_ids(t.vocab, (100,), seed=41).tolist()
-    full, _ = engine.generate([Request(prompt, SamplingParams(max_new_tokens=capacity - 100, ignore_eos=True))])
+    full, _ = engine.generate([_request(prompt, max_new_tokens=capacity - 100, ignore_eos=True)])
     assert full[0].output_ids == _hf_greedy(t.hf, prompt, capacity - 100)
     with pytest.raises(SpecrtError, match="exceeds"):
-        engine.generate([Request(prompt, SamplingParams(max_new_tokens=capacity - 99, ignore_eos=True))])
+        engine.generate([_request(prompt, max_new_tokens=capacity - 99, ignore_eos=True)])
 
 
 def test_generation_stops_at_eos(tiny, engines):
@@ -270,9 +309,9 @@ def test_generation_stops_at_eos(tiny, engines):
     eos = sorted(engines("llama_tied").eos_ids)
     assert eos == [2]
     prompt = _random_ids(t.vocab, (8,), seed=30).tolist()
-    free, _ = engines("llama_tied").generate([Request(prompt, SamplingParams(max_new_tokens=64, ignore_eos=True))])
+    free, _ = engines("llama_tied").generate([_request(prompt, max_new_tokens=64, ignore_eos=True)])
     ids = free[0].output_ids
-    stop, _ = engines("llama_tied").generate([Request(prompt, SamplingParams(max_new_tokens=64))])
+    stop, _ = engines("llama_tied").generate([_request(prompt, max_new_tokens=64)])
     if 2 in ids:
         assert stop[0].output_ids == ids[:ids.index(2) + 1] and stop[0].finish_reason == "eos"
     else:
@@ -280,6 +319,8 @@ def test_generation_stops_at_eos(tiny, engines):
 
 
 # -- artifact structure ------------------------------------------------------------------------------
+
+STRUCTURE_CASES = ["llama_tied", "llama_untied", "qwen2", "qwen3", HEADED]
 
 
 def test_manifest_fields(tiny):
@@ -289,21 +330,65 @@ def test_manifest_fields(tiny):
     assert d["format_version"] == io.FORMAT_VERSION == m.format_version
     assert m.specrt_version and m.name
     assert m.export == SETTINGS
-    assert m.model["family"] == "llama" and m.model["vocab_size"] == 256 and m.model["num_layers"] == 2
-    assert m.model["tie_word_embeddings"] is False and list(m.model["eos_token_ids"]) == [2]
-    assert set(m.graphs) == {"prefill", "decode", "verify"}
-    dims = {k: g.dims for k, g in m.graphs.items()}
-    assert dims == {"prefill": {"B": 4, "T": 16, "R": 1, "S": 128}, "decode": {"B": 4, "T": 1, "R": 1, "S": 128},
-                    "verify": {"B": 4, "T": 5, "R": 5, "S": 128}}
-    assert {g.family for g in m.graphs.values()} == {"target"}
-    assert m.weights["file"] == io.WEIGHTS_FILE and m.weights["bytes"] == (t.art / io.WEIGHTS_FILE).stat().st_size
+    assert m.model.family == "llama" and m.model.vocab_size == 256 and m.model.num_layers == 2
+    assert m.model.tie_word_embeddings is False and list(m.model.eos_token_ids) == [2]
+    assert set(m.graphs) == {io.TARGET} and m.heads == {} and m.features == ()
+    spec = m.graphs[io.TARGET]
+    assert (spec.name, spec.file, spec.max_seq) == ("target", "target.onnx", 128)
+    assert spec.buckets == io.target_buckets(SETTINGS)
+    assert d["graphs"]["target"]["buckets"]["decode"] == [{"B": 1, "T": 1, "R": 1}, {"B": 2, "T": 1, "R": 1},
+                                                          {"B": 4, "T": 1, "R": 1}]
+    assert m.weights.file == io.WEIGHTS_FILE and m.weights.bytes == (t.art / io.WEIGHTS_FILE).stat().st_size
     assert m.tokenizer is None  # the tiny directories ship no tokenizer
-    assert len(m.sources) >= 1 and all(len(s["sha256"]) == 64 and s["size"] > 0 for s in m.sources)
-    assert sorted(p.name for p in t.art.iterdir()) == sorted(
-        [io.MANIFEST, io.WEIGHTS_FILE, *(g.file for g in m.graphs.values())])
+    assert len(m.sources) >= 1 and all(len(s.sha256) == 64 and s.size > 0 for s in m.sources)
 
 
-@pytest.mark.parametrize("case", ["llama_tied", "qwen2", "qwen3"])
+def test_manifest_records_heads_and_their_buckets(tiny):
+    m = tiny(HEADED).manifest
+    assert set(m.graphs) == {"target", "dspark", "mtp"} == {g.name for g in m.graphs.values()}
+    assert m.graphs["target"].buckets == io.target_buckets(SETTINGS)
+    assert m.graphs["dspark"].buckets == m.graphs["mtp"].buckets == io.head_buckets(SETTINGS)
+    dspark, mtp = m.heads["dspark"], m.heads["mtp"]
+    layers = tuple(DSparkConfig.from_dict(dspark.config).target_layer_ids)
+    assert m.features == (*layers, "final")  # the DSpark layers, then the final-normed hidden for MTP
+    assert (dspark.kind, dspark.steps, dspark.confidence, dspark.feature_offset, dspark.feature_dim) == (
+        "dspark", 4, True, 0, 64 * len(layers))
+    assert (mtp.kind, mtp.steps, mtp.feedback, mtp.feature_offset, mtp.feature_dim) == (
+        "mtp", SETTINGS.verify_len - 1, "post", 64 * len(layers), 64)
+
+
+def test_bucket_rounds_up(tiny):
+    """A call is rounded up to the smallest exported bucket that holds it; an impossible one is an error."""
+    m = tiny(HEADED).manifest
+    target, dspark = m.graphs["target"], m.graphs["dspark"]
+    assert target.bucket("verify", T=3) == {"B": 1, "T": 3, "R": 3}
+    assert target.bucket("verify", B=3, T=3) == {"B": 4, "T": 3, "R": 3}
+    assert target.bucket("decode", B=3) == {"B": 4, "T": 1, "R": 1}
+    assert target.bucket("decode", B=2) == {"B": 2, "T": 1, "R": 1}
+    assert target.bucket("prefill", T=5) == {"B": 1, "T": 16, "R": 1}
+    assert dspark.bucket("propose", B=3, C=2) == {"B": 4, "C": 2}
+    assert dspark.bucket("prefill") == {"B": 1, "C": 16}
+    for spec, use, need in ((target, "verify", {"T": 6}), (target, "decode", {"B": 5}), (target, "prefill", {"B": 2}),
+                            (target, "propose", {}), (dspark, "propose", {"C": 6})):
+        with pytest.raises(SpecrtError, match=f"graph {spec.name}: no {use} bucket holds"):
+            spec.bucket(use, **need)
+
+
+@pytest.mark.parametrize("case", ["llama_untied", HEADED])
+def test_no_unused_files_exported(tiny, case):
+    """The artifact holds the manifest, the weights, tokenizer/ when the model has one, and one .onnx per family."""
+    t = tiny(case)
+    m = t.manifest
+    assert all(g.file == f"{family}.onnx" for family, g in m.graphs.items())
+    want = [io.MANIFEST, io.WEIGHTS_FILE, *(g.file for g in m.graphs.values())]
+    if m.tokenizer:
+        want.append(io.TOKENIZER_DIR)
+        assert sorted(p.name for p in (t.art / io.TOKENIZER_DIR).iterdir()) == m.tokenizer["files"]
+    assert sorted(p.name for p in t.art.iterdir()) == sorted(want)
+    assert (m.tokenizer is not None) == (case == HEADED)
+
+
+@pytest.mark.parametrize("case", ["llama_tied", "qwen2", "qwen3", HEADED])
 def test_graphs_pass_full_onnx_check(tiny, case):
     t = tiny(case)
     for g in t.manifest.graphs.values():
@@ -311,50 +396,105 @@ def test_graphs_pass_full_onnx_check(tiny, case):
 
 
 def _declared_io(model: onnx.ModelProto) -> tuple[list, list]:
+    """A graph file's inputs and outputs as TensorSpecs: symbolic dims by their axis name."""
     def spec(vi):
         tt = vi.type.tensor_type
         dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type).name
-        return io.TensorSpec(vi.name, dtype, tuple(d.dim_value for d in tt.shape.dim))
+        return io.TensorSpec(vi.name, dtype, tuple(d.dim_param or d.dim_value for d in tt.shape.dim))
 
     return [spec(v) for v in model.graph.input], [spec(v) for v in model.graph.output]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+def _signature(m: io.Manifest, family: str) -> tuple:
+    """The I/O signature `family` must have, from the contract functions in specrt/artifact.py."""
+    c, s = m.model, m.export
+    if family == io.TARGET:
+        return io.target_signature(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                   vocab_size=c.vocab_size, max_seq=s.max_seq, dtype=s.dtype,
+                                   feature_dim=c.hidden_size * len(m.features))
+    if family == "dspark":
+        return dspark_signature(DSparkConfig.from_dict(m.heads["dspark"].config), max_seq=s.max_seq, dtype=s.dtype)
+    return io.mtp_signature(num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
+                            vocab_size=c.vocab_size, steps=m.heads["mtp"].steps, max_seq=s.max_seq, dtype=s.dtype)
+
+
+@pytest.mark.parametrize("case", [*CASES, HEADED])
 def test_graph_io_matches_contract(tiny, case):
+    """Every family's file declares exactly its contract signature, B/T/R/C as named axes, as the manifest says."""
     t = tiny(case)
-    cfg = t.manifest.model
-    for g in t.manifest.graphs.values():
-        want = io.target_signature(num_layers=cfg["num_layers"], num_kv_heads=cfg["num_kv_heads"],
-                                   head_dim=cfg["head_dim"], vocab_size=cfg["vocab_size"], batch=g.dims["B"],
-                                   tokens=g.dims["T"], rows=g.dims["R"], max_seq=g.dims["S"], dtype="float32")
+    for family, g in t.manifest.graphs.items():
+        want = _signature(t.manifest, family)
+        assert (g.inputs, g.outputs) == want, family
         ins, outs = _declared_io(onnx.load(str(t.art / g.file), load_external_data=False))
-        assert want == (g.inputs, g.outputs), g.name
-        declared = [(t.name, t.dtype, t.shape) for t in (*ins, *outs)]  # ONNX files carry no axis names
-        assert declared == [(t.name, t.dtype, t.shape) for t in (*want[0], *want[1])], g.name
+        assert (tuple(ins), tuple(outs)) == want, family
+        axes = {a for spec in (*ins, *outs) for a in spec.axes}
+        assert axes == ({"B", "T", "R"} if family == io.TARGET else {"B", "C"}), family
+        assert all(set(b) == axes for bs in g.buckets.values() for b in bs), family
 
 
-def test_golden_io_signature():
+def test_golden_io_signatures():
     """The contract itself, written out once: a change here is a format change (bump FORMAT_VERSION)."""
-    ins, outs = io.target_signature(num_layers=2, num_kv_heads=2, head_dim=16, vocab_size=256, batch=4, tokens=5,
-                                    rows=5, max_seq=128, dtype="float32")
-    cache = ("float32", (4, 2, 128, 16))
-    assert [(t.name, t.dtype, t.shape) for t in ins] == [
-        ("input_ids", "int64", (4, 5)), ("position_ids", "int64", (4, 5)), ("write_index", "int64", (4,)),
-        ("logit_rows", "int64", (4, 5)),
+    def rows(specs):
+        return [(t.name, t.dtype, t.shape) for t in specs]
+
+    ins, outs = io.target_signature(num_layers=2, num_kv_heads=2, head_dim=16, vocab_size=256, max_seq=128,
+                                    dtype="float32", feature_dim=128)
+    cache = ("float32", ("B", 2, 128, 16))
+    assert rows(ins) == [
+        ("input_ids", "int64", ("B", "T")), ("position_ids", "int64", ("B", "T")), ("write_index", "int64", ("B",)),
+        ("logit_rows", "int64", ("B", "R")),
         ("past.0.key", *cache), ("past.0.value", *cache), ("past.1.key", *cache), ("past.1.value", *cache)]
-    assert [(t.name, t.dtype, t.shape) for t in outs] == [
-        ("logits", "float32", (4, 5, 256)),
+    assert rows(outs) == [
+        ("logits", "float32", ("B", "R", 256)), ("features", "float32", ("B", "T", 128)),
         ("present.0.key", *cache), ("present.0.value", *cache), ("present.1.key", *cache),
         ("present.1.value", *cache)]
 
+    ins, outs = io.dspark_signature(num_layers=1, num_kv_heads=2, head_dim=16, hidden_size=64, vocab_size=256,
+                                    num_features=3, block=4, max_seq=128, dtype="float32", confidence=True)
+    assert rows(ins) == [
+        ("ctx_features", "float32", ("B", "C", 192)), ("ctx_positions", "int64", ("B", "C")),
+        ("ctx_write_index", "int64", ("B",)), ("ctx_len", "int64", ("B",)), ("anchor_ids", "int64", ("B",)),
+        ("temperature", "float32", ("B",)), ("noise", "float32", ("B", 4)),
+        ("past.0.key", *cache), ("past.0.value", *cache)]
+    assert rows(outs) == [
+        ("draft_tokens", "int64", ("B", 4)), ("draft_logits", "float32", ("B", 4, 256)),
+        ("draft_probs", "float32", ("B", 4, 256)), ("confidence_logits", "float32", ("B", 4)),
+        ("present.0.key", *cache), ("present.0.value", *cache)]
 
-@pytest.mark.parametrize("case", ["llama_tied", "llama_untied", "qwen3"])
+    ins, outs = io.mtp_signature(num_kv_heads=2, head_dim=16, hidden_size=64, vocab_size=256, steps=3, max_seq=128,
+                                 dtype="float16")
+    half = ("float16", ("B", 2, 128, 16))
+    assert rows(ins) == [
+        ("tokens", "int64", ("B", "C")), ("hidden", "float16", ("B", "C", 64)), ("positions", "int64", ("B", "C")),
+        ("last_row", "int64", ("B",)), ("temperature", "float32", ("B",)), ("noise", "float32", ("B", 3)),
+        ("past.0.key", *half), ("past.0.value", *half)]
+    assert rows(outs) == [
+        ("draft_tokens", "int64", ("B", 3)), ("draft_logits", "float16", ("B", 3, 256)),
+        ("draft_probs", "float32", ("B", 3, 256)), ("present.0.key", *half), ("present.0.value", *half)]
+
+
+def test_golden_buckets():
+    """The fixed shapes each family is run at, written out once (batch 4: slot counts 1, 2, 4)."""
+    s = io.ExportSettings(batch=4, max_seq=128, prefill_chunk=16, verify_len=3)
+    assert io.batch_sizes(1) == [1] and io.batch_sizes(4) == [1, 2, 4] and io.batch_sizes(6) == [1, 2, 4, 6]
+    assert io.target_buckets(s) == {
+        "prefill": ({"B": 1, "T": 16, "R": 1},),
+        "decode": ({"B": 1, "T": 1, "R": 1}, {"B": 2, "T": 1, "R": 1}, {"B": 4, "T": 1, "R": 1}),
+        "verify": ({"B": 1, "T": 2, "R": 2}, {"B": 1, "T": 3, "R": 3}, {"B": 2, "T": 2, "R": 2},
+                   {"B": 2, "T": 3, "R": 3}, {"B": 4, "T": 2, "R": 2}, {"B": 4, "T": 3, "R": 3})}
+    assert io.head_buckets(s) == {
+        "prefill": ({"B": 1, "C": 16},),
+        "propose": ({"B": 1, "C": 1}, {"B": 1, "C": 2}, {"B": 1, "C": 3}, {"B": 2, "C": 1}, {"B": 2, "C": 2},
+                    {"B": 2, "C": 3}, {"B": 4, "C": 1}, {"B": 4, "C": 2}, {"B": 4, "C": 3})}
+
+
+@pytest.mark.parametrize("case", STRUCTURE_CASES)
 def test_weights_stored_once_as_external_data(tiny, case):
     t = tiny(case)
     weights = t.art / io.WEIGHTS_FILE
     size = weights.stat().st_size
-    per_graph = {}
-    for g in t.manifest.graphs.values():
+    ranges: dict[str, tuple[int, int]] = {}  # every graph that reads a tensor reads the same bytes
+    for family, g in t.manifest.graphs.items():
         path = t.art / g.file
         model = onnx.load(str(path), load_external_data=False)
         external = {}
@@ -366,31 +506,32 @@ def test_weights_stored_once_as_external_data(tiny, case):
                 offset, length = int(info["offset"]), int(info["length"])
                 assert offset % 4096 == 0 and offset + length <= size
                 external[init.name] = (offset, length)
+                assert ranges.setdefault(init.name, (offset, length)) == (offset, length), init.name
             else:
-                assert not init.name.startswith(("model.", "lm_head")), f"{init.name} stored inline"
+                assert not init.name.startswith(("model.", "lm_head", "dspark.", "mtp.")), f"{init.name} inline"
                 inline_bytes += len(init.raw_data) + 8 * len(init.int64_data) + 4 * len(init.float_data)
-        assert "model.embed_tokens.weight" in external
-        assert ("lm_head.weight" in external) == (not t.manifest.model["tie_word_embeddings"])
+        assert "model.embed_tokens.weight" in external  # the heads read the target's embedding, not a copy
+        if family == io.TARGET:
+            assert ("lm_head.weight" in external) == (not t.manifest.model.tie_word_embeddings)
         assert inline_bytes < 16 * 1024  # shape constants and rope frequencies only
         assert path.stat().st_size < 128 * 1024 < size
-        per_graph[g.name] = external
-    first = next(iter(per_graph.values()))
-    assert all(ext == first for ext in per_graph.values()), "graphs must reference the same weight ranges"
-    assert sum(length for _, length in first.values()) <= size
+    spans = sorted(ranges.values())
+    assert all(a[0] + a[1] <= b[0] for a, b in zip(spans, spans[1:])), "weight ranges overlap"
+    assert sum(length for _, length in spans) <= size
 
 
-@pytest.mark.parametrize("case", ["llama_untied", "qwen2", "qwen3"])
+@pytest.mark.parametrize("case", STRUCTURE_CASES)
 def test_node_names_are_paths(tiny, case):
     t = tiny(case)
-    for g in t.manifest.graphs.values():
-        nodes = onnx.load(str(t.art / g.file), load_external_data=False).graph.node
-        names = [n.name for n in nodes]
-        assert all(n.startswith("/target/") for n in names), [n for n in names if not n.startswith("/target/")][:5]
+    for family, g in t.manifest.graphs.items():
+        names = [n.name for n in onnx.load(str(t.art / g.file), load_external_data=False).graph.node]
+        assert all(n.startswith(f"/{family}/") for n in names), [n for n in names if f"/{family}/" not in n][:5]
         assert len(set(names)) == len(names)
-        assert any(n.startswith("/target/layers.1/attn/") for n in names)
+    names = [n.name for n in onnx.load(str(t.art / "target.onnx"), load_external_data=False).graph.node]
+    assert any(n.startswith("/target/layers.1/attn/") for n in names)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, HEADED])
 def test_standard_graphs_use_only_tensorrt_parser_ops(tiny, case):
     t = tiny(case)
     assert t.manifest.export.attention == "standard"
@@ -407,7 +548,7 @@ def test_standard_graphs_use_only_tensorrt_parser_ops(tiny, case):
 TRT_CONSTANT_INPUTS = {("Slice", 3), ("Squeeze", 1), ("Unsqueeze", 1), ("TopK", 1), ("CumSum", 1)}
 
 
-@pytest.mark.parametrize("case", ["llama_tied", "qwen2", "qwen3"])
+@pytest.mark.parametrize("case", ["llama_tied", "qwen2", "qwen3", HEADED])
 def test_tensorrt_parser_constant_inputs(tiny, case):
     t = tiny(case)
     for g in t.manifest.graphs.values():
@@ -438,27 +579,27 @@ def _external_bytes(model: onnx.ModelProto) -> int:
 def test_fp16_export_types(tiny, fp16_art):
     m = io.load_manifest(fp16_art)
     fp32 = tiny("qwen3")
-    assert m.export.dtype == "float16"
-    for g in m.graphs.values():
+    assert m.export.dtype == "float16" and set(m.graphs) == {io.TARGET}
+    for family, g in m.graphs.items():
         model = onnx.load(str(fp16_art / g.file), load_external_data=False)
         weights = [i for i in model.graph.initializer if i.name.startswith("model.")]
         assert weights and all(i.data_type == onnx.TensorProto.FLOAT16 for i in weights)
         ins, outs = _declared_io(model)
         assert {s.dtype for s in ins if s.name.startswith("past.")} == {"float16"}
         assert {s.dtype for s in outs} == {"float16"}
-        assert all(s.dtype == "float16" for s in g.inputs if s.name.startswith("past."))
-        full = onnx.load(str(fp32.art / fp32.manifest.graphs[g.name].file), load_external_data=False)
+        assert all(s.dtype == "float16" for s in g.cache_inputs())
+        full = onnx.load(str(fp32.art / fp32.manifest.graphs[family].file), load_external_data=False)
         assert 2 * _external_bytes(model) == _external_bytes(full)
 
 
 def test_fp16_logits_close_to_fp32(tiny, fp16_art):
     t = tiny("qwen3")
-    m = io.load_manifest(fp16_art)
-    spec = m.graphs["verify"]
+    spec = io.load_manifest(fp16_art).graphs[io.TARGET]
     sess = _session(fp16_art, spec.file)
-    B, T = spec.dims["B"], spec.dims["T"]
+    bucket = spec.bucket("verify", B=SETTINGS.batch, T=SETTINGS.verify_len)
+    B, T = bucket["B"], bucket["T"]
     ids = _random_ids(t.vocab, (B, SEQ), seed=5)
-    cache = _zero_cache(spec)
+    cache = _zero_cache(spec, B)
     assert all(v.dtype == np.float16 for v in cache.values())
     rows = np.broadcast_to(np.arange(T), (B, T)).copy()
     got = np.concatenate([_run_plain(sess, spec, cache, ids[:, s:s + T], s, rows) for s in range(0, SEQ, T)],
@@ -471,8 +612,10 @@ def test_fp16_logits_close_to_fp32(tiny, fp16_art):
 
 
 def test_fp16_engine_generates(fp16_art):
+    from specrt.runtime.engine import Engine
+
     engine = Engine(fp16_art, threads=1)
-    outs, _ = engine.generate([Request([5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True))])
+    outs, _ = engine.generate([_request([5, 6, 7], max_new_tokens=8, ignore_eos=True)])
     assert len(outs[0].output_ids) == 8
 
 
@@ -483,15 +626,16 @@ def _leftovers(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if ".partial-" in p.name or ".old-" in p.name)
 
 
-@pytest.mark.parametrize("step", ["_write_target", "_check_graphs"])
+@pytest.mark.parametrize("step", ["_write_target", "_write_head", "_check_graphs"])
 def test_interrupted_export_leaves_nothing(tiny_model_dir, tmp_path, monkeypatch, step):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(export_mod, step, interrupt)
-    out = tmp_path / "art"
+    model, out = tiny_model_dir("llama"), tmp_path / "art"
+    heads = {"mtp": random_mtp_checkpoint(tmp_path / "mtp", model)} if step == "_write_head" else {}
     with pytest.raises(KeyboardInterrupt):
-        export_artifact(tiny_model_dir("llama"), out, SETTINGS, progress=False)
+        export_artifact(model, out, SETTINGS, progress=False, **heads)
     assert not out.exists()
     assert _leftovers(tmp_path) == []
 
@@ -546,8 +690,8 @@ def test_other_format_version_rejected(art_copy):
 
 
 def test_missing_graph_file_rejected(art_copy):
-    (art_copy / "target_verify.onnx").unlink()
-    with pytest.raises(SpecrtError, match="incomplete.*target_verify.onnx is missing"):
+    (art_copy / "target.onnx").unlink()
+    with pytest.raises(SpecrtError, match="incomplete.*target.onnx is missing"):
         io.load_manifest(art_copy)
 
 

@@ -15,11 +15,15 @@ from safetensors.numpy import load_file, save_file
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
+from specrt.exporter.export import export_artifact
 from specrt.exporter.loaders.hf import load_hf_dir
 from specrt.exporter.loaders.mtp import load_mtp, random_mtp_checkpoint, save_mtp_checkpoint
-from specrt.exporter.models.mtp import MTP, sample_draft
+from specrt.exporter.models.mtp import MTP
+from specrt.exporter.models.sampling import sample_draft
 from specrt.exporter.onnx.builder import GraphBuilder, WeightStore
 from specrt.exporter.onnx.mtp import build_mtp_graph, mtp_weights
+from specrt.exporter.onnx.sampling import sample_draft as emit_sample_draft
+from specrt.runtime.backends import bucket_of, infer, load_runner
 from test_export import TRT_CONSTANT_INPUTS, TRT_OPS  # the TensorRT parser allowlist, kept in one place
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -59,15 +63,14 @@ def case(tiny_model_dir, tmp_path_factory):
 
 
 def build_graph(c: Case, out: Path, *, feedback: str = "post", dtype: str = "float32") -> Path:
-    """Write weights.bin + mtp.onnx for `c` into `out` (what the exporter does for a head)."""
+    """Write weights.bin + mtp.onnx (axes B/C) for `c` into `out` (what the exporter does for a head)."""
     out.mkdir(parents=True, exist_ok=True)
     store = WeightStore(out / io.WEIGHTS_FILE)
     for name, array in sorted(mtp_weights(c.loaded.config, c.loaded.weights, c.target.weights).items()):
         store.add(name, array.astype(dtype))
     store.close()
     g = GraphBuilder(store)
-    build_mtp_graph(g, c.loaded.config, c.target.config, batch=B, rows=C, steps=G, max_seq=S, dtype=dtype,
-                    feedback=feedback)
+    build_mtp_graph(g, c.loaded.config, c.target.config, steps=G, max_seq=S, dtype=dtype, feedback=feedback)
     onnx.save(g.model("mtp"), out / "mtp.onnx")
     return out / "mtp.onnx"
 
@@ -116,6 +119,27 @@ def test_graph_matches_torch_incrementally(case, kind, feedback, temps, tmp_path
         np.testing.assert_allclose(cache["past.0.value"], kv.v_cache.numpy(), atol=ATOL, rtol=0)
     if temps[0] == 0:  # greedy: every draft is its logits' argmax
         np.testing.assert_array_equal(out[io.DRAFT_TOKENS], out[io.DRAFT_LOGITS].argmax(-1))
+
+
+@pytest.mark.parametrize("temps", [[0.0, 0.0], [0.05, 1.5]], ids=["greedy", "sampled"])
+def test_exported_family_through_ort_runner(case, temps, tmp_path):
+    """`specrt export --mtp`: the mtp family through OrtRunner, its cache bound in place, at a propose bucket."""
+    c = case("qwen3")
+    settings = io.ExportSettings(batch=B, max_seq=S, prefill_chunk=C, verify_len=G + 1)
+    art = export_artifact(c.target_dir, tmp_path / "art", settings, mtp=c.mtp_dir, progress=False)
+    m = io.load_manifest(art)
+    runner = load_runner("ort", art, m, "mtp", threads=1)
+    runner.allocate(B)
+    model = c.torch_model()
+    cfg = c.target.config
+    for feeds in calls(cfg.vocab_size, cfg.hidden_size, temps):
+        assert bucket_of(m.graphs["mtp"], feeds) == m.graphs["mtp"].bucket("propose", B=B, C=C) == {"B": B, "C": C}
+        out = infer(runner, 0, feeds)
+        ref = model(*(torch.from_numpy(feeds[n]) for n in (io.MTP_TOKENS, io.MTP_HIDDEN, io.MTP_POSITIONS,
+                                                           io.MTP_LAST_ROW, io.TEMPERATURE, io.NOISE)))
+        np.testing.assert_allclose(out[io.DRAFT_LOGITS], ref.logits.numpy(), atol=ATOL, rtol=0)
+        np.testing.assert_allclose(out[io.DRAFT_PROBS], ref.probs.numpy(), atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(out[io.DRAFT_TOKENS], ref.tokens.numpy())
 
 
 # -- torch module vs the formula ------------------------------------------------------------------------
@@ -184,6 +208,34 @@ def test_sampling_rule():
     tokens, probs = sample_draft(logits, torch.tensor([1.0, 1.0, 0.0]), torch.tensor([0.25, 0.9999999, 0.99]))
     assert tokens.tolist() == [1, 2, 0]  # cdf [.1,.3,1]: #(cdf <= .25) = 1; u near 1 -> last; T=0 -> argmax
     torch.testing.assert_close(probs[0], torch.tensor([0.1, 0.2, 0.7]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_sampling_emitter_equals_torch_rule(dtype, tmp_path):
+    """The one ONNX emitter both draft graphs use equals the one torch rule, over [B,V] (a chained step) and
+    [B,K,V] (DFlash's whole block), with ties (first argmax) and noise at both ends."""
+    rng = np.random.default_rng(0)
+    V = 50
+    logits = rng.standard_normal((3, 4, V)).astype(dtype)
+    logits[0, 0, [7, 9]] = logits[0, 0].max() + 1  # a tie: greedy takes the first
+    temperature = np.array([0.0, 0.6, 1.7], np.float32)
+    noise = rng.random((3, 4)).astype(np.float32)
+    noise[1, 0], noise[2, 1] = 0.0, np.nextafter(np.float32(1), np.float32(0))
+    g = GraphBuilder(WeightStore(tmp_path / io.WEIGHTS_FILE))
+    for name, shape in (("logits", ("B", "K", V)), ("temperature", ("B", 1, 1)), ("noise", ("B", "K", 1))):
+        g.input(name, dtype if name == "logits" else "float32", shape)
+    token, probs = emit_sample_draft(g, "logits", "temperature", "noise", V, dtype)
+    g.output(token, "token", "int64", ("B", "K"))
+    g.output(probs, "probs", "float32", ("B", "K", V))
+    g.store.close()
+    onnx.save(g.model("sample"), tmp_path / "sample.onnx")
+    got_token, got_probs = session(tmp_path / "sample.onnx").run(
+        ["token", "probs"], {"logits": logits, "temperature": temperature[:, None, None], "noise": noise[..., None]})
+    want_token, want_probs = sample_draft(torch.from_numpy(logits), torch.from_numpy(temperature)[:, None].expand(3, 4),
+                                          torch.from_numpy(noise))
+    np.testing.assert_array_equal(got_token, want_token.numpy())
+    np.testing.assert_allclose(got_probs, want_probs.numpy(), atol=1e-6, rtol=0)
+    assert got_token[0, 0] == 7 and got_token[1, 0] == 0 and got_probs.dtype == np.float32
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------
@@ -267,11 +319,12 @@ def test_graph_contract(case, dtype, tmp_path):
     model = onnx.load(str(path), load_external_data=False)
     t = c.target.config
     want_in, want_out = io.mtp_signature(num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, hidden_size=t.hidden_size,
-                                         vocab_size=t.vocab_size, batch=B, rows=C, steps=G, max_seq=S, dtype=dtype)
+                                         vocab_size=t.vocab_size, steps=G, max_seq=S, dtype=dtype)
+    assert {a for spec in (*want_in, *want_out) for a in spec.axes} == {"B", "C"}
 
     def declared(values) -> list[tuple]:
         return [(v.name, onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name,
-                 tuple(d.dim_value for d in v.type.tensor_type.shape.dim)) for v in values]
+                 tuple(d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim)) for v in values]
 
     assert declared(model.graph.input) == [(s.name, s.dtype, s.shape) for s in want_in]
     assert declared(model.graph.output) == [(s.name, s.dtype, s.shape) for s in want_out]

@@ -17,20 +17,7 @@ from torch import Tensor, nn
 from specrt.errors import SpecrtError
 from specrt.exporter.loaders.deepspec import DSparkConfig
 from specrt.exporter.models.llama import MLP, Attention, KVCache, RMSNorm, apply_rope, rope_cos_sin
-
-
-def sample_token(logits: Tensor, temperature: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
-    """The in-graph draft sampling rule; logits [B,V], temperature/noise [B] -> (tokens [B], probs [B,V] f32).
-
-    T = temperature if > 0 else 1; probs = softmax(logits / T); greedy = first argmax; inverse CDF:
-    sampled = min(#(cumsum(probs) <= noise * total), V-1); token = sampled if temperature > 0 else greedy.
-    """
-    hot = temperature > 0
-    t = torch.where(hot, temperature, torch.ones_like(temperature)).float().unsqueeze(-1)
-    probs = torch.softmax(logits.float() / t, dim=-1)
-    cdf = probs.cumsum(-1)
-    sampled = (cdf <= noise.float().unsqueeze(-1) * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
-    return torch.where(hot, sampled, logits.float().argmax(-1)), probs
+from specrt.exporter.models.sampling import sample_draft
 
 
 class DraftAttention(Attention):
@@ -244,7 +231,7 @@ class DSparkDraft(nn.Module):
                 prev_emb = mk.markov_w1(prev)
                 corrected, state = mk.step(corrected, prev_emb, h[:, i], state)
                 prev_embs.append(prev_emb)
-            prev, p = sample_token(corrected, temperature, noise[:, i])
+            prev, p = sample_draft(corrected, temperature, noise[:, i])
             tokens.append(prev), logits.append(corrected), probs.append(p)
         conf = None
         if self.confidence_head is not None:
@@ -252,7 +239,7 @@ class DSparkDraft(nn.Module):
             conf = self.confidence_head.proj(feats).squeeze(-1)
         return DraftOutput(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(probs, 1), base, conf)
 
-    # -- training (teacher forcing, exporter/distill/train_dspark.py) ----------------------------------------------
+    # -- training (teacher forcing, distill/train_dspark.py) ----------------------------------------------
 
     def forward_train(self, ctx_features: Tensor, anchors: Tensor, anchor_ids: Tensor) -> Tensor:
         """Final-normed h [B,N,K,d] for N anchors per sequence at once (DeepSpec's training pattern, §1.5).

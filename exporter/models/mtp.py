@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from specrt.errors import SpecrtError
 from specrt.exporter.loaders.mtp import EMBED, HEAD, MTPConfig
 from specrt.exporter.models.llama import DecoderLayer, KVCache, RMSNorm, apply_rope, rope_cos_sin
+from specrt.exporter.models.sampling import sample_draft
 
 FEEDBACK = ("post", "pre")
 
@@ -28,21 +29,6 @@ class MTPDraft:
     tokens: Tensor  # [B,G] i64
     logits: Tensor  # [B,G,V]
     probs: Tensor  # [B,G,V] f32: the distribution each token was drawn from
-
-
-def sample_draft(logits: Tensor, temperature: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
-    """The graph's sampling rule for logits [B,V], temperature [B], noise [B]: (token [B], probs [B,V]).
-
-    T = temperature if > 0 else 1; probs = softmax(logits / T); sampled = min(#(cdf <= u * cdf[-1]), V-1);
-    token = sampled if temperature > 0 else argmax(logits).
-    """
-    lf = logits.float()
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).unsqueeze(-1)
-    probs = torch.softmax(lf / t, dim=-1)
-    cdf = torch.cumsum(probs, dim=-1)
-    count = (cdf <= noise.unsqueeze(-1) * cdf[:, -1:]).sum(-1)
-    sampled = count.clamp(max=lf.shape[-1] - 1)
-    return torch.where(temperature > 0, sampled, lf.argmax(-1)), probs
 
 
 class SlotKVCache(KVCache):
@@ -141,7 +127,7 @@ class MTP(DecoderLayer):
             out_probs.append(probs)
         return MTPDraft(torch.stack(out_tokens, 1), torch.stack(out_logits, 1), torch.stack(out_probs, 1))
 
-    # -- training (exporter/distill/train_mtp.py) -----------------------------------------------------------------
+    # -- training (distill/train_mtp.py) -----------------------------------------------------------------
 
     def forward_train(self, tokens: Tensor, hidden: Tensor, positions: Tensor) -> Tensor:
         """Training path, no cache: h' [B,T,d] for rows (x_{t+1}, h_t, t), causal over the T rows (as `step`)."""

@@ -12,7 +12,9 @@ from specrt import artifact as io
 from specrt.exporter.config import ModelConfig
 from specrt.exporter.loaders.deepspec import DSparkConfig
 from specrt.exporter.onnx.builder import GraphBuilder, onnx_dtype
-from specrt.exporter.onnx.layers import apply_rope, linear, mlp, rms_norm, rope_tables, rotate_half_matrix
+from specrt.exporter.onnx.attention import KeyBlock, Rope, attend, project_heads, write_cache
+from specrt.exporter.onnx.layers import linear, mlp, rms_norm, rope_tables, rotate_half_matrix
+from specrt.exporter.onnx.sampling import sample_draft
 
 P = "dspark."  # weight-name prefix in the shared store
 F32 = onnx_dtype("float32")
@@ -57,22 +59,17 @@ def _shared(g: GraphBuilder, own: str, target_name: str) -> str:
 # confidence = proj([h ; E]) + b
 
 
-def build_dspark_graph(g: GraphBuilder, cfg: DSparkConfig, target_cfg: ModelConfig, *, batch: int, ctx_rows: int,
-                       max_seq: int, dtype: str) -> None:
-    """Emit the whole DSpark draft graph into `g`; its store must hold `dspark_weights(...)`."""
+def build_dspark_graph(g: GraphBuilder, cfg: DSparkConfig, target_cfg: ModelConfig, *, max_seq: int,
+                       dtype: str) -> None:
+    """Emit the whole DSpark draft graph into `g` over named axes B/C; its store must hold `dspark_weights(...)`."""
     lc, K = cfg.layers, cfg.block_size
     cfg.check_target(target_cfg)
-    feats = g.input(io.CTX_FEATURES, dtype, (batch, ctx_rows, cfg.feature_dim))
-    ctx_pos = g.input(io.CTX_POSITIONS, "int64", (batch, ctx_rows))
-    write_index = g.input(io.CTX_WRITE_INDEX, "int64", (batch,))
-    ctx_len = g.input(io.CTX_LEN, "int64", (batch,))
-    anchor = g.input(io.ANCHOR_IDS, "int64", (batch,))
-    temperature = g.input(io.TEMPERATURE, "float32", (batch,))
-    noise = g.input(io.NOISE, "float32", (batch, K))
-    cache_shape = (batch, lc.num_kv_heads, max_seq, lc.head_dim)
-    for i in range(lc.num_layers):
-        for name in io.past_names(i):
-            g.input(name, dtype, cache_shape)
+    inputs, outputs = dspark_signature(cfg, max_seq=max_seq, dtype=dtype)
+    for t in inputs:
+        g.input(t.name, t.dtype, t.shape)
+    shape = {t.name: t.shape for t in outputs}
+    feats, ctx_pos, write_index, ctx_len = io.CTX_FEATURES, io.CTX_POSITIONS, io.CTX_WRITE_INDEX, io.CTX_LEN
+    anchor, temperature, noise = io.ANCHOR_IDS, io.TEMPERATURE, io.NOISE
 
     with g.scope("dspark"):
         ctx = _context(g, cfg, feats, dtype)
@@ -96,7 +93,7 @@ def build_dspark_graph(g: GraphBuilder, cfg: DSparkConfig, target_cfg: ModelConf
                 p = f"{P}layers.{i}"
                 a = rms_norm(g, x, g.weight(f"{p}.input_layernorm.weight"), lc.rms_norm_eps, dtype,
                              name="input_layernorm")
-                o, pk, pv = _attention(g, a, ctx, p, lc, K, io.past_names(i), (*rope_block, rotate),
+                o, pk, pv = _attention(g, a, ctx, f"{p}.self_attn", lc, K, io.past_names(i), (*rope_block, rotate),
                                        (*rope_ctx, rotate), scatter_idx, bias, ctx_kv_shape, dtype, max_seq)
                 x = g.op("Add", x, o, name="attn_residual")
                 m = rms_norm(g, x, g.weight(f"{p}.post_attention_layernorm.weight"), lc.rms_norm_eps, dtype,
@@ -108,15 +105,20 @@ def build_dspark_graph(g: GraphBuilder, cfg: DSparkConfig, target_cfg: ModelConf
         base = linear(g, h, _shared(g, "lm_head.weight", head), name="lm_head")  # [B*K, V]
         tokens, logits, probs, conf = _draft_heads(g, cfg, base, h, anchor, temperature, noise, dtype)
 
-    V = lc.vocab_size
-    g.output(tokens, io.DRAFT_TOKENS, "int64", (batch, K))
-    g.output(logits, io.DRAFT_LOGITS, dtype, (batch, K, V))
-    g.output(probs, io.DRAFT_PROBS, "float32", (batch, K, V))
-    if conf is not None:
-        g.output(conf, io.CONFIDENCE_LOGITS, dtype, (batch, K))
-    for i, (pk, pv) in enumerate(presents):
-        for value, name in zip((pk, pv), io.present_names(i)):
-            g.output(value, name, dtype, cache_shape)
+    named = {io.DRAFT_TOKENS: tokens, io.DRAFT_LOGITS: logits, io.DRAFT_PROBS: probs, io.CONFIDENCE_LOGITS: conf}
+    named.update({n: v for i, kv in enumerate(presents) for n, v in zip(io.present_names(i), kv)})
+    for t in outputs:
+        g.output(named[t.name], t.name, t.dtype, t.shape)
+
+
+def dspark_signature(cfg: DSparkConfig, *, max_seq: int, dtype: str
+                     ) -> tuple[tuple[io.TensorSpec, ...], tuple[io.TensorSpec, ...]]:
+    """`io.dspark_signature` for this checkpoint's config."""
+    lc = cfg.layers
+    return io.dspark_signature(num_layers=lc.num_layers, num_kv_heads=lc.num_kv_heads, head_dim=lc.head_dim,
+                               hidden_size=lc.hidden_size, vocab_size=lc.vocab_size,
+                               num_features=len(cfg.target_layer_ids), block=cfg.block_size, max_seq=max_seq,
+                               dtype=dtype, confidence=cfg.enable_confidence_head)
 
 
 def _context(g: GraphBuilder, cfg: DSparkConfig, feats: str, dtype: str) -> str:
@@ -132,7 +134,7 @@ def _context(g: GraphBuilder, cfg: DSparkConfig, feats: str, dtype: str) -> str:
 
 def _cache_io(g: GraphBuilder, lc: ModelConfig, ctx_pos: str, write_index: str, ctx_len: str, K: int,
               max_seq: int) -> tuple[str, str, str]:
-    """Scatter indices [B,Hkv,C,D] for the context K/V, bias [B,1,1,S+K] over [cache ; block], ctx K/V shape."""
+    """Scatter indices [B,Hkv,C,D] for the context K/V, bias [B,1,1,1,S+K] over [cache ; block], ctx K/V shape."""
     with g.scope("cache_io"):
         bc = g.op("Shape", ctx_pos, name="ctx_shape")  # [B, C]
         c_range = g.op("Range", g.const(0, "zero", "int64"), g.op("Gather", bc, g.const(1, "one", "int64")),
@@ -152,57 +154,27 @@ def _cache_io(g: GraphBuilder, lc: ModelConfig, ctx_pos: str, write_index: str, 
         visible = g.op("Or", in_ctx, g.const((np.arange(max_seq + K) >= max_seq).reshape(1, -1), "is_block"))
         neg = np.finfo(np.float32).min / 2  # finite: no NaN even with an empty context
         bias = g.op("Where", visible, g.const(np.float32(0.0), "zero_f"), g.const(np.float32(neg), "neg_f"))
-        bias = g.op("Unsqueeze", bias, g.const([1, 2], "axes12", "int64"), name="attention_bias")
+        bias = g.op("Unsqueeze", bias, g.const([1, 2, 3], "axes123", "int64"), name="attention_bias")
     return scatter_idx, bias, kv_shape
 
 
 def _attention(g: GraphBuilder, a: str, ctx: str, p: str, lc: ModelConfig, K: int, cache: tuple[str, str],
-               rope_block: tuple[str, str, str], rope_ctx: tuple[str, str, str], scatter_idx: str, bias: str,
-               ctx_kv_shape: str, dtype: str, max_seq: int) -> tuple[str, str, str]:
-    H, Hkv, D = lc.num_heads, lc.num_kv_heads, lc.head_dim
-    w = g.weight
+               rope_block: Rope, rope_ctx: Rope, scatter_idx: str, bias: str, ctx_kv_shape: str, dtype: str,
+               max_seq: int) -> tuple[str, str, str]:
+    """Block queries over [cache (after writing the context rows' K/V) ; the block's own K/V]; (o, present k/v).
+
+    Context rows need only k/v, so q is projected for the block alone; Qwen3's k_norm also applies to them.
+    """
     with g.scope("attn"):
-        bq, bkv = (w(f"{p}.self_attn.q_proj.bias"), w(f"{p}.self_attn.kv_proj.bias")) if lc.attention_bias \
-            else (None, None)
-        q = g.op("Reshape", linear(g, a, w(f"{p}.self_attn.q_proj.weight"), bq, name="q_proj"),
-                 g.const([-1, K, H, D], "q_heads", "int64"))  # [B,K,H,D]
-        kv_w = w(f"{p}.self_attn.kv_proj.weight")
-        kv_b = g.op("Reshape", linear(g, a, kv_w, bkv, name="kv_proj"),
-                    g.const([-1, K, 2 * Hkv, D], "kv_heads", "int64"))  # [B,K,2Hkv,D]
-        kv_c = g.op("Reshape", linear(g, ctx, kv_w, bkv, name="ctx_kv_proj"), ctx_kv_shape)  # [B,C,2Hkv,D]
-        sizes = g.const([Hkv, Hkv], "kv_sizes", "int64")
-        kb, vb = g.op("Split", kv_b, sizes, axis=2, outputs=2, name="split_block")
-        kc, vc = g.op("Split", kv_c, sizes, axis=2, outputs=2, name="split_ctx")
-        if lc.qk_norm:  # Qwen3: per-head RMSNorm before rope; k_norm also on the context keys
-            q = rms_norm(g, q, w(f"{p}.self_attn.q_norm.weight"), lc.rms_norm_eps, dtype, name="q_norm")
-            kb = rms_norm(g, kb, w(f"{p}.self_attn.k_norm.weight"), lc.rms_norm_eps, dtype, name="k_norm")
-            kc = rms_norm(g, kc, w(f"{p}.self_attn.k_norm.weight"), lc.rms_norm_eps, dtype, name="ctx_k_norm")
-        q = apply_rope(g, q, *rope_block, name="q_rope")
-        kb = apply_rope(g, kb, *rope_block, name="k_rope")
-        kc = apply_rope(g, kc, *rope_ctx, name="ctx_k_rope")
-        # [B,K,H,D] -> [B,Hkv,G*K,D]: a KV head's G query heads become extra rows (HF repeat_kv order)
-        q = g.op("Mul", q, g.const(np.asarray(D ** -0.5, dtype=dtype), "scale"))
-        q = g.op("Reshape", g.op("Transpose", q, perm=[0, 2, 1, 3]), g.const([0, Hkv, -1, D], "grouped", "int64"))
-        kb, vb, kc, vc = (g.op("Transpose", t, perm=[0, 2, 1, 3], name=n)
-                          for t, n in ((kb, "k_bhkd"), (vb, "v_bhkd"), (kc, "ctx_k_bhcd"), (vc, "ctx_v_bhcd")))
-        present_k = g.op("ScatterElements", cache[0], scatter_idx, kc, axis=2, name="write_k")
-        present_v = g.op("ScatterElements", cache[1], scatter_idx, vc, axis=2, name="write_v")
-        # Scores against the cache and against the block, side by side: the cache is never copied.
-        s_cache = g.op("MatMul", q, g.op("Transpose", present_k, perm=[0, 1, 3, 2]), name="qk_cache")
-        s_block = g.op("MatMul", q, g.op("Transpose", kb, perm=[0, 1, 3, 2]), name="qk_block")
-        scores = g.op("Concat", s_cache, s_block, axis=-1, name="scores")  # [B,Hkv,G*K,S+K]
-        if dtype != "float32":
-            scores = g.op("Cast", scores, to=F32)
-        probs = g.op("Softmax", g.op("Add", scores, bias, name="mask"), axis=-1)
-        if dtype != "float32":
-            probs = g.op("Cast", probs, to=onnx_dtype(dtype))
-        p_cache, p_block = g.op("Split", probs, g.const([max_seq, K], "sk_sizes", "int64"), axis=-1, outputs=2)
-        out = g.op("Add", g.op("MatMul", p_cache, present_v, name="pv_cache"),
-                   g.op("MatMul", p_block, vb, name="pv_block"))  # [B,Hkv,G*K,D]
-        out = g.op("Transpose", g.op("Reshape", out, g.const([0, H, K, D], "heads", "int64")), perm=[0, 2, 1, 3])
-        out = g.op("Reshape", out, g.const([-1, H * D], "flat", "int64"))
-        bo = w(f"{p}.self_attn.o_proj.bias") if lc.o_proj_bias else None
-        o = linear(g, out, w(f"{p}.self_attn.o_proj.weight"), bo, name="o_proj")
+        H, Hkv, D = lc.num_heads, lc.num_kv_heads, lc.head_dim
+        q, = project_heads(g, a, p, "q", g.const([-1, K, H, D], "q_shape", "int64"), lc, rope_block, dtype)
+        kb, vb = project_heads(g, a, p, "kv", g.const([-1, K, 2 * Hkv, D], "kv_shape", "int64"), lc, rope_block,
+                               dtype)
+        with g.scope("ctx"):
+            kc, vc = project_heads(g, ctx, p, "kv", ctx_kv_shape, lc, rope_ctx, dtype)
+        present_k, present_v = write_cache(g, cache, scatter_idx, kc, vc)
+        blocks = [KeyBlock("cache", present_k, present_v, max_seq), KeyBlock("block", kb, vb, K)]
+        o = attend(g, q, blocks, bias, f"{p}.o_proj", lc, dtype)
     return o, present_k, present_v
 
 
@@ -215,8 +187,8 @@ def _draft_heads(g: GraphBuilder, cfg: DSparkConfig, base: str, h: str, anchor: 
         base3 = g.op("Reshape", base, g.const([-1, K, V], "bkv", "int64"))
         h3 = g.op("Reshape", h, g.const([-1, K, d], "bkd", "int64"))
         if not r:  # DFlash: no sequential dependency, all K slots sampled at once
-            tokens, probs = _sample(g, base3, g.op("Unsqueeze", temperature, g.const([1, 2], "ax12", "int64")),
-                                    g.op("Unsqueeze", noise, g.const([2], "ax2", "int64")), V, dtype)
+            tokens, probs = sample_draft(g, base3, g.op("Unsqueeze", temperature, g.const([1, 2], "ax12", "int64")),
+                                         g.op("Unsqueeze", noise, g.const([2], "ax2", "int64")), V, dtype)
             logits, embs = base3, None
         else:
             t_col = g.op("Unsqueeze", temperature, g.const([1], "ax1", "int64"))  # [B,1]
@@ -233,7 +205,7 @@ def _draft_heads(g: GraphBuilder, cfg: DSparkConfig, base: str, h: str, anchor: 
                     corrected, state = _markov_step(g, cfg, u, e, hk, state, dtype)
                     nz = g.op("Slice", noise, g.const([k], "k0", "int64"), g.const([k + 1], "k1", "int64"),
                               g.const([1], "ax", "int64"))  # [B,1]
-                    prev, pk = _sample(g, corrected, t_col, nz, V, dtype)  # prev_{k+1} = token_k
+                    prev, pk = sample_draft(g, corrected, t_col, nz, V, dtype)  # prev_{k+1} = token_k
                     ax1 = g.const([1], "ax1", "int64")
                     for key, val in (("tok", prev), ("logits", corrected), ("probs", pk), ("emb", e)):
                         cols[key].append(g.op("Unsqueeze", val, ax1, name=f"stack_{key}"))
@@ -272,25 +244,3 @@ def _markov_step(g: GraphBuilder, cfg: DSparkConfig, u: str, e: str, hk: str, st
                      g.op("Mul", g.op("Sub", g.const(np.asarray(1.0, dtype=dtype), "one"), sg),
                           g.op("Tanh", cand)), name="state")
     return g.op("Add", u, linear(g, g.op("Tanh", out), w2, name="markov_w2")), new_state
-
-
-def _sample(g: GraphBuilder, logits: str, temp: str, noise: str, V: int, dtype: str) -> tuple[str, str]:
-    """The sampling rule of artifact.py over the last axis; temp/noise broadcast as [...,1].
-
-    Returns (tokens [...], probs [..., V] f32): probs = softmax(logits / T) (T = 1 where temperature = 0),
-    token = min(#(cumsum(probs) <= noise * total), V-1) if temperature > 0 else the first argmax.
-    """
-    with g.scope("sample"):
-        lf = g.op("Cast", logits, to=F32) if dtype != "float32" else logits
-        hot = g.op("Greater", temp, g.const(np.float32(0.0), "zero"))
-        t = g.op("Where", hot, temp, g.const(np.float32(1.0), "one"))
-        probs = g.op("Softmax", g.op("Div", lf, t), axis=-1, name="probs")
-        greedy = g.op("ArgMax", lf, axis=-1, keepdims=1, select_last_index=0, name="greedy")  # first max
-        cdf = g.op("CumSum", probs, g.const(np.int64(-1), "axis"), name="cdf")
-        total = g.op("Slice", cdf, g.const([-1], "last", "int64"), g.const([V], "end", "int64"),
-                     g.const([-1], "axes", "int64"), name="total")  # cdf[-1], ~1 up to rounding
-        below = g.op("LessOrEqual", cdf, g.op("Mul", noise, total))
-        count = g.op("ReduceSum", g.op("Cast", below, to=F32), g.const([-1], "axes", "int64"), keepdims=1)
-        sampled = g.op("Min", g.op("Cast", count, to=onnx_dtype("int64")), g.const([V - 1], "last_id", "int64"))
-        token = g.op("Where", hot, sampled, greedy, name="token")
-        return g.op("Squeeze", token, g.const([-1], "axes", "int64")), probs

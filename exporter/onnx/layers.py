@@ -1,4 +1,4 @@
-"""ONNX emitters for the pieces of a decoder layer (RMSNorm, linear, rope, cached attention, MLP).
+"""ONNX emitters for the pieces of a decoder layer (RMSNorm, linear, rope, MLP; attention is in attention.py).
 
 Hidden states flow as 2-D [N = B*T, d] so every projection is one Gemm against the weight in its
 Hugging Face [out, in] layout (transB=1): the weight file holds the checkpoint's tensors unchanged.

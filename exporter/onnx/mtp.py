@@ -11,8 +11,9 @@ from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.exporter.config import ModelConfig
 from specrt.exporter.loaders.mtp import EMBED, HEAD, MTPConfig
-from specrt.exporter.onnx.builder import GraphBuilder, onnx_dtype
+from specrt.exporter.onnx.builder import GraphBuilder
 from specrt.exporter.onnx.layers import Shapes, linear, rms_norm, rope_tables, rotate_half_matrix
+from specrt.exporter.onnx.sampling import sample_draft
 from specrt.exporter.onnx.target import decoder_layer, input_shapes, slot_io, stack_layer_weights
 
 PREFIX = "mtp"
@@ -39,25 +40,6 @@ def mtp_weights(cfg: MTPConfig, weights: dict[str, np.ndarray], target_weights: 
     return out
 
 
-def _sample(g: GraphBuilder, logits: str, temp: tuple[str, str], noise_k: str, vocab: int, dtype: str
-            ) -> tuple[str, str]:
-    """(token [B] i64, probs [B,V] f32) by the rule in models/mtp.py `sample_draft`."""
-    sampled_mask, t = temp
-    with g.scope("sample"):
-        lf = g.op("Cast", logits, to=onnx_dtype("float32")) if dtype != "float32" else logits
-        probs = g.op("Softmax", g.op("Div", lf, t), axis=-1)
-        cdf = g.op("CumSum", probs, g.const(np.int64(1), "axis"))  # TensorRT needs the axis as an initializer
-        total = g.op("Slice", cdf, g.const([vocab - 1], "last", "int64"), g.const([vocab], "end", "int64"),
-                     g.const([1], "axes", "int64"), name="cdf_total")  # [B,1]
-        below = g.op("LessOrEqual", cdf, g.op("Mul", noise_k, total, name="threshold"))
-        # the count as a float sum: exact up to 2^24 tokens, and TensorRT reduces floats natively
-        count = g.op("ReduceSum", g.op("Cast", below, to=onnx_dtype("float32")), g.const([-1], "axes_r", "int64"),
-                     keepdims=0)
-        sampled = g.op("Min", g.op("Cast", count, to=onnx_dtype("int64")), g.const(np.int64(vocab - 1), "vmax"))
-        greedy = g.op("ArgMax", lf, axis=-1, keepdims=0, name="greedy")
-        return g.op("Where", sampled_mask, sampled, greedy, name="token"), probs
-
-
 def _fuse(g: GraphBuilder, ids: str, hidden: str, embed_w: str, cfg: ModelConfig, dtype: str) -> str:
     """eh_proj([enorm(emb(ids)) ; hnorm(hidden)]) as [N,d]: the embedding comes first (vLLM / SGLang order)."""
     e = rms_norm(g, g.op("Gather", g.weight(embed_w), ids, name="embed_tokens"), g.weight(f"{PREFIX}.enorm.weight"),
@@ -80,28 +62,25 @@ def _head(g: GraphBuilder, h: str, head_w: str, cfg: ModelConfig, dtype: str) ->
 # step 1:  h'_1 ─ shared_head.norm ─ head ─ logits_1 ─ sample(temperature, noise[:,0]) ─ tok_1
 # step k:  (tok_{k-1}, h'_{k-1} pre|post norm) at position P+k-1 ─ same block over the updated cache ─ ...
 # outputs: Concat over k ─ draft_tokens[B,G], draft_logits[B,G,V], draft_probs[B,G,V]; present.0.*
-def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *, batch: int, rows: int, steps: int,
-                    max_seq: int, dtype: str, feedback: str = "post") -> None:
-    """Emit the MTP draft graph into `g` with exactly `io.mtp_signature`'s inputs and outputs.
+def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *, steps: int, max_seq: int,
+                    dtype: str, feedback: str = "post") -> None:
+    """Emit the MTP draft graph into `g` with exactly `io.mtp_signature`'s inputs and outputs (axes B/C).
 
     Add `mtp_weights(...)` to `g.store` first: which embedding / head tensor names exist there picks them."""
     if feedback not in ("post", "pre"):
         raise SpecrtError(f"MTP feedback must be 'post' or 'pre', got {feedback!r}")
-    if min(batch, rows, steps) < 1:
-        raise SpecrtError(f"MTP graph needs batch, rows and steps >= 1, got {batch}, {rows}, {steps}")
+    if steps < 1:
+        raise SpecrtError(f"MTP graph needs steps >= 1, got {steps}")
     c, d, V = cfg.layer, target_cfg.hidden_size, target_cfg.vocab_size
     embed_w = OWN_EMBED if OWN_EMBED in g.store else TARGET_EMBED  # mtp_weights decided the names
     head_w = OWN_HEAD if OWN_HEAD in g.store else _target_head(target_cfg)
-    tokens = g.input(io.MTP_TOKENS, "int64", (batch, rows))
-    hidden = g.input(io.MTP_HIDDEN, dtype, (batch, rows, d))
-    positions = g.input(io.MTP_POSITIONS, "int64", (batch, rows))
-    last_row = g.input(io.MTP_LAST_ROW, "int64", (batch,))
-    temperature = g.input(io.TEMPERATURE, "float32", (batch,))
-    noise = g.input(io.NOISE, "float32", (batch, steps))
+    inputs, outputs = io.mtp_signature(num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=d,
+                                       vocab_size=V, steps=steps, max_seq=max_seq, dtype=dtype)
+    for t in inputs:
+        g.input(t.name, t.dtype, t.shape)
+    tokens, hidden, positions = io.MTP_TOKENS, io.MTP_HIDDEN, io.MTP_POSITIONS
+    last_row, temperature, noise = io.MTP_LAST_ROW, io.TEMPERATURE, io.NOISE
     cache = io.past_names(0)
-    cache_shape = (batch, c.num_kv_heads, max_seq, c.head_dim)
-    for name in cache:
-        g.input(name, dtype, cache_shape)
 
     def block(x: str, pos: str, shapes: Shapes, cache: tuple[str, str]) -> tuple[str, str, str]:
         rope = (*rope_tables(g, pos, c.inv_freq(), dtype), rotate)
@@ -112,9 +91,7 @@ def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *,
     with g.scope("mtp"):
         shapes = input_shapes(g, tokens, c)
         rotate = g.const(rotate_half_matrix(c.head_dim, dtype), "rotate_half")
-        is_sampled = g.op("Greater", temperature, g.const(np.float32(0.0), "zero_t"))
-        t = g.op("Unsqueeze", g.op("Where", is_sampled, temperature, g.const(np.float32(1.0), "one_t")),
-                 g.const([1], "axis1", "int64"), name="temperature_or_1")  # [B,1]
+        t_col = g.op("Unsqueeze", temperature, g.const([1], "axis1", "int64"), name="temperature_col")  # [B,1]
         last = g.op("Unsqueeze", last_row, g.const([1], "axis1", "int64"))  # [B,1]
         with g.scope("rows"):
             # padding rows (c > last_row) continue the positions after the last row: their writes land
@@ -142,7 +119,7 @@ def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *,
                 normed, logits = _head(g, h, head_w, c, dtype)
                 noise_k = g.op("Slice", noise, g.const([k - 1], "start", "int64"), g.const([k], "stop", "int64"),
                                g.const([1], "axes", "int64"), name="noise_k")  # [B,1]
-                tok, probs = _sample(g, logits, (is_sampled, t), noise_k, V, dtype)
+                tok, probs = sample_draft(g, logits, t_col, noise_k, V, dtype)
                 fed = normed if feedback == "post" else h
                 toks.append(g.op("Unsqueeze", tok, g.const([1], "axis1", "int64")))
                 logits_all.append(g.op("Unsqueeze", logits, g.const([1], "axis1", "int64")))
@@ -150,8 +127,6 @@ def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *,
         with g.scope("outputs"):
             outs = [g.op("Concat", *v, axis=1, name=n) if len(v) > 1 else g.op("Identity", v[0], name=n)
                     for v, n in ((toks, "tokens"), (logits_all, "logits"), (probs_all, "probs"))]
-    g.output(outs[0], io.DRAFT_TOKENS, "int64", (batch, steps))
-    g.output(outs[1], io.DRAFT_LOGITS, dtype, (batch, steps, V))
-    g.output(outs[2], io.DRAFT_PROBS, "float32", (batch, steps, V))
-    for value, name in zip((pk, pv), io.present_names(0)):
-        g.output(value, name, dtype, cache_shape)
+    named = dict(zip((io.DRAFT_TOKENS, io.DRAFT_LOGITS, io.DRAFT_PROBS, *io.present_names(0)), (*outs, pk, pv)))
+    for t in outputs:
+        g.output(named[t.name], t.name, t.dtype, t.shape)

@@ -4,9 +4,8 @@
         for each layer:  x += o_proj(attention(norm(x), cache))  ;  x += mlp(norm(x))
     norm(x) -> features[B,T,F] (optional) ; rows picked by logit_rows[B,R] -> Gemm(head) -> logits[B,R,V]
 
-The graph is written for fixed shapes, but every Reshape takes its sizes from Shape(input_ids) or
-0/-1, so the same graph body is valid for any B/T/R: the exporter writes one file per shape and the
-ONNX Runtime backend may serve all of a family's shapes from one session (one copy of the weights).
+Every Reshape takes its sizes from Shape(input_ids) or 0/-1, so one graph body serves every B/T/R: the
+file declares them as named axes and the manifest lists the fixed shapes (buckets) the runtime uses.
 """
 from __future__ import annotations
 
@@ -16,8 +15,9 @@ import numpy as np
 
 from specrt import artifact as io
 from specrt.exporter.config import ModelConfig
-from specrt.exporter.onnx.builder import GraphBuilder, onnx_dtype
-from specrt.exporter.onnx.layers import Shapes, apply_rope, linear, mlp, rms_norm, rope_tables, rotate_half_matrix
+from specrt.exporter.onnx.builder import GraphBuilder
+from specrt.exporter.onnx.attention import KeyBlock, Rope, attend, project_heads, write_cache
+from specrt.exporter.onnx.layers import Shapes, linear, mlp, rms_norm, rope_tables, rotate_half_matrix
 
 FINAL = "final"  # feature source: the final-normed hidden state (what MTP consumes)
 
@@ -52,56 +52,17 @@ def slot_io(g: GraphBuilder, shapes: Shapes, slots: str, cfg: ModelConfig, max_s
 
 
 def _attention(g: GraphBuilder, x: str, p: str, cache: tuple[str, str], cfg: ModelConfig, shapes: Shapes,
-               rope: tuple[str, str, str], scatter_idx: str, bias: str, dtype: str, max_seq: int
-               ) -> tuple[str, str, str]:
-    H, Hkv, D, G = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.kv_groups
-    w = g.weight
+               rope: Rope, scatter_idx: str, bias: str, dtype: str, max_seq: int) -> tuple[str, str, str]:
+    """Self-attention of T new tokens over the cache they are first written into; returns (o, present_k, present_v)."""
     with g.scope("attn"):
-        qkv_bias = w(f"{p}.qkv_proj.bias") if cfg.attention_bias else None
-        qkv = linear(g, x, w(f"{p}.qkv_proj.weight"), qkv_bias, name="qkv_proj")
-        qkv = g.op("Reshape", qkv, shapes.qkv, name="qkv_heads")  # [B,T,H+2Hkv,D]
-        if cfg.qk_norm:  # Qwen3: per-head RMSNorm on q and k before rope
-            q, k, v = g.op("Split", qkv, g.const([H, Hkv, Hkv], "qkv_sizes", "int64"), axis=2, outputs=3)
-            q = apply_rope(g, rms_norm(g, q, w(f"{p}.q_norm.weight"), cfg.rms_norm_eps, dtype, name="q_norm"),
-                           *rope, name="q_rope")
-            k = apply_rope(g, rms_norm(g, k, w(f"{p}.k_norm.weight"), cfg.rms_norm_eps, dtype, name="k_norm"),
-                           *rope, name="k_rope")
-        else:  # q and k share one rope pass
-            qk, v = g.op("Split", qkv, g.const([H + Hkv, Hkv], "qk_v_sizes", "int64"), axis=2, outputs=2)
-            q, k = g.op("Split", apply_rope(g, qk, *rope, name="qk_rope"), g.const([H, Hkv], "q_k_sizes", "int64"),
-                        axis=2, outputs=2)
-        # [B,T,H,D] -> [B,H,T,D] -> [B,Hkv,G*T,D]: the G query heads of a KV head become extra rows,
-        # so attention reads each cached K/V once instead of repeating the cache G times.
-        q = g.op("Mul", q, g.const(np.asarray(D ** -0.5, dtype=dtype), "scale"))
-        q = g.op("Reshape", g.op("Transpose", q, perm=[0, 2, 1, 3]), g.const([0, Hkv, -1, D], "grouped", "int64"))
-        k = g.op("Transpose", k, perm=[0, 2, 1, 3], name="k_bhtd")
-        v = g.op("Transpose", v, perm=[0, 2, 1, 3], name="v_bhtd")
-        past_k, past_v = cache
-        present_k = g.op("ScatterElements", past_k, scatter_idx, k, axis=2, name="write_k")
-        present_v = g.op("ScatterElements", past_v, scatter_idx, v, axis=2, name="write_v")
-        scores = g.op("MatMul", q, g.op("Transpose", present_k, perm=[0, 1, 3, 2]), name="qk")  # [B,Hkv,G*T,S]
-        scores = _split_groups(g, scores, Hkv, G, max_seq)
-        if dtype != "float32":
-            scores = g.op("Cast", scores, to=onnx_dtype("float32"))
-        probs = g.op("Softmax", g.op("Add", scores, bias, name="mask"), axis=-1)
-        if dtype != "float32":
-            probs = g.op("Cast", probs, to=onnx_dtype(dtype))
-        probs = g.op("Reshape", probs, g.const([0, Hkv, -1, max_seq], "rows", "int64"))
-        out = g.op("MatMul", probs, present_v, name="pv")  # [B,Hkv,G*T,D]
-        out = g.op("Transpose", g.op("Reshape", out, g.const([0, H, -1, D], "heads", "int64")), perm=[0, 2, 1, 3])
-        out = g.op("Reshape", out, g.const([-1, H * D], "flat", "int64"))
-        o = linear(g, out, w(f"{p}.o_proj.weight"), w(f"{p}.o_proj.bias") if cfg.o_proj_bias else None,
-                   name="o_proj")
+        q, k, v = project_heads(g, x, p, "qkv", shapes.qkv, cfg, rope, dtype)
+        present_k, present_v = write_cache(g, cache, scatter_idx, k, v)
+        o = attend(g, q, [KeyBlock("cache", present_k, present_v, max_seq)], bias, f"{p}.o_proj", cfg, dtype)
     return o, present_k, present_v
 
 
-def _split_groups(g: GraphBuilder, scores: str, n_kv: int, groups: int, max_seq: int) -> str:
-    """[B,Hkv,G*T,S] -> [B,Hkv,G,T,S] so the [B,1,1,T,S] bias broadcasts over groups."""
-    return g.op("Reshape", scores, g.const([0, n_kv, groups, -1, max_seq], "per_group", "int64"))
-
-
 def decoder_layer(g: GraphBuilder, x: str, prefix: str, cache: tuple[str, str], cfg: ModelConfig, shapes: Shapes,
-                  rope: tuple[str, str, str], scatter_idx: str, bias: str, dtype: str, max_seq: int
+                  rope: Rope, scatter_idx: str, bias: str, dtype: str, max_seq: int
                   ) -> tuple[str, str, str]:
     """One pre-norm decoder layer over its KV cache; returns (x, present_k, present_v).
 
@@ -126,7 +87,7 @@ def input_shapes(g: GraphBuilder, ids: str, cfg: ModelConfig) -> Shapes:
                   qkv=g.op("Concat", bt, qkv_heads, axis=0, name="qkv_shape"))
 
 
-def rope_inputs(g: GraphBuilder, position_ids: str, cfg: ModelConfig, dtype: str) -> tuple[str, str, str]:
+def rope_inputs(g: GraphBuilder, position_ids: str, cfg: ModelConfig, dtype: str) -> Rope:
     """(cos, sin, rotate_half matrix) for `apply_rope`."""
     return (*rope_tables(g, position_ids, cfg.inv_freq(), dtype),
             g.const(rotate_half_matrix(cfg.head_dim, dtype), "rotate_half"))
@@ -149,18 +110,17 @@ def target_weights(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> dict[str
     return out
 
 
-def build_target_graph(g: GraphBuilder, cfg: ModelConfig, *, batch: int, tokens: int, rows: int,
-                       max_seq: int, dtype: str, features: Sequence[int | str] = ()) -> None:
-    """Emit the whole target graph into `g` (the caller turns it into a model)."""
+def build_target_graph(g: GraphBuilder, cfg: ModelConfig, *, max_seq: int, dtype: str,
+                       features: Sequence[int | str] = ()) -> None:
+    """Emit the whole target graph into `g` over named axes B/T/R (the caller turns it into a model)."""
     d = cfg.hidden_size
-    input_ids = g.input(io.INPUT_IDS, "int64", (batch, tokens))
-    position_ids = g.input(io.POSITION_IDS, "int64", (batch, tokens))
-    write_index = g.input(io.WRITE_INDEX, "int64", (batch,))
-    logit_rows = g.input(io.LOGIT_ROWS, "int64", (batch, rows))
-    cache_shape = (batch, cfg.num_kv_heads, max_seq, cfg.head_dim)
-    for i in range(cfg.num_layers):
-        for name in io.past_names(i):
-            g.input(name, dtype, cache_shape)
+    inputs, outputs = io.target_signature(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                          head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, max_seq=max_seq,
+                                          dtype=dtype, feature_dim=d * len(features))
+    for t in inputs:
+        g.input(t.name, t.dtype, t.shape)
+    shape = {t.name: t.shape for t in outputs}
+    input_ids, position_ids, write_index, logit_rows = io.INPUT_IDS, io.POSITION_IDS, io.WRITE_INDEX, io.LOGIT_ROWS
 
     with g.scope("target"):
         shapes = input_shapes(g, input_ids, cfg)
@@ -190,14 +150,14 @@ def build_target_graph(g: GraphBuilder, cfg: ModelConfig, *, batch: int, tokens:
                             name="lm_head")
             logits = g.op("Reshape", logits, g.op("Concat", rows_shape,
                                                   g.const([cfg.vocab_size], "vocab", "int64"), axis=0))
-        g.output(logits, io.LOGITS, dtype, (batch, rows, cfg.vocab_size))
+        g.output(logits, io.LOGITS, dtype, shape[io.LOGITS])
         if features:
             with g.scope("features"):
                 feats = g.op("Concat", *[captured[s] for s in features], axis=-1) if len(features) > 1 \
                     else g.op("Identity", captured[features[0]])
                 feats = g.op("Reshape", feats, g.op("Concat", shapes.batch, shapes.tokens,
                                                     g.const([d * len(features)], "f", "int64"), axis=0))
-            g.output(feats, io.FEATURES, dtype, (batch, tokens, d * len(features)))
+            g.output(feats, io.FEATURES, dtype, shape[io.FEATURES])
     for i, (pk, pv) in enumerate(presents):
         for value, name in zip((pk, pv), io.present_names(i)):
-            g.output(value, name, dtype, cache_shape)
+            g.output(value, name, dtype, shape[name])

@@ -1,0 +1,112 @@
+"""GQA attention as ONNX, shared by the target (and MTP) layers and the DSpark draft layers.
+
+    x[N,d] ─Gemm(stacked proj)─ Reshape [B,T,n,D] ─ Split ─ q/k norm (Qwen3) ─ rope(q, k) ─► q [B,T,H,D]
+                                                                                           k, v [B,Hkv,T,D]
+    (the caller scatters new k/v into its cache: `write_cache`)
+
+    q·D^-½ ─ [B,Hkv,G*T,D] ─┬─ MatMul kᵀ of key block 1 (e.g. the cache, S keys) ─┐
+                            └─ MatMul kᵀ of key block 2 (e.g. DSpark's own block) ─┴─ Concat [B,Hkv,G*T,L]
+       ─ Reshape [B,Hkv,G,T,L] ─ Add bias [B,1,1,T|1,L] ─ Softmax (f32) ─ Split per block ─ MatMul v ─ Add
+       ─ [B,T,H*D] ─ o_proj
+
+The G query heads of a KV head become extra query rows (Hugging Face's repeat_kv order), so each cached K/V
+is read once instead of being repeated G times. The bias is built by the caller from its own visibility rule.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrt.exporter.config import ModelConfig
+from specrt.exporter.onnx.builder import GraphBuilder, onnx_dtype
+from specrt.exporter.onnx.layers import apply_rope, linear, rms_norm
+
+Rope = tuple[str, str, str]  # (cos, sin, rotate_half matrix) for `apply_rope`
+
+
+@dataclass(frozen=True, slots=True)
+class KeyBlock:
+    """Keys and values [B,Hkv,L,D] that every query attends over (masked by the bias), named in node names."""
+
+    name: str
+    k: str
+    v: str
+    length: int  # L, fixed at export
+
+
+def project_heads(g: GraphBuilder, x: str, p: str, parts: str, shape: str, cfg: ModelConfig, rope: Rope,
+                  dtype: str) -> list[str]:
+    """Project x [N,d] with the stacked weight `{p}.{parts}_proj` (`parts`: "qkv", "q" or "kv") into heads.
+
+    `shape` is the [B,T,n,D] reshape target. Returns q as [B,T,H,D] (unscaled) and k, v as [B,Hkv,T,D]; q and
+    k get the family's q/k norm (`{p}.q_norm`, `{p}.k_norm`), then rope.
+    """
+    heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads, "v": cfg.num_kv_heads}
+    w = g.weight
+    bias = w(f"{p}.{parts}_proj.bias") if cfg.attention_bias else None
+    y = g.op("Reshape", linear(g, x, w(f"{p}.{parts}_proj.weight"), bias, name=f"{parts}_proj"), shape,
+             name=f"{parts}_heads")
+    roped = parts.replace("v", "")  # q and k rotate, v does not
+    if cfg.qk_norm:  # Qwen3: per-head RMSNorm on q and k before rope
+        out = _split(g, y, [heads[c] for c in parts], f"{parts}_sizes")
+        for i, c in enumerate(roped):
+            normed = rms_norm(g, out[i], w(f"{p}.{c}_norm.weight"), cfg.rms_norm_eps, dtype, name=f"{c}_norm")
+            out[i] = apply_rope(g, normed, *rope, name=f"{c}_rope")
+    else:  # q and k share one rope pass; v is split off first
+        rot, *rest = _split(g, y, [sum(heads[c] for c in roped), *(heads[c] for c in parts[len(roped):])],
+                            f"{roped}_v_sizes")
+        out = [*_split(g, apply_rope(g, rot, *rope, name=f"{roped}_rope"), [heads[c] for c in roped],
+                       f"{roped}_sizes"), *rest]
+    return [out[i] if c == "q" else g.op("Transpose", out[i], perm=[0, 2, 1, 3], name=f"{c}_bhtd")
+            for i, c in enumerate(parts)]  # k, v: [B,Hkv,T,D], the cache layout
+
+
+def _split(g: GraphBuilder, y: str, sizes: list[int], name: str) -> list[str]:
+    """Split [B,T,n,D] along the heads axis (no node for a single part)."""
+    if len(sizes) == 1:
+        return [y]
+    return g.op("Split", y, g.const(sizes, name, "int64"), axis=2, outputs=len(sizes))
+
+
+def write_cache(g: GraphBuilder, cache: tuple[str, str], scatter_idx: str, k: str, v: str) -> tuple[str, str]:
+    """present = past with new k/v [B,Hkv,T,D] scattered at `scatter_idx` (in place when the buffers are bound)."""
+    return (g.op("ScatterElements", cache[0], scatter_idx, k, axis=2, name="write_k"),
+            g.op("ScatterElements", cache[1], scatter_idx, v, axis=2, name="write_v"))
+
+
+def attend(g: GraphBuilder, q: str, blocks: Sequence[KeyBlock], bias: str, o_proj: str, cfg: ModelConfig,
+           dtype: str) -> str:
+    """o_proj(softmax(q·kᵀ/√D + bias)·v) over the key blocks side by side, as [N, d].
+
+    q [B,T,H,D]; `bias` [B,1,1,T or 1,L] (0 or a large negative, f32) with L the blocks' total length.
+    """
+    H, Hkv, D, G = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.kv_groups
+    L = sum(b.length for b in blocks)
+    q = g.op("Mul", q, g.const(np.asarray(D ** -0.5, dtype=dtype), "scale"))
+    q = g.op("Reshape", g.op("Transpose", q, perm=[0, 2, 1, 3]), g.const([0, Hkv, -1, D], "grouped", "int64"))
+    # Scores against each block side by side: no block (the cache above all) is ever copied.
+    scores = [g.op("MatMul", q, g.op("Transpose", b.k, perm=[0, 1, 3, 2]), name=f"qk_{b.name}") for b in blocks]
+    scores = g.op("Concat", *scores, axis=-1, name="scores") if len(blocks) > 1 else scores[0]  # [B,Hkv,G*T,L]
+    # [B,Hkv,G,T,L] so a per-query bias [B,1,1,T,L] broadcasts over the groups
+    scores = g.op("Reshape", scores, g.const([0, Hkv, G, -1, L], "per_group", "int64"))
+    if dtype != "float32":
+        scores = g.op("Cast", scores, to=onnx_dtype("float32"))
+    probs = g.op("Softmax", g.op("Add", scores, bias, name="mask"), axis=-1)
+    if dtype != "float32":
+        probs = g.op("Cast", probs, to=onnx_dtype(dtype))
+    probs = g.op("Reshape", probs, g.const([0, Hkv, -1, L], "rows", "int64"))
+    if len(blocks) > 1:
+        probs = g.op("Split", probs, g.const([b.length for b in blocks], "block_sizes", "int64"), axis=-1,
+                     outputs=len(blocks))
+    else:
+        probs = [probs]
+    out = None
+    for p, b in zip(probs, blocks):
+        pv = g.op("MatMul", p, b.v, name=f"pv_{b.name}")
+        out = pv if out is None else g.op("Add", out, pv, name="pv_sum")  # [B,Hkv,G*T,D]
+    out = g.op("Transpose", g.op("Reshape", out, g.const([0, H, -1, D], "heads", "int64")), perm=[0, 2, 1, 3])
+    out = g.op("Reshape", out, g.const([-1, H * D], "flat", "int64"))
+    return linear(g, out, g.weight(f"{o_proj}.weight"), g.weight(f"{o_proj}.bias") if cfg.o_proj_bias else None,
+                  name="o_proj")
