@@ -31,11 +31,19 @@ def accept_greedy(drafts: np.ndarray, target_logits: np.ndarray) -> Verdict:
     return Verdict(a, int(best[a]))
 
 
-def accept_sampled(drafts: np.ndarray, draft_probs: np.ndarray, target_logits: np.ndarray,
+def accept_sampled(drafts: np.ndarray, draft_probs: np.ndarray | None, target_logits: np.ndarray,
                    params: SamplingParams, rng: np.random.Generator) -> Verdict:
-    """Rejection sampling; draft_probs [l, V] is the distribution each draft was drawn from."""
+    """Rejection sampling; draft_probs [l, V] is the distribution each draft was drawn from, None for
+    deterministic (one-hot) drafts such as n-gram lookups."""
     for k, x in enumerate(drafts):
         p = distribution(target_logits[k], params)
+        if draft_probs is None:  # q = one-hot(x): accept with probability p(x), else resample from p without x
+            if rng.random() < p[x]:
+                continue
+            residual = p.copy()
+            residual[x] = 0.0
+            mass = residual.sum()
+            return Verdict(k, sample(residual / mass if mass > 1e-12 else p, rng))
         q = draft_probs[k].astype(np.float64)
         # q(x) > 0: x was drawn from q. Accept with probability min(1, p/q): u < p/q  <=>  u*q < p.
         if rng.random() * q[x] < p[x]:

@@ -163,7 +163,7 @@ def artifact_source(engine: Engine) -> Path:
     sources = engine.manifest.sources
     if not sources:
         raise SpecrtError("the artifact records no source model, so no transformers baseline can be loaded")
-    path = Path(sources[0]["path"])
+    path = Path(sources[0].path)
     if path.name in ("config.json",) or path.suffix == ".safetensors" or path.name.endswith(".json"):
         path = path.parent
     if not path.exists():

@@ -1,8 +1,11 @@
-"""Draft heads at run time: each keeps its own KV cache and turns pending context rows into proposals.
+"""Drafters: plug-ins that propose draft tokens for the active slots of a round.
 
-A slot's pending context rows are target positions whose features the draft has not seen yet:
-after prefill, the prompt's last position; after each round, the a + 1 verified positions. Every
-propose call writes them into the draft cache and drafts from the slot's pending (anchor) token.
+A drafter reads what it needs from each slot through `SlotView` (token history, anchor token, pending
+context rows, temperature, rng) and returns a `Proposal`; it never changes a slot. Graph drafters (DSpark,
+MTP) keep their own KV cache on a backend runner: a slot's pending context rows are target positions
+whose features the draft has not seen yet (after prefill, the prompt's last position; after each round,
+the a + 1 verified positions), and every propose call writes them into the draft cache before drafting
+from the anchor. The n-gram drafter has no weights: it looks the slot's recent tokens up in its history.
 """
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ from typing import Protocol
 import numpy as np
 
 from specrt import artifact as io
-from specrt.runtime.backends.ort import OrtRunner
+from specrt.errors import SpecrtError
+from specrt.runtime.backends import load_runner
 
 
 @dataclass
@@ -27,28 +31,52 @@ class Context:
 
 @dataclass
 class Proposal:
+    """Drafts for slots [0, n): row i holds slot i's first counts[i] drafts (idle slots: counts 0)."""
+
     tokens: np.ndarray  # [n, K] i64
-    probs: np.ndarray  # [n, K, V] f32: the distribution each token was drawn from
-    confidence_logits: np.ndarray | None  # [n, K]
+    counts: np.ndarray  # [n] i64: drafts proposed per slot (K for graph heads)
+    probs: np.ndarray | None  # [n, K, V] f32: the distribution each draft was drawn from; None = one-hot drafts
+    confidence_logits: np.ndarray | None = None  # [n, K] (DSpark's confidence head)
 
 
 class SlotView(Protocol):
+    """What a drafter may read from a slot."""
+
     ctx: Context | None
-    pending: int
+    pending: int  # the anchor: the last committed token, not yet in the target cache
     temperature: float
     rng: np.random.Generator
 
+    def history(self) -> np.ndarray:
+        """Prompt + output token ids so far (the anchor last)."""
 
-class _Drafter:
-    """Shared plumbing: one runner over the head's graph family, chunked writes of prompt context."""
 
-    steps: int  # tokens drafted per call
+class Drafter(Protocol):
+    steps: int  # drafts per proposal at most
+    needs_features: bool  # whether slots must carry target features as context rows
 
-    def __init__(self, art_dir: Path, manifest: io.Manifest, name: str, *, threads: int | None = None) -> None:
-        self.info = manifest.heads[name]
-        self.runner = OrtRunner(art_dir, manifest.graphs[name], threads=threads, spin=False)
-        self.chunk = manifest.export.prefill_chunk
-        self.offset, self.width = self.info["feature_offset"], self.info["feature_dim"]
+    def allocate(self, slots: int) -> None:
+        """Allocate per-slot state (a draft KV cache) for `slots` slots, once."""
+
+    def prefill(self, slot: int, ctx: Context) -> Context | None:
+        """Take a new request's prompt context; return the rows still pending for its first proposal."""
+
+    def propose(self, slots: list[SlotView | None]) -> Proposal:
+        """Drafts for slots [0, n) (None = an idle slot)."""
+
+
+class _GraphDrafter:
+    """A draft head's graph family on a backend runner; chunked writes of the prompt context."""
+
+    needs_features = True
+
+    def __init__(self, art_dir: Path, manifest: io.Manifest, name: str, *, backend: str = "ort",
+                 threads: int | None = None) -> None:
+        self.head = manifest.heads[name]
+        self.steps = self.head.steps
+        # drafts run in turn with the target: no idle spinning that would steal the target's cores
+        self.runner = load_runner(backend, art_dir, manifest, name, threads=threads, spin=False)
+        self.offset, self.width = self.head.feature_offset, self.head.feature_dim
 
     def allocate(self, slots: int) -> None:
         self.runner.allocate(slots)
@@ -56,49 +84,48 @@ class _Drafter:
     def prefill(self, slot: int, ctx: Context) -> Context:
         """Write all but the last pending row of a fresh slot in chunks; return the last row, still pending."""
         r = len(ctx.next_tokens)
-        for start in range(0, r - 1, self.chunk):
-            stop = min(start + self.chunk, r - 1)
+        bucket = self.runner.spec.bucket("prefill")
+        for start in range(0, r - 1, bucket["C"]):
+            stop = min(start + bucket["C"], r - 1)
             piece = Context(ctx.pos + start, ctx.features[start:stop], ctx.next_tokens[start:stop])
-            feeds = self.runner.inputs(slot, B=1, C=self.chunk)
+            feeds = self.runner.inputs(slot, bucket)
             feeds[io.TEMPERATURE][:] = 0.0
             feeds[io.NOISE][:] = 0.0
             self._fill(feeds, [piece], [0])
-            self.runner.run_bound(slot, B=1, C=self.chunk)
+            self.runner.run(slot, bucket)
         return Context(ctx.pos + r - 1, ctx.features[r - 1:], ctx.next_tokens[r - 1:])
 
     def propose(self, slots: list[SlotView | None]) -> Proposal:
-        """One draft call over slots [0, n); idle slots draft garbage that nobody reads."""
+        """One draft call over slots [0, n), rounded up to a bucket; idle rows draft garbage nobody reads."""
         n = len(slots)
-        ctxs = [s.ctx if s is not None else None for s in slots]
-        rows = max(len(c.next_tokens) for c in ctxs if c is not None)
-        feeds = self.runner.inputs(0, B=n, C=rows)  # bound buffers: filled in place
+        rows = max((len(s.ctx.next_tokens) for s in slots if s is not None and s.ctx is not None), default=1)
+        bucket = self.runner.spec.bucket("propose", B=n, C=rows)
+        feeds = self.runner.inputs(0, bucket)  # bound buffers: filled in place
+        padded = [*slots, *[None] * (bucket["B"] - n)]
         temps, noise = feeds[io.TEMPERATURE], feeds[io.NOISE]
-        anchors = [0] * n
-        for i, s in enumerate(slots):
-            temps[i], noise[i] = (s.temperature, 0.0) if s is not None else (0.0, 0.0)
-            if s is not None:
-                anchors[i] = s.pending
-                if s.temperature > 0:
-                    noise[i] = s.rng.random(self.steps, dtype=np.float32)
-        self._fill(feeds, ctxs, anchors)
-        out = self.runner.run_bound(0, B=n, C=rows)
-        for s in slots:
-            if s is not None:
-                s.ctx = None  # written into the draft cache
-        return Proposal(tokens=out[io.DRAFT_TOKENS], probs=out[io.DRAFT_PROBS],
-                        confidence_logits=out.get(io.CONFIDENCE_LOGITS))
+        temps[:], noise[:] = 0.0, 0.0
+        for i, s in enumerate(padded):
+            if s is not None and s.temperature > 0:
+                temps[i] = s.temperature
+                noise[i] = s.rng.random(self.steps, dtype=np.float32)
+        self._fill(feeds, [s.ctx if s is not None else None for s in padded],
+                   [s.pending if s is not None else 0 for s in padded])
+        out = self.runner.run(0, bucket)
+        counts = np.array([self.steps if s is not None else 0 for s in slots], np.int64)
+        conf = out.get(io.CONFIDENCE_LOGITS)
+        return Proposal(tokens=out[io.DRAFT_TOKENS][:n], counts=counts, probs=out[io.DRAFT_PROBS][:n],
+                        confidence_logits=conf[:n] if conf is not None else None)
 
     def _fill(self, feeds: dict[str, np.ndarray], ctxs: list[Context | None], anchors: list[int]) -> None:
         """Write the context rows (padded) and anchors into the bound input buffers."""
         raise NotImplementedError
 
 
-class DSparkDrafter(_Drafter):
+class DSparkDrafter(_GraphDrafter):
     """DSpark / DFlash: context = raw target-layer features; drafts a block of K tokens in parallel."""
 
-    def __init__(self, art_dir: Path, manifest: io.Manifest, *, threads: int | None = None) -> None:
-        super().__init__(art_dir, manifest, "dspark", threads=threads)
-        self.steps = self.info["block"]
+    def __init__(self, art_dir: Path, manifest: io.Manifest, **kw) -> None:
+        super().__init__(art_dir, manifest, "dspark", **kw)
 
     def _fill(self, feeds, ctxs, anchors):
         feats, pos = feeds[io.CTX_FEATURES], feeds[io.CTX_POSITIONS]
@@ -114,12 +141,11 @@ class DSparkDrafter(_Drafter):
             write[i], valid[i] = start, start + r
 
 
-class MTPDrafter(_Drafter):
+class MTPDrafter(_GraphDrafter):
     """MTP: rows pair the target's final hidden h_t with x_{t+1}; chains `steps` drafts from the last row."""
 
-    def __init__(self, art_dir: Path, manifest: io.Manifest, *, threads: int | None = None) -> None:
-        super().__init__(art_dir, manifest, "mtp", threads=threads)
-        self.steps = self.info["steps"]
+    def __init__(self, art_dir: Path, manifest: io.Manifest, **kw) -> None:
+        super().__init__(art_dir, manifest, "mtp", **kw)
 
     def _fill(self, feeds, ctxs, anchors):
         tokens, hidden = feeds[io.MTP_TOKENS], feeds[io.MTP_HIDDEN]
@@ -136,4 +162,60 @@ class MTPDrafter(_Drafter):
             last[i] = r - 1
 
 
-DRAFTERS = {"dspark": DSparkDrafter, "mtp": MTPDrafter}
+class NGramDrafter:
+    """Prompt lookup: the longest suffix (n <= max_n) of a slot's tokens that occurred before proposes the
+    tokens that followed its latest earlier occurrence, up to `steps`; no match, no drafts."""
+
+    needs_features = False
+
+    def __init__(self, steps: int, *, max_n: int = 3) -> None:
+        if steps < 1 or max_n < 1:
+            raise SpecrtError(f"n-gram drafting needs gamma >= 1 and n >= 1, got gamma {steps}, n {max_n}")
+        self.steps, self.max_n = steps, max_n
+        self._tokens = np.zeros((0, steps), np.int64)
+        self._counts = np.zeros(0, np.int64)
+
+    def allocate(self, slots: int) -> None:
+        if len(self._counts) != slots:
+            self._tokens = np.zeros((slots, self.steps), np.int64)
+            self._counts = np.zeros(slots, np.int64)
+
+    def prefill(self, slot: int, ctx: Context) -> None:
+        return None
+
+    def propose(self, slots: list[SlotView | None]) -> Proposal:
+        n = len(slots)
+        tokens, counts = self._tokens[:n], self._counts[:n]
+        counts[:] = 0
+        for i, s in enumerate(slots):
+            if s is not None:
+                follow = lookup(s.history(), self.max_n, self.steps)
+                counts[i] = len(follow)
+                tokens[i, :len(follow)] = follow
+        return Proposal(tokens=tokens, counts=counts, probs=None)
+
+
+def lookup(history: np.ndarray, max_n: int, steps: int) -> np.ndarray:
+    """Up to `steps` tokens that followed the latest earlier occurrence of the longest suffix (n <= max_n)."""
+    size = len(history)
+    for n in range(min(max_n, size - 1), 0, -1):
+        # windows start at 0..size-1-n: strictly before the suffix itself, each followed by >= 1 token
+        windows = np.lib.stride_tricks.sliding_window_view(history[:-1], n)
+        hits = np.flatnonzero((windows == history[size - n:]).all(axis=1))
+        if hits.size:
+            start = hits[-1] + n
+            return history[start:start + steps]
+    return history[:0]
+
+
+def make_drafter(method: str, art_dir: Path, manifest: io.Manifest, *, gamma: int, backend: str = "ort",
+                 threads: int | None = None, ngram: int = 3) -> Drafter:
+    """The drafter of a speculative method ("ngram", "mtp", "dspark")."""
+    if method == "ngram":
+        return NGramDrafter(gamma, max_n=ngram)
+    if method not in manifest.heads:
+        have = ", ".join(manifest.heads) or "none"
+        raise SpecrtError(f"--method {method} needs an artifact exported with a {method} head "
+                          f"(this one has: {have}); export with --draft or --mtp, or use --method ngram")
+    cls = {"dspark": DSparkDrafter, "mtp": MTPDrafter}[method]
+    return cls(art_dir, manifest, backend=backend, threads=threads)

@@ -1,11 +1,13 @@
-"""The generation engine: request slots over one KV cache, chunked prefill, batched decode steps.
+"""The generation engine: request slots over one KV cache, chunked prefill, batched decode steps or rounds.
 
-    requests ─► admit (prefill one slot, chunk by chunk) ─► step (all active slots, one target call)
-                   ▲                                           │ sample, append, check stop
-                   └──────────── a finished slot is refilled ◄─┘
+    add_request ─► waiting ─► admit (prefill one slot, chunk by chunk) ─► step (all active slots: one
+                                 ▲                                        decode step or one draft/verify
+                                 │                                        round) ─► tokens, stop checks
+                                 └────── a finished or aborted slot is refilled ◄──┘
 
-Slots are rows of one preallocated cache; a step runs on slots [0, n) so finished slots are
-refilled with waiting requests (continuous batching) without moving any cache memory.
+Slots are rows of one preallocated cache; a step runs on slots [0, n) rounded up to a bucket, so
+finished slots are refilled with waiting requests (continuous batching) without moving any cache memory.
+`step()` is the online API (servers add and abort requests between steps); `generate()` is built on it.
 """
 from __future__ import annotations
 
@@ -19,14 +21,20 @@ import numpy as np
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.runtime.backends.base import StepInputs
-from specrt.runtime.drafters import DRAFTERS, Context
+from specrt.runtime.backends import BACKENDS, load_runner
+from specrt.runtime.drafters import Context, make_drafter
+from specrt.runtime.observers import RoundObserver, RoundRecord, TraceWriter
 from specrt.runtime.sampling import SamplingParams, next_token
+from specrt.runtime.schedulers import Load, make_scheduler
+from specrt.runtime.speculative import Outcome, Speculator
+from specrt.runtime.stats import RunStats
 from specrt.runtime.tokenizer import Tokenizer
 
 TextCallback = Callable[[int, str], None]  # (request id, text delta)
 TokenCallback = Callable[[int, int], None]  # (request id, number of new tokens)
 FinishCallback = Callable[["RequestOutput"], None]  # a request's output, the moment it finishes
+
+METHODS = ("ar", "ngram", "mtp", "dspark")
 
 
 @dataclass
@@ -42,56 +50,27 @@ class RequestOutput:
     prompt_tokens: int
     output_ids: list[int]
     text: str
-    finish_reason: str  # "eos" | "stop" | "length"
+    finish_reason: str  # "eos" | "stop" | "length" | "abort"
 
 
 @dataclass
-class RunStats:
-    method: str = "ar"
-    requests: int = 0
-    generated_tokens: int = 0
-    decode_tokens: int = 0  # tokens produced by decode steps (the first token comes from prefill)
-    steps: int = 0  # target calls after prefill (decode steps or verify rounds)
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    gamma: int = 0
-    rounds: list[tuple[int, int, int]] = field(default_factory=list)  # (verify_len, accepted, committed)
+class RequestDelta:
+    """What one step did for one request: new tokens and text, and its output if it finished."""
 
-    def acceptance(self) -> dict[str, list[float]]:
-        """Per draft position k: P(accepted) over rounds that verified k, and P(accepted | k-1 accepted)."""
-        uncond, cond = [], []
-        for k in range(1, self.gamma + 1):
-            tried = [a for ell, a, _ in self.rounds if ell >= k]
-            reached = [a for a in tried if a >= k - 1]
-            uncond.append(round(sum(a >= k for a in tried) / len(tried), 4) if tried else 0.0)
-            cond.append(round(sum(a >= k for a in reached) / len(reached), 4) if reached else 0.0)
-        return {"unconditional": uncond, "conditional": cond}
-
-    def to_dict(self) -> dict:
-        d = {"method": self.method, "requests": self.requests, "generated_tokens": self.generated_tokens,
-             "steps": self.steps, "prefill_ms": round(self.prefill_s * 1e3, 3),
-             "decode_s": round(self.decode_s, 4),
-             "decode_tokens_per_s": round(self.decode_tokens / self.decode_s, 3) if self.decode_s else 0.0,
-             "end_to_end_tokens_per_s": round(self.generated_tokens / (self.prefill_s + self.decode_s), 3)
-             if self.prefill_s + self.decode_s else 0.0}
-        if self.method != "ar":
-            n = len(self.rounds)
-            d.update(gamma=self.gamma, rounds=n,
-                     tau=round(sum(c for _, _, c in self.rounds) / n, 4) if n else 0.0,
-                     per_position_acceptance=self.acceptance(),
-                     draft_s=round(self.draft_s, 4), verify_s=round(self.verify_s, 4),
-                     other_s=round(self.decode_s - self.draft_s - self.verify_s, 4))
-        return d
+    id: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: RequestOutput | None = None
 
 
 @dataclass
-class _Slot:
-    """One active request: the cache holds `length` tokens; `pending` is sampled but not yet written."""
+class Slot:
+    """One active request: the cache holds `length` tokens; `pending` is committed but not yet written."""
 
     request: Request
     rng: np.random.Generator
+    ids: np.ndarray  # prompt + output token ids, preallocated to the cache capacity
+    size: int = 0  # valid entries of `ids`
     length: int = 0
     pending: int = -1
     output_ids: list[int] = field(default_factory=list)
@@ -102,191 +81,336 @@ class _Slot:
     rounds: int = 0
 
     @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
     def temperature(self) -> float:
         return self.request.params.temperature
 
+    @property
+    def budget(self) -> int:
+        return self.request.params.max_new_tokens - len(self.output_ids)
 
-METHODS = ("ar", "mtp", "dspark")
+    def history(self) -> np.ndarray:
+        return self.ids[:self.size]
 
 
 class Engine:
-    """Loads an artifact's target (and draft) graphs on a backend and generates for batches of requests.
+    """Loads an artifact's graphs on a backend and generates for requests that come and go.
 
-    method "ar" decodes one token per step; "mtp" and "dspark" run the lossless draft/verify loop of
-    `runtime/speculative.py` with up to `gamma` drafts verified per round.
+    method "ar" decodes one token per step; "ngram", "mtp" and "dspark" run the lossless draft/verify
+    loop of `runtime/speculative.py` with up to `gamma` drafts verified per round, as the scheduler says.
+    `slots`: request slots to allocate up front (a server); by default the engine sizes them when idle.
     """
 
     def __init__(self, art_dir: str | Path, *, method: str = "ar", gamma: int | None = None,
-                 threads: int | None = None, trace: Path | None = None) -> None:
-        from specrt.runtime.backends.ort import OrtRunner
-        from specrt.runtime.speculative import Speculator
-
-        self.art_dir = Path(art_dir)
-        self.manifest = io.load_manifest(self.art_dir)
-        self.settings = self.manifest.export
-        self.vocab_size = int(self.manifest.model["vocab_size"])
-        self.eos_ids = set(self.manifest.model.get("eos_token_ids") or ())
-        if self.manifest.tokenizer:
-            self.eos_ids |= set(self.manifest.tokenizer.get("eos_token_ids") or ())
-        self.tokenizer = (Tokenizer.from_dir(self.art_dir / io.TOKENIZER_DIR, self.manifest.tokenizer)
-                          if self.manifest.tokenizer else None)
+                 scheduler: str = "fixed", backend: str = "ort", threads: int | None = None,
+                 ngram: int = 3, slots: int | None = None, trace: Path | None = None,
+                 observers: Sequence[RoundObserver] = ()) -> None:
         if method not in METHODS:
             raise SpecrtError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-        if method != "ar" and method not in self.manifest.heads:
-            have = ", ".join(self.manifest.heads) or "none"
-            raise SpecrtError(f"--method {method} needs an artifact exported with a {method} head "
-                              f"(this one has: {have}); export with --draft or --mtp")
-        self.method = method
-        # Target and draft sessions run in turn: neither may keep its threads spinning when idle.
-        self.target = OrtRunner(self.art_dir, self.manifest.graphs["prefill"], threads=threads,
-                                spin=True)
-        self.drafter = DRAFTERS[method](self.art_dir, self.manifest, threads=threads) if method != "ar" else None
-        self.spec = Speculator(self, gamma=gamma, trace=trace) if self.drafter else None
-        self.max_batch = self.settings.batch
-        self.chunk = self.settings.prefill_chunk
+        if backend not in BACKENDS:
+            raise SpecrtError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        self.art_dir = Path(art_dir)
+        self.manifest = io.load_manifest(self.art_dir)
+        self.method, self.backend = method, backend
+        self.vocab_size = self.manifest.model.vocab_size
+        self.eos_ids = self.manifest.eos_ids
+        self.tokenizer = (Tokenizer.from_dir(self.art_dir / io.TOKENIZER_DIR, self.manifest.tokenizer)
+                          if self.manifest.tokenizer else None)
+        self.max_batch = self.manifest.export.batch
         # The last cache position receives writes from padding tokens; valid tokens stay below it.
-        self.capacity = self.settings.max_seq - 1
+        self.capacity = self.manifest.export.max_seq - 1
+        self.target = load_runner(backend, self.art_dir, self.manifest, io.TARGET, threads=threads, spin=True)
+        self.spec: Speculator | None = None
+        self.drafter = None
+        if method != "ar":
+            exported = self.manifest.gamma
+            if gamma is not None and not 1 <= gamma <= exported:
+                raise SpecrtError(f"--gamma must be between 1 and {exported} (the artifact's verify length - 1), "
+                                  f"got {gamma}")
+            self.drafter = make_drafter(method, self.art_dir, self.manifest, gamma=gamma or exported,
+                                        backend=backend, threads=threads, ngram=ngram)
+            g = min(gamma or exported, self.drafter.steps)
+            self.spec = Speculator(self.target, self.drafter, make_scheduler(scheduler, gamma=g), gamma=g)
+        self.gamma = self.spec.gamma if self.spec else 0
+        self.observers: list[RoundObserver] = list(observers)
+        if trace is not None:
+            self.observers.append(TraceWriter(trace))
+        self.stats = RunStats(method=method, gamma=self.gamma)
+        self.slots: list[Slot | None] = []
+        self.waiting: deque[Request] = deque()
+        self._ids = 0
+        self._fixed_slots = slots is not None
+        if slots is not None:
+            self._allocate(min(max(1, slots), self.max_batch))
 
-    # -- requests ---------------------------------------------------------------------------------
+    # -- the online API ---------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                    request_id: int | None = None, raw: bool = False) -> int:
+        """Queue a request (token ids, or text: the chat template is applied unless `raw`); returns its id."""
+        if isinstance(prompt, str):
+            from specrt.runtime.prompts import encode_prompt
+
+            ids = encode_prompt(self.tokenizer, prompt, raw=raw)
+        else:
+            ids = [int(t) for t in prompt]
+        rid = self._ids if request_id is None else request_id
+        if rid in self._unfinished_ids():
+            raise SpecrtError(f"request id {rid} is already in use")
+        request = Request(prompt_ids=ids, params=params or SamplingParams(), id=rid)
+        self.check(request)
+        self._ids = max(self._ids, rid + 1)
+        self.waiting.append(request)
+        self.stats.requests += 1
+        return rid
+
+    def step(self) -> list[RequestDelta]:
+        """Admit waiting requests into free slots (prefill), then one decode step or round over all
+        active slots. Returns what happened to each request touched, finished ones with their output."""
+        deltas: dict[int, RequestDelta] = {}
+        self._admit(deltas)
+        if any(self.slots):
+            t0 = time.perf_counter()
+            if self.spec:
+                self._round(deltas)
+            else:
+                self._decode(deltas)
+            self.stats.decode_s += time.perf_counter() - t0
+            for i in range(len(self.slots)):
+                self._retire(i, deltas)
+        return list(deltas.values())
+
+    def abort(self, request_id: int) -> RequestOutput | None:
+        """Drop a request now (its slot is free for the next step); None if it is not unfinished."""
+        for r in self.waiting:
+            if r.id == request_id:
+                self.waiting.remove(r)
+                return RequestOutput(id=r.id, prompt_tokens=len(r.prompt_ids), output_ids=[], text="",
+                                     finish_reason="abort")
+        for i, s in enumerate(self.slots):
+            if s is not None and s.request.id == request_id:
+                self.slots[i] = None
+                return self._output(s, "abort")
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or any(self.slots)
+
+    def generate(self, requests: Sequence[Request], *, on_text: TextCallback | None = None,
+                 on_token: TokenCallback | None = None, on_finish: FinishCallback | None = None
+                 ) -> tuple[list[RequestOutput], RunStats]:
+        """Generate for all requests (up to B at a time) and return their outputs and this run's stats."""
+        if len({r.id for r in requests}) != len(requests):  # outputs and callbacks are keyed by id
+            raise SpecrtError("request ids must be unique within one generate() call")
+        if self.has_unfinished():
+            raise SpecrtError("generate() needs an idle engine; finish or abort the pending requests first")
+        for r in requests:
+            self.check(r)
+        self.stats = RunStats(method=self.method, gamma=self.gamma)
+        for r in requests:
+            self.add_request(r.prompt_ids, r.params, request_id=r.id)
+        done: dict[int, RequestOutput] = {}
+        while self.has_unfinished():
+            for d in self.step():
+                if on_token and d.token_ids:
+                    on_token(d.id, len(d.token_ids))
+                if on_text and d.text:
+                    on_text(d.id, d.text)
+                if d.finished is not None:
+                    done[d.id] = d.finished
+                    if on_finish:
+                        on_finish(d.finished)
+        return [done[r.id] for r in requests], self.stats
 
     def check(self, request: Request) -> None:
         """Reject a request the artifact cannot serve, with a one-line reason."""
         n = len(request.prompt_ids)
         if n == 0:
             raise SpecrtError("empty prompt")
-        bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in (*request.prompt_ids, *request.params.stop_token_ids) if not 0 <= t < self.vocab_size]
         if bad:
             raise SpecrtError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
-        if n + request.params.max_new_tokens + (self.spec.gamma if self.spec else 0) > self.capacity:
+        if n + request.params.max_new_tokens + self.gamma > self.capacity:
             raise SpecrtError(f"prompt of {n} tokens + max_new_tokens {request.params.max_new_tokens} exceeds "
                               f"the artifact's {self.capacity} cache positions (re-export with a larger "
                               f"--max-seq-len)")
 
-    def generate(self, requests: Sequence[Request], *, on_text: TextCallback | None = None,
-                 on_token: TokenCallback | None = None, on_finish: FinishCallback | None = None
-                 ) -> tuple[list[RequestOutput], RunStats]:
-        """Generate for all requests, up to B at a time; `on_text(id, delta)` streams text."""
-        if len({r.id for r in requests}) != len(requests):  # outputs and callbacks are keyed by id
-            raise SpecrtError("request ids must be unique within one generate() call")
-        for r in requests:
-            self.check(r)
-        stats = RunStats(method=self.method, requests=len(requests), gamma=self.spec.gamma if self.spec else 0)
-        waiting = deque(requests)
-        n_slots = min(self.max_batch, len(requests))
-        self.target.allocate(n_slots)
+    def close(self) -> None:
+        """Close the observers (trace files)."""
+        for o in self.observers:
+            o.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- slots --------------------------------------------------------------------------------------
+
+    def _unfinished_ids(self) -> set[int]:
+        return {r.id for r in self.waiting} | {s.request.id for s in self.slots if s is not None}
+
+    def _allocate(self, n: int) -> None:
+        n = next(b for b in io.batch_sizes(self.max_batch) if b >= n)
+        self.target.allocate(n)
         if self.drafter:
-            self.drafter.allocate(n_slots)
-        slots: list[_Slot | None] = [None] * n_slots
-        done: dict[int, RequestOutput] = {}
-        while waiting or any(slots):
-            for i in range(n_slots):
-                if slots[i] is None and waiting:
-                    slots[i] = self._admit(i, waiting.popleft(), stats, on_text, on_token)
-                    self._retire(slots, i, done, on_finish)
-            if any(slots):
-                t0 = time.perf_counter()
-                if self.spec:
-                    self.spec.round(slots, stats, on_text, on_token)
-                else:
-                    self._step(slots, stats, on_text, on_token)
-                stats.decode_s += time.perf_counter() - t0
-                for i in range(n_slots):
-                    self._retire(slots, i, done, on_finish)
-        return [done[r.id] for r in requests], stats
+            self.drafter.allocate(n)
+        self.slots = [None] * n
 
-    # -- the loop -------------------------------------------------------------------------------
+    def _admit(self, deltas: dict[int, RequestDelta]) -> None:
+        if not self.waiting:
+            return
+        if not self._fixed_slots and not any(self.slots) and len(self.slots) < min(len(self.waiting), self.max_batch):
+            self._allocate(min(len(self.waiting), self.max_batch))  # idle: size the cache to the queue
+        for i in range(len(self.slots)):
+            if self.slots[i] is None and self.waiting:
+                self.slots[i] = self._prefill(i, self.waiting.popleft(), deltas)
+                self._retire(i, deltas)
 
-    def _admit(self, index: int, request: Request, stats: RunStats, on_text: TextCallback | None,
-               on_token: TokenCallback | None) -> _Slot:
+    def _prefill(self, index: int, request: Request, deltas: dict[int, RequestDelta]) -> Slot:
         """Prefill `request` into slot `index` in chunks and sample its first token."""
         t0 = time.perf_counter()
         seed = request.params.seed
-        slot = _Slot(request=request, rng=np.random.default_rng(None if seed is None else seed + request.id))
+        slot = Slot(request=request, rng=np.random.default_rng(None if seed is None else seed + request.id),
+                    ids=np.zeros(self.capacity + 1, np.int64))
         if self.tokenizer:
             slot.stream = self.tokenizer.stream_decoder(skip_special_tokens=True)
         ids = request.prompt_ids
-        c = self.chunk
-        logits = None
-        features = [] if self.drafter else None
+        slot.ids[:len(ids)], slot.size = ids, len(ids)
+        bucket = self.target.spec.bucket("prefill")
+        c = bucket["T"]
+        feeds = self.target.inputs(index, bucket)  # bound buffers: filled in place
+        keep = self.drafter is not None and self.drafter.needs_features
+        features = []
+        out = None
         for start in range(0, len(ids), c):
             piece = ids[start:start + c]
-            chunk = np.zeros((1, c), np.int64)
-            chunk[0, :len(piece)] = piece
-            out = self.target.run(index, StepInputs(
-                input_ids=chunk, position_ids=np.arange(start, start + c, dtype=np.int64)[None],
-                write_index=np.array([start], np.int64), logit_rows=np.array([[len(piece) - 1]], np.int64)).feeds())
-            logits = out[io.LOGITS][0, 0]
-            if features is not None:
+            feeds[io.INPUT_IDS][0, :len(piece)] = piece
+            feeds[io.INPUT_IDS][0, len(piece):] = 0
+            feeds[io.POSITION_IDS][0] = np.arange(start, start + c)
+            feeds[io.WRITE_INDEX][0] = start
+            feeds[io.LOGIT_ROWS][0] = len(piece) - 1
+            out = self.target.run(index, bucket)
+            if keep:
                 features.append(out[io.FEATURES][0, :len(piece)].copy())
         slot.length = len(ids)
-        self._append(slot, next_token(logits, request.params, slot.rng), on_text)
-        if self.drafter and slot.finish_reason is None:
-            ctx = Context(pos=0, features=np.concatenate(features),
+        self._emit(slot, [next_token(out[io.LOGITS][0, 0], request.params, slot.rng)], deltas)
+        if self.drafter is not None and slot.finish_reason is None:
+            ctx = Context(pos=0, features=np.concatenate(features) if keep else np.zeros((len(ids), 0), np.float32),
                           next_tokens=np.asarray([*ids[1:], slot.pending], np.int64))
             slot.ctx = self.drafter.prefill(index, ctx)
-        stats.prefill_s += time.perf_counter() - t0
-        stats.generated_tokens += 1
-        if on_token:
-            on_token(request.id, 1)
+        self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.generated_tokens += 1
         return slot
 
-    def _step(self, slots: list[_Slot | None], stats: RunStats, on_text: TextCallback | None,
-              on_token: TokenCallback | None) -> None:
+    def _decode(self, deltas: dict[int, RequestDelta]) -> None:
         """One decode step over slots [0, n): write each pending token, sample the next."""
-        n = max(i for i, s in enumerate(slots) if s is not None) + 1
-        feeds = self.target.inputs(0, B=n, T=1, R=1)  # bound buffers: filled in place
+        n = max(i for i, s in enumerate(self.slots) if s is not None) + 1
+        bucket = self.target.spec.bucket("decode", B=n)
+        feeds = self.target.inputs(0, bucket)  # bound buffers: filled in place
         ids, pos = feeds[io.INPUT_IDS], feeds[io.POSITION_IDS]
-        for i, s in enumerate(slots[:n]):  # idle slots write a dummy token at position 0 of their row
-            ids[i, 0], pos[i, 0] = (s.pending, s.length) if s is not None else (0, 0)
+        ids[:], pos[:] = 0, 0  # idle slots write a dummy token at position 0 of their own row
+        for i, s in enumerate(self.slots[:n]):
+            if s is not None:
+                ids[i, 0], pos[i, 0] = s.pending, s.length
         feeds[io.WRITE_INDEX][:] = pos[:, 0]
         feeds[io.LOGIT_ROWS][:] = 0
-        logits = self.target.run_bound(0, B=n, T=1, R=1)[io.LOGITS]
-        stats.steps += 1
-        for i, s in enumerate(slots[:n]):
-            if s is None:
-                continue
-            s.length += 1
-            self._append(s, next_token(logits[i, 0], s.request.params, s.rng), on_text)
-            stats.generated_tokens += 1
-            stats.decode_tokens += 1
-            if on_token:
-                on_token(s.request.id, 1)
+        logits = self.target.run(0, bucket)[io.LOGITS]
+        self.stats.steps += 1
+        for i, s in enumerate(self.slots[:n]):
+            if s is not None:
+                s.length += 1
+                self._emit(s, [next_token(logits[i, 0], s.params, s.rng)], deltas)
+                self.stats.generated_tokens += 1
+                self.stats.decode_tokens += 1
 
-    def _append(self, slot: _Slot, token: int, on_text: TextCallback | None) -> None:
-        """Record a sampled token and decide whether the request is finished."""
-        params = slot.request.params
-        slot.output_ids.append(token)
-        slot.pending = token
-        if slot.stream is not None:
-            delta = slot.stream.push([token])
-            if delta:
-                before = len(slot.text)
-                slot.text += delta
-                for stop in params.stop_strings:
-                    cut = slot.text.find(stop, max(0, before - len(stop) + 1))
-                    if cut >= 0:
-                        slot.text = slot.text[:cut]
-                        delta = slot.text[before:]
-                        slot.finish_reason = "stop"
-                        break
-                if on_text and delta:
-                    on_text(slot.request.id, delta)
-        if slot.finish_reason:
-            return
-        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            slot.finish_reason = "eos"
-        elif len(slot.output_ids) >= params.max_new_tokens:
-            slot.finish_reason = "length"
+    def _round(self, deltas: dict[int, RequestDelta]) -> None:
+        """One draft/verify round over slots [0, n); commit each slot's accepted drafts and bonus."""
+        n = max(i for i, s in enumerate(self.slots) if s is not None) + 1
+        live = self.slots[:n]
+        load = Load(active=sum(s is not None for s in live), slots=len(self.slots), waiting=len(self.waiting))
+        rnd = self.spec.round(live, load)
+        self.stats.steps += 1
+        self.stats.draft_s += rnd.draft_s
+        self.stats.verify_s += rnd.verify_s
+        for i, s in enumerate(live):
+            if s is not None:
+                self._commit(s, rnd.outcomes[i], rnd.proposal, i, deltas)
 
-    def _retire(self, slots: list[_Slot | None], i: int, done: dict[int, RequestOutput],
-                on_finish: FinishCallback | None) -> None:
-        s = slots[i]
+    def _commit(self, s: Slot, o: Outcome, proposal, row: int, deltas: dict[int, RequestDelta]) -> None:
+        position = s.length
+        committed = self._emit(s, o.tokens, deltas)
+        a = o.verdict.accepted
+        if s.finish_reason is None:
+            s.length += a + 1
+            if self.drafter.needs_features:
+                s.ctx = Context(pos=position, features=o.features.copy(), next_tokens=np.asarray(o.tokens, np.int64))
+        else:
+            s.length += committed
+        self.stats.rounds.append((o.verify_len, a, committed))
+        self.stats.generated_tokens += committed
+        self.stats.decode_tokens += committed
+        if self.observers:
+            conf = proposal.confidence_logits
+            record = RoundRecord(request=s.request.id, round=s.rounds, position=position,
+                                 draft_tokens=proposal.tokens[row, :proposal.counts[row]].tolist(),
+                                 confidence_logits=conf[row].tolist() if conf is not None else None,
+                                 verify_len=o.verify_len, accepted=a, committed=committed)
+            for obs in self.observers:
+                obs.on_round(record)
+        s.rounds += 1
+
+    def _emit(self, slot: Slot, tokens: list[int], deltas: dict[int, RequestDelta]) -> int:
+        """Append tokens until the request finishes (EOS, stop string or token, length); returns how many."""
+        params = slot.params
+        delta = deltas.setdefault(slot.request.id, RequestDelta(slot.request.id))
+        emitted = 0
+        for token in tokens:
+            slot.output_ids.append(token)
+            slot.ids[slot.size] = token
+            slot.size += 1
+            slot.pending = token
+            delta.token_ids.append(token)
+            emitted += 1
+            if slot.stream is not None:
+                text = slot.stream.push([token])
+                if text:
+                    before = len(slot.text)
+                    slot.text += text
+                    for stop in params.stop_strings:
+                        cut = slot.text.find(stop, max(0, before - len(stop) + 1))
+                        if cut >= 0:
+                            slot.text = slot.text[:cut]
+                            slot.finish_reason = "stop"
+                            break
+                    delta.text += slot.text[before:]
+            if slot.finish_reason:
+                break
+            if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                slot.finish_reason = "eos"
+            elif len(slot.output_ids) >= params.max_new_tokens:
+                slot.finish_reason = "length"
+            if slot.finish_reason:
+                break
+        return emitted
+
+    def _output(self, s: Slot, reason: str) -> RequestOutput:
+        if s.stream is not None and reason not in ("stop", "abort"):
+            s.text += s.stream.flush()
+        return RequestOutput(id=s.request.id, prompt_tokens=len(s.request.prompt_ids), output_ids=s.output_ids,
+                             text=s.text, finish_reason=reason)
+
+    def _retire(self, i: int, deltas: dict[int, RequestDelta]) -> None:
+        s = self.slots[i]
         if s is None or s.finish_reason is None:
             return
-        if s.stream is not None and s.finish_reason != "stop":
-            s.text += s.stream.flush()
-        done[s.request.id] = RequestOutput(id=s.request.id, prompt_tokens=len(s.request.prompt_ids),
-                                           output_ids=s.output_ids, text=s.text, finish_reason=s.finish_reason)
-        slots[i] = None
-        if on_finish:
-            on_finish(done[s.request.id])
+        before = len(s.text)
+        out = self._output(s, s.finish_reason)
+        delta = deltas.setdefault(s.request.id, RequestDelta(s.request.id))
+        delta.text += out.text[before:]  # the detokenizer's flushed tail
+        delta.finished = out
+        self.slots[i] = None

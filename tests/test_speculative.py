@@ -128,7 +128,7 @@ def test_fixture_batch_matches_ar(fixture_art):
 # -- greedy identity ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-@pytest.mark.parametrize("method", ["mtp", "dspark"])
+@pytest.mark.parametrize("method", ["ngram", "mtp", "dspark"])
 def test_greedy_speculative_equals_autoregressive(tiny_arts, kind, method):
     art = tiny_arts(kind)
     prompts = _prompts(256, [3, 17, 40, 9, 24], seed=1)
@@ -145,7 +145,7 @@ def test_greedy_speculative_equals_autoregressive(tiny_arts, kind, method):
         assert max(a for _, a, _ in stats.rounds) >= 2
 
 
-@pytest.mark.parametrize("method", ["mtp", "dspark"])
+@pytest.mark.parametrize("method", ["ngram", "mtp", "dspark"])
 def test_runtime_gamma_below_the_exported_one(tiny_arts, method):
     art = tiny_arts("llama")
     prompts = _prompts(256, [6, 11], seed=2)
@@ -157,7 +157,7 @@ def test_runtime_gamma_below_the_exported_one(tiny_arts, method):
         assert max(ell for ell, _, _ in stats.rounds) <= gamma
 
 
-@pytest.mark.parametrize("case", ["llama-mtp", "llama-dspark", "fixture-dspark"])
+@pytest.mark.parametrize("case", ["llama-ngram", "llama-mtp", "llama-dspark", "fixture-dspark"])
 def test_max_new_tokens_inside_a_round(tiny_arts, fixture_art, case):
     kind, method = case.split("-")
     art, vocab = (fixture_art, 512) if kind == "fixture" else (tiny_arts(kind), 256)
@@ -171,25 +171,37 @@ def test_max_new_tokens_inside_a_round(tiny_arts, fixture_art, case):
 @pytest.mark.parametrize("stop", ["stop_token", "eos", "limit"])
 def test_commit_stops_inside_accepted_drafts(fixture_art, stop):
     """The fixture's heads only ever get repeated tokens accepted, so a stop token can't first appear
-    inside accepted drafts end to end; commit() is checked directly: it ends at the stop token."""
+    inside accepted drafts end to end; the engine's commit is checked directly: it ends at the stop token."""
     from specrt.runtime.acceptance import Verdict
-    from specrt.runtime.engine import _Slot
+    from specrt.runtime.drafters import Proposal
+    from specrt.runtime.engine import Slot
+    from specrt.runtime.speculative import Outcome
 
     engine = Engine(fixture_art, method="dspark", threads=1)
     eos = next(iter(engine.eos_ids))
     kw = {"stop_token": dict(stop_token_ids=(77,)), "eos": {}, "limit": dict(max_new_tokens=3)}[stop]
-    params = SamplingParams(**{"max_new_tokens": 64, **kw})
-    slot = _Slot(request=Request([1, 2, 3], params), rng=np.random.default_rng(0), length=3, pending=10,
-                 output_ids=[10])
-    drafts = np.array([5, 77 if stop != "eos" else eos, 6, 8])
-    committed = engine.spec.commit(slot, Verdict(accepted=3, bonus=99), drafts, np.zeros((5, 4)), None)
-    assert committed == 2 and slot.output_ids == [10, 5, int(drafts[1])]
-    assert slot.finish_reason == ("length" if stop == "limit" else "eos")
-    slot = _Slot(request=Request([1, 2, 3], SamplingParams(max_new_tokens=64)), rng=np.random.default_rng(0),
+
+    def slot(params: SamplingParams) -> Slot:
+        s = Slot(request=Request([1, 2, 3], params), rng=np.random.default_rng(0), ids=np.zeros(64, np.int64),
                  length=3, pending=10, output_ids=[10])
-    assert engine.spec.commit(slot, Verdict(accepted=2, bonus=99), np.array([5, 6, 7, 8]), np.zeros((5, 4)), None) == 3
-    assert slot.output_ids == [10, 5, 6, 99] and slot.finish_reason is None
-    assert slot.length == 6 and slot.ctx.pos == 3 and slot.ctx.next_tokens.tolist() == [5, 6, 99]
+        s.ids[:4], s.size = [1, 2, 3, 10], 4
+        return s
+
+    def commit(s: Slot, drafts: list[int], accepted: int) -> None:
+        proposal = Proposal(tokens=np.array([drafts]), counts=np.array([4]), probs=None)
+        tokens = [*drafts[:accepted], 99]
+        engine._commit(s, Outcome(4, Verdict(accepted, 99), tokens, np.zeros((accepted + 1, 4))), proposal, 0, {})
+
+    s = slot(SamplingParams(**{"max_new_tokens": 64, **kw}))
+    drafts = [5, 77 if stop != "eos" else eos, 6, 8]
+    commit(s, drafts, 3)
+    assert engine.stats.rounds[-1] == (4, 3, 2) and s.output_ids == [10, 5, drafts[1]]
+    assert s.finish_reason == ("length" if stop == "limit" else "eos")
+    s = slot(SamplingParams(max_new_tokens=64))
+    commit(s, [5, 6, 7, 8], 2)
+    assert engine.stats.rounds[-1] == (4, 2, 3)
+    assert s.output_ids == [10, 5, 6, 99] and s.finish_reason is None and s.history().tolist()[-3:] == [5, 6, 99]
+    assert s.length == 6 and s.ctx.pos == 3 and s.ctx.next_tokens.tolist() == [5, 6, 99]
 
 
 def test_method_needs_its_head(tiny_model_dir, tmp_path):
@@ -198,7 +210,10 @@ def test_method_needs_its_head(tiny_model_dir, tmp_path):
     assert res.exit_code == 1 and "needs an artifact exported with a dspark head" in res.output
     res = CliRunner().invoke(main, ["run", str(art), "--input-ids", "1,2,3", "--method", "ar", "--gamma", "0",
                                     "--max-new-tokens", "8"])
-    assert res.exit_code == 0  # gamma is ignored by ar
+    assert res.exit_code == 0 and "--gamma is ignored with --method ar" in res.output  # said, not silent
+    res = CliRunner().invoke(main, ["run", str(art), "--input-ids", "1,2,1,2,1", "--method", "ngram",
+                                    "--max-new-tokens", "8"])
+    assert res.exit_code == 0, res.output  # n-gram drafting needs no head
 
 
 # -- speculative sampling follows the target distribution exactly ------------------------------------
@@ -259,10 +274,29 @@ def test_sampled_tokens_follow_the_target_distribution(peaked, params):
     prompt = [5, 9, 14, 3]
     probs = _exact_pair_probs(peaked["target"], prompt, params)
     n = 20_000
-    for method, art in (("ar", peaked["good"]), ("mtp", peaked["good"]), ("dspark", peaked["bad"])):
+    for method, art in (("ar", peaked["good"]), ("mtp", peaked["good"]), ("dspark", peaked["bad"]),
+                        ("ngram", peaked["good"])):
         outs, stats = _generate(art, method, [prompt] * n, params)
         pairs = np.array([o[:2] for o in outs])
         p = _pvalue(pairs, probs)
         assert p > 1e-3, f"{method}: chi-square p = {p:.2e}"
         if method == "mtp":
             assert stats.to_dict()["tau"] > 1.1  # the good head gets drafts accepted
+        if method == "ngram" and params.top_k == 0:  # one-hot drafts looked up in the prompt: some accepted,
+            verified = sum(ell for ell, _, _ in stats.rounds)  # some rejected and resampled (with top-k 6
+            assert 0 < sum(a for _, a, _ in stats.rounds) < verified  # the lookup rarely matches at all)
+
+
+# -- backends ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["ar", "ngram", "mtp", "dspark"])
+def test_greedy_output_identical_across_backends(tiny_arts, fixture_art, method):
+    """Every method on the torch backend produces ONNX Runtime's greedy AR tokens (tiny models, the fixture)."""
+    cases = [(tiny_arts("llama"), 256), (tiny_arts("qwen3"), 256)]
+    if method != "mtp":  # the fixture has no MTP head
+        cases.append((fixture_art, 512))
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    for art, vocab in cases:
+        prompts = _prompts(vocab, [5, 19, 11], seed=4)
+        ort, _ = _generate(art, "ar", prompts, params)
+        assert _generate(art, method, prompts, params, backend="torch")[0] == ort, art

@@ -1,7 +1,16 @@
-"""The one small interface every backend implements: allocate buffers once, run a graph family on them."""
+"""The one small interface every backend implements (Polygraphy's runner verbs, for fixed-shape graphs).
+
+    runner = load_runner("ort", art_dir, manifest, "target")   # a backend's loader: one graph family
+    runner.allocate(slots)                                     # KV cache for `slots` request slots, once
+    bucket = runner.spec.bucket("decode", B=3)                 # round a call up to an exported shape
+    feeds = runner.inputs(slot, bucket)                        # bound host input buffers: fill in place
+    out = runner.run(slot, bucket)                             # outputs valid until the next run
+
+A call runs slots [slot, slot + bucket["B"]) of the cache. The engine, the drafters and distillation's
+feature capture see only these verbs; no backend type is named outside `backends/`.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -9,28 +18,40 @@ import numpy as np
 from specrt import artifact as io
 
 
-@dataclass(frozen=True, slots=True)
-class StepInputs:
-    """Host-side inputs of one target call over slots [slot, slot + n)."""
-
-    input_ids: np.ndarray  # [n, T] i64
-    position_ids: np.ndarray  # [n, T] i64
-    write_index: np.ndarray  # [n] i64
-    logit_rows: np.ndarray  # [n, R] i64
-
-    def feeds(self) -> dict[str, np.ndarray]:
-        return {io.INPUT_IDS: self.input_ids, io.POSITION_IDS: self.position_ids,
-                io.WRITE_INDEX: self.write_index, io.LOGIT_ROWS: self.logit_rows}
-
-
 class Runner(Protocol):
-    """Runs one graph family (target, draft) over a KV cache it owns."""
+    """Runs one graph family (the target, or a draft head) over a KV cache it owns."""
 
-    max_seq: int
+    spec: io.GraphSpec
     slots: int
 
     def allocate(self, slots: int) -> None:
-        """Allocate the KV cache (and any per-shape buffers) for `slots` request slots, once."""
+        """Allocate the (zeroed) KV cache for `slots` request slots; a no-op when already that size."""
 
-    def run(self, slot: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run on slots [slot, slot + n); returns views of output buffers valid until the next call."""
+    def inputs(self, slot: int, bucket: io.Bucket) -> dict[str, np.ndarray]:
+        """The host input buffers of slots [slot, slot + B) at `bucket`'s sizes, to fill in place."""
+
+    def run(self, slot: int, bucket: io.Bucket) -> dict[str, np.ndarray]:
+        """Run on the buffers `inputs(slot, bucket)` returned; outputs stay valid until the next run."""
+
+
+def bucket_of(spec: io.GraphSpec, feeds: dict[str, np.ndarray]) -> io.Bucket:
+    """The named-axis sizes that host input arrays imply (they must agree with each other)."""
+    sizes: io.Bucket = {}
+    for t in spec.host_inputs():
+        if t.name not in feeds:
+            raise ValueError(f"{spec.name}: missing input {t.name}")
+        shape = feeds[t.name].shape
+        if len(shape) != len(t.shape):
+            raise ValueError(f"{t.name}: rank {len(shape)}, expected {len(t.shape)}")
+        for dim, n in zip(t.shape, shape):
+            if isinstance(dim, str) and sizes.setdefault(dim, n) != n:
+                raise ValueError(f"{t.name}: axis {dim} is {n}, other inputs say {sizes[dim]}")
+    return sizes
+
+
+def infer(runner: Runner, slot: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Copy whole input arrays into the bound buffers and run (for tools and tests; the loop fills in place)."""
+    bucket = bucket_of(runner.spec, feeds)
+    for name, buf in runner.inputs(slot, bucket).items():
+        buf[...] = feeds[name]
+    return runner.run(slot, bucket)

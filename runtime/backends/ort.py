@@ -1,11 +1,10 @@
 """ONNX Runtime backend: one session per graph family, IOBinding over buffers allocated once.
 
-The exported graphs of a family (e.g. target prefill chunk, decode, verify) share one body and differ
-only in the sizes of their named axes (B/T/R/C), so this runner loads the family's graph with those
-axes made symbolic and serves every shape from that one session: one copy of the (prepacked)
-weights in memory. Each layer's KV cache is one numpy buffer bound as both `past.*` and `present.*`
-(the graph scatters the new K/V into it in place); a call over slots [s, s+n) binds cache[s:s+n].
-Per shape, host input buffers, output buffers and the binding are created on first use and reused.
+A family's graph declares its B/T/R/C axes symbolic, so one session serves every bucket of the family
+(prefill chunk, decode, verify): one copy of the (prepacked) weights in memory. Each layer's KV cache
+is one numpy buffer bound as both `past.*` and `present.*` (the graph scatters the new K/V into it in
+place); a call over slots [s, s+n) binds cache[s:s+n].
+Per bucket, host input buffers, output buffers and the binding are created on first use and reused.
 """
 from __future__ import annotations
 
@@ -24,14 +23,10 @@ except ImportError:  # pragma: no cover - depends on the installed extra
     ort = None
 
 
-def _relax_dims(model: onnx.ModelProto, graph: io.GraphSpec) -> onnx.ModelProto:
-    """Make each tensor's named axes symbolic on the graph's I/O."""
-    axes = {t.name: t.axes for t in (*graph.inputs, *graph.outputs)}
-    for vi in [*model.graph.input, *model.graph.output]:
-        dims = vi.type.tensor_type.shape.dim
-        for i, name in enumerate(axes.get(vi.name, ())):
-            dims[i].dim_param = name
-    return model
+def _declared_shapes(model: onnx.ModelProto) -> dict[str, tuple]:
+    """Each graph input/output's declared dims (ints, or axis names)."""
+    return {vi.name: tuple(d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim)
+            for vi in (*model.graph.input, *model.graph.output)}
 
 
 def session_options(threads: int | None = None, *, spin: bool = True) -> "ort.SessionOptions":
@@ -48,22 +43,20 @@ def session_options(threads: int | None = None, *, spin: bool = True) -> "ort.Se
 
 
 class OrtRunner:
-    """Serves one graph family of an artifact from one ONNX Runtime session."""
+    """Serves one graph family of an artifact from one ONNX Runtime session (the `Runner` verbs)."""
 
     def __init__(self, art_dir: Path, graph: io.GraphSpec, *, threads: int | None = None,
                  spin: bool = True) -> None:
         if ort is None:
             raise SpecrtError("onnxruntime is not installed; install specrt[cpu] (or specrt[gpu])")
         self.spec = graph
-        self.max_seq = graph.dims["S"]
+        path = art_dir / graph.file
         try:
-            model = _relax_dims(onnx.load(str(art_dir / graph.file), load_external_data=False), graph)
+            model = onnx.load(str(path), load_external_data=False)
         except Exception as e:  # protobuf's DecodeError for a corrupt file, OSError, ...
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            reason = (getattr(e, "strerror", None) or str(e)).splitlines()[0] if str(e) else type(e).__name__
             raise SpecrtError(f"cannot load {graph.file}: {reason} (corrupt artifact? re-export it)") from None
-        self._cache_specs = [t for t in graph.inputs if t.name.startswith("past.")]
-        self._host_specs = [t for t in graph.inputs if not t.name.startswith("past.")]
-        self._outputs = [t for t in graph.outputs if not t.name.startswith("present.")]
+        io.check_graph_io(graph, _declared_shapes(model), graph.file)
         # Loaded from bytes, so tell ORT where the external weights live.
         so = session_options(threads, spin=spin)
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(art_dir))
@@ -79,24 +72,18 @@ class OrtRunner:
         """Allocate (zeroed) KV buffers for `slots` request slots; drops bindings of an older size."""
         if slots != self.slots or not self._cache:
             self.slots = slots
-            self._cache = {t.name: np.zeros((slots, *t.shape[1:]), dtype=t.dtype) for t in self._cache_specs}
+            self._cache = {t.name: np.zeros(t.resolve({"B": slots}), dtype=t.dtype) for t in self.spec.cache_inputs()}
             self._bindings.clear()
 
-    def _sizes(self, feeds: dict[str, np.ndarray]) -> dict[str, int]:
-        sizes: dict[str, int] = {}
-        for t in self._host_specs:
-            for axis, n in zip(t.axes, feeds[t.name].shape):
-                if sizes.setdefault(axis, n) != n:
-                    raise ValueError(f"{t.name}: axis {axis} is {n}, other inputs say {sizes[axis]}")
-        return sizes
-
-    def _binding(self, slot: int, sizes: dict[str, int]) -> tuple:
-        key = (slot, *sorted(sizes.items()))
+    def _binding(self, slot: int, bucket: io.Bucket) -> tuple:
+        key = (slot, *sorted(bucket.items()))
         if key not in self._bindings:
+            n = bucket["B"]
+            if slot < 0 or slot + n > self.slots:
+                raise ValueError(f"slots [{slot}, {slot + n}) outside the allocated {self.slots}")
             b = self.session.io_binding()
-            n = sizes["B"]
-            host = {t.name: np.zeros(t.resolve(sizes), dtype=t.dtype) for t in self._host_specs}
-            outs = {t.name: np.zeros(t.resolve(sizes), dtype=t.dtype) for t in self._outputs}
+            host = {t.name: np.zeros(t.resolve(bucket), dtype=t.dtype) for t in self.spec.host_inputs()}
+            outs = {t.name: np.zeros(t.resolve(bucket), dtype=t.dtype) for t in self.spec.host_outputs()}
             keep = []  # OrtValues view numpy memory: keep them alive with the binding
             for name, arr in host.items():
                 keep.append(ort.OrtValue.ortvalue_from_numpy(arr))
@@ -111,22 +98,12 @@ class OrtRunner:
             self._bindings[key] = (b, host, outs, keep)
         return self._bindings[key]
 
-    def inputs(self, slot: int, **sizes: int) -> dict[str, np.ndarray]:
-        """The bound host input buffers for slots [slot, slot + B) at these axis sizes: fill them in
-        place, then `run_bound` (no per-step allocation)."""
-        if slot < 0 or slot + sizes["B"] > self.slots:
-            raise ValueError(f"slots [{slot}, {slot + sizes['B']}) outside the allocated {self.slots}")
-        return self._binding(slot, sizes)[1]
+    def inputs(self, slot: int, bucket: io.Bucket) -> dict[str, np.ndarray]:
+        """The bound host input buffers for slots [slot, slot + B): fill them in place, then `run`."""
+        return self._binding(slot, bucket)[1]
 
-    def run_bound(self, slot: int, **sizes: int) -> dict[str, np.ndarray]:
-        """Run on the buffers `inputs(slot, **sizes)` returned; outputs stay valid until the next call."""
-        binding, _, outs, _ = self._binding(slot, sizes)
+    def run(self, slot: int, bucket: io.Bucket) -> dict[str, np.ndarray]:
+        """Run on the buffers `inputs(slot, bucket)` returned; outputs stay valid until the next call."""
+        binding, _, outs, _ = self._binding(slot, bucket)
         self.session.run_with_iobinding(binding)
         return outs
-
-    def run(self, slot: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Copy `feeds` into the bound buffers and run (convenient; the decode loop fills in place)."""
-        sizes = self._sizes(feeds)
-        for name, arr in self.inputs(slot, **sizes).items():
-            arr[...] = feeds[name]
-        return self.run_bound(slot, **sizes)

@@ -1,0 +1,48 @@
+"""Observers of speculative rounds: the engine hands each one a record per request per round."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+from specrt.errors import SpecrtError
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRecord:
+    request: int
+    round: int
+    position: int  # cache index of the anchor
+    draft_tokens: list[int]  # all proposed
+    confidence_logits: list[float] | None  # DSpark, before the sigmoid
+    verify_len: int
+    accepted: int
+    committed: int
+
+
+class RoundObserver(Protocol):
+    def on_round(self, record: RoundRecord) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TraceWriter:
+    """`--trace FILE.jsonl`: one JSON line per round per request, flushed as it goes."""
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        if path.is_dir():
+            raise SpecrtError(f"--trace {path} is a directory; give a file path")
+        try:
+            self._file = open(path, "w")
+        except OSError as e:
+            raise SpecrtError(f"cannot write --trace {path}: {e.strerror or e}") from None
+
+    def on_round(self, record: RoundRecord) -> None:
+        self._file.write(json.dumps(asdict(record)) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
