@@ -9,7 +9,7 @@ from pathlib import Path
 import specrt
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.exporter.fetch import PRESETS, cache_dir
+from specrt.configs.fetch import PRESETS, cache_dir
 
 HEADS_DIR = Path(specrt.__file__).resolve().parent / "heads"  # trained heads shipped with specrt (package data)
 
@@ -32,14 +32,22 @@ def resolve_model(name_or_path: str, *, progress: bool = True) -> Path:
     if name_or_path in PRESETS:
         return PRESETS[name_or_path](progress=progress)
     path = Path(name_or_path)
-    if not path.exists():
+    try:
+        found = path.exists()
+    except OSError as e:  # e.g. a parent directory that cannot be read
+        raise SpecrtError(f"cannot access {name_or_path}: {e.strerror or e}") from None
+    if not found:
         raise SpecrtError(f"model not found: {name_or_path} (not a path, and not a preset: "
                           f"{', '.join(PRESETS)})")
     return path
 
 
+# Export defaults of `specrt export` and the demo's cached artifact (written once, here).
+EXPORT_DEFAULTS = io.ExportSettings(batch=4, max_seq=1024, prefill_chunk=64, verify_len=8)
+
+
 def default_settings() -> io.ExportSettings:
-    return io.ExportSettings(batch=4, max_seq=1024, prefill_chunk=64, verify_len=8)
+    return EXPORT_DEFAULTS
 
 
 def default_artifact(*, progress: bool = True) -> Path:

@@ -19,9 +19,9 @@ import torch
 
 from specrt.errors import SpecrtError
 from specrt.exporter.config import ModelConfig
-from specrt.exporter.distill.cache import TargetCache
-from specrt.exporter.distill.losses import SoftCE_L1, acceptance_target
-from specrt.exporter.distill.train_dspark import FINAL, FrozenHead, block_rows, make_batch
+from specrt.distill.cache import TargetCache
+from specrt.distill.losses import SoftCE_L1, acceptance_target
+from specrt.distill.train_dspark import FINAL, FrozenHead, block_rows, make_batch
 from specrt.exporter.loaders.deepspec import load_dspark
 from specrt.exporter.models.dspark import DSparkDraft
 

@@ -2,10 +2,10 @@
 and its features over them in a target cache (features.py, stage b). One import point for all three."""
 from __future__ import annotations
 
-from specrt.exporter.distill.features import MIN_RESPONSE_TOKENS, capture_features, feature_columns
-from specrt.exporter.distill.generate import (SAMPLING, TOO_LONG, PromptLike, generate_responses, meta_path,
+from specrt.distill.features import MIN_RESPONSE_TOKENS, capture_features, feature_columns
+from specrt.distill.generate import (SAMPLING, TOO_LONG, PromptLike, generate_responses, meta_path,
                                               read_responses, sampling_params)
-from specrt.exporter.distill.prompts import (DATASETS_DIR, EVAL_ROWS, SPLITS, Prompt, PromptSplit,
+from specrt.distill.prompts import (DATASETS_DIR, EVAL_ROWS, SPLITS, Prompt, PromptSplit,
                                              assert_disjoint_from_eval, dataset_files, eval_prompts, rows_label,
                                              training_prompts)
 

@@ -12,6 +12,7 @@ import json
 import os
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,10 @@ from tqdm import tqdm
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.exporter.distill.cache import MANIFEST, CacheWriter, TargetCache
-from specrt.exporter.distill.generate import meta_path, read_responses
+from specrt.distill.cache import MANIFEST, CacheWriter, TargetCache
+from specrt.distill.generate import meta_path, read_responses
 from specrt.exporter.export import sha256_file
-from specrt.runtime.backends.base import StepInputs
-from specrt.runtime.backends.ort import OrtRunner
+from specrt.runtime.backends import load_runner
 
 MIN_RESPONSE_TOKENS = 8  # shorter responses teach a block-drafting head next to nothing
 
@@ -37,13 +37,13 @@ def feature_columns(manifest: io.Manifest, feature_sources: Sequence[int | str])
         raise SpecrtError(f"the artifact's target outputs features {have or 'none'}, distillation needs "
                           f"{list(feature_sources)}; re-export it with "
                           f"export_artifact(..., extra_features={tuple(feature_sources)!r})")
-    d = int(manifest.model["hidden_size"])
+    d = manifest.model.hidden_size
     return np.concatenate([np.arange(have.index(s) * d, (have.index(s) + 1) * d) for s in feature_sources])
 
 
 def _target_info(art: Path, manifest: io.Manifest) -> dict[str, Any]:
-    return {"name": manifest.name, "artifact": str(art.resolve()), "config": manifest.model,
-            "dtype": manifest.export.dtype, "sources": manifest.sources}
+    return {"name": manifest.name, "artifact": str(art.resolve()), "config": manifest.model.to_dict(),
+            "dtype": manifest.export.dtype, "sources": [asdict(f) for f in manifest.sources]}
 
 
 def _reuse(cache_dir: Path, key: dict[str, Any], splits: Mapping[str, Sequence[int]]) -> bool:
@@ -78,13 +78,12 @@ class _FeatureReader:
     """Runs the prefill graph over one sequence at a time in B=1 chunks, into buffers allocated once."""
 
     def __init__(self, art: Path, manifest: io.Manifest, columns: np.ndarray, threads: int | None) -> None:
-        self.runner = OrtRunner(art, manifest.graphs["prefill"], threads=threads)
+        self.runner = load_runner("ort", art, manifest, io.TARGET, threads=threads)
         self.runner.allocate(1)
-        self.chunk = manifest.export.prefill_chunk
-        c = self.chunk
-        self.step = StepInputs(input_ids=np.zeros((1, c), np.int64), position_ids=np.zeros((1, c), np.int64),
-                               write_index=np.zeros(1, np.int64), logit_rows=np.zeros((1, 1), np.int64))
-        self.feeds = self.step.feeds()
+        self.bucket = manifest.graphs[io.TARGET].bucket("prefill")
+        self.chunk = self.bucket["T"]
+        self.feeds = self.runner.inputs(0, self.bucket)  # bound buffers, filled in place per chunk
+        self.feeds[io.LOGIT_ROWS][:] = 0
         s = columns[0]  # the usual case (sources stored contiguously) slices instead of gathering
         self.columns = slice(s, s + len(columns)) if np.array_equal(columns, np.arange(s, s + len(columns))) \
             else columns
@@ -96,11 +95,11 @@ class _FeatureReader:
         c = self.chunk
         for start in range(0, len(ids), c):
             n = min(c, len(ids) - start)
-            self.step.input_ids[0, :n] = ids[start:start + n]
-            self.step.input_ids[0, n:] = 0
-            self.step.position_ids[0] = np.arange(start, start + c)
-            self.step.write_index[0] = start
-            feats = self.runner.run(0, self.feeds)[io.FEATURES]
+            self.feeds[io.INPUT_IDS][0, :n] = ids[start:start + n]
+            self.feeds[io.INPUT_IDS][0, n:] = 0
+            self.feeds[io.POSITION_IDS][0] = np.arange(start, start + c)
+            self.feeds[io.WRITE_INDEX][0] = start
+            feats = self.runner.run(0, self.bucket)[io.FEATURES]
             out[start:start + n] = feats[0, :n, self.columns]
         return out
 
@@ -148,7 +147,7 @@ def capture_features(art_dir: str | Path, responses_jsonl: str | Path, cache_dir
         positions = {int(r["index"]): n for n, r in enumerate(kept)}
         return writer.finish({
             "target": target, "source": source, "feature_sources": sources,
-            "hidden_size": int(manifest.model["hidden_size"]),
+            "hidden_size": manifest.model.hidden_size,
             "splits": _cache_splits(splits, positions),
             "provenance": [{"index": int(r["index"]), "file": r.get("file"), "row": r.get("row"),
                             "finish_reason": r.get("finish_reason")} for r in kept],

@@ -17,7 +17,7 @@ from typing import Any
 from tqdm import tqdm
 
 from specrt.errors import SpecrtError
-from specrt.exporter.distill.prompts import Prompt
+from specrt.distill.prompts import Prompt
 from specrt.runtime.engine import Engine, Request
 from specrt.runtime.prompts import encode_prompt
 from specrt.runtime.sampling import SamplingParams
@@ -98,7 +98,7 @@ def generate_responses(art_dir: str | Path, prompts: Sequence[PromptLike], out_j
     engine = Engine(art_dir, method="ar", threads=threads)
     encoded = [_prompt_ids(engine, p) for p in prompts]
     _check_meta(out, {"artifact": str(Path(art_dir).resolve()), "target": engine.manifest.name,
-                      "target_sources": [s.get("sha256") for s in engine.manifest.sources],
+                      "target_sources": [s.sha256 for s in engine.manifest.sources],
                       "sampling": sampling, "sampling_params": {k: v for k, v in dataclasses.asdict(params).items()
                                                                 if k not in ("stop_strings", "stop_token_ids")},
                       "num_prompts": len(prompts)})

@@ -14,8 +14,6 @@ Wall time spent in each stage accumulates in work/timings.json across resumed ru
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -24,18 +22,19 @@ from typing import Any
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.exporter.distill.cache import TargetCache
-from specrt.exporter.distill.calibrate import calibrate_dspark
-from specrt.exporter.distill.features import capture_features
-from specrt.exporter.distill.generate import SAMPLING, generate_responses
-from specrt.exporter.distill.prompts import PromptSplit, rows_label, training_prompts
-from specrt.exporter.distill.train_dspark import TrainResult, train_dspark
-from specrt.exporter.distill.train_mtp import train_mtp
+from specrt.distill.cache import TargetCache
+from specrt.distill.calibrate import calibrate_dspark
+from specrt.distill.features import capture_features
+from specrt.distill.generate import SAMPLING, generate_responses
+from specrt.distill.prompts import PromptSplit, rows_label, training_prompts
+from specrt.distill.train_dspark import TrainResult, train_dspark
+from specrt.distill.train_mtp import train_mtp
 from specrt.exporter.loaders import load_target
 from specrt.exporter.loaders.deepspec import SHARED_WITH_TARGET, default_layer_ids, load_dspark, save_deepspec_checkpoint
 from specrt.exporter.loaders.mtp import load_mtp, save_mtp_checkpoint
 from specrt.exporter.onnx.target import FINAL
-from specrt.exporter.presets import resolve_model
+from specrt.exporter.outdir import check_out, check_writable, staged
+from specrt.configs.presets import resolve_model
 
 HEADS = ("dspark", "mtp")
 REPORT = "report.json"
@@ -153,16 +152,27 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
     s = settings
     out = Path(out)
     work = Path(work) if work is not None else out.with_name(out.name + ".work")
-    if out.exists() and not force:
-        raise SpecrtError(f"{out} already exists; pass --force to replace it")
     for f in prompt_files:
         if not Path(f).is_file():
             raise SpecrtError(f"prompts file not found: {f}")
     if not prompt_files:
         raise SpecrtError("give at least one --prompts FILE.jsonl")
+    # everything is checked before the work directory is made: a failed start leaves nothing behind
+    source = resolve_model(target, progress=progress)
+    check_out(out, sources=[source, work, *prompt_files], force=force)
+    if work.resolve() == out.resolve() or out.resolve() in work.resolve().parents:
+        raise SpecrtError(f"--work {work} is inside --out {out}; writing the checkpoint would delete it")
+    check_writable(out)
     split: PromptSplit = training_prompts(prompt_files=[Path(f) for f in prompt_files], limit=s.limit,
                                           calib_fraction=s.calib_fraction, seed=s.seed)
-    work.mkdir(parents=True, exist_ok=True)
+    loaded = load_target(source)
+    if loaded.tokenizer is None:
+        raise SpecrtError(f"{target} has no tokenizer, and distill needs one to encode the --prompts text "
+                          "(add the model's tokenizer.json, or tokenizer.model, to its directory)")
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecrtError(f"cannot create the work directory {work}: {e.strerror or e}") from None
     timings = _Timings(work)
     t_run = time.perf_counter()
 
@@ -172,8 +182,6 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
         timings.add(stage, time.perf_counter() - t0)
         return result
 
-    source = resolve_model(target, progress=progress)
-    loaded = load_target(source)
     cfg = loaded.config
     ids = list(s.target_layers or default_layer_ids(cfg.num_layers))
     sources = feature_sources(cfg.num_layers, s.target_layers)
@@ -188,10 +196,7 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
     train_dir = work / f"train-{s.head}"
     result = timed("train", lambda: _train(s, cache, loaded, train_dir, ids, progress))
 
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with staged(out) as staging:  # written beside `out`, swapped in at the end; removed on any failure
         timed("save", lambda: _save_compact(s, train_dir, staging, loaded))
         calibration = None
         if s.head == "dspark":
@@ -219,11 +224,5 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
             "checkpoint_bytes": sum(f.stat().st_size for f in staging.iterdir() if f.is_file()),
         }
         (staging / REPORT).write_text(json.dumps(report, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     report["this_run_seconds"] = round(time.perf_counter() - t_run, 1)
     return report

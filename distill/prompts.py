@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
+from specrt.datasets import DATASETS_DIR
 from specrt.errors import SpecrtError
 from specrt.runtime.prompts import read_prompts_file
 
 EVAL_ROWS = 20
-DATASETS_DIR = Path(__file__).resolve().parents[2] / "datasets"
 SPLITS = ("train", "calib")
 
 

@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 from specrt.errors import SpecrtError
 from specrt.exporter.config import ModelConfig
-from specrt.exporter.distill.cache import TargetCache
-from specrt.exporter.distill.losses import (LossParts, block_eval_mask, dspark_loss, position_weights,
+from specrt.distill.cache import TargetCache
+from specrt.distill.losses import (LossParts, block_eval_mask, dspark_loss, position_weights,
                                             sample_anchors, tau_probabilistic, warmup_cosine)
 from specrt.exporter.loaders.deepspec import _FAMILY_ARCH, DSparkConfig, save_deepspec_checkpoint
 from specrt.exporter.models.dspark import DSparkDraft

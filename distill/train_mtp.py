@@ -19,9 +19,9 @@ from torch import Tensor
 
 from specrt.errors import SpecrtError
 from specrt.exporter.config import ModelConfig
-from specrt.exporter.distill.cache import TargetCache
-from specrt.exporter.distill.losses import LossParts, mtp_loss
-from specrt.exporter.distill.train_dspark import (EVAL_SEED, FINAL, FrozenHead, TrainResult, frozen_param,
+from specrt.distill.cache import TargetCache
+from specrt.distill.losses import LossParts, mtp_loss
+from specrt.distill.train_dspark import (EVAL_SEED, FINAL, FrozenHead, TrainResult, frozen_param,
                                                   init_weights, run_training, train_eval_split)
 from specrt.exporter.loaders.mtp import EMBED, HEAD, MTPConfig, save_mtp_checkpoint
 from specrt.exporter.models.mtp import MTP

@@ -110,8 +110,9 @@ def test_distilled_heads_export_and_bench_identically(target, distilled, tmp_pat
                "--batch", 1, "--max-seq-len", 96, "--prefill-chunk", 8, "--quiet")
     assert r.exit_code == 0, r.output
     manifest = io.load_manifest(art)
-    assert manifest.heads["dspark"]["config"]["confidence_temperatures"] == \
-        json.loads((distilled["dspark"] / "config.json").read_text())["confidence_temperatures"]
+    temperatures = json.loads((distilled["dspark"] / "config.json").read_text())["confidence_temperatures"]
+    assert list(manifest.heads["dspark"].temperatures) == temperatures  # typed: the STS temperatures per position
+    assert manifest.heads["dspark"].config["confidence_temperatures"] == temperatures
     a = prompts_file(tmp_path / "set_a.jsonl", 3, seed=5)
     b = prompts_file(tmp_path / "set_b.jsonl", 2, seed=6)
     plot = tmp_path / "plot.png"

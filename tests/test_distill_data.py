@@ -10,9 +10,9 @@ import torch
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.exporter.distill import features as features_mod
-from specrt.exporter.distill.cache import TargetCache
-from specrt.exporter.distill.data import (EVAL_ROWS, TOO_LONG, Prompt, PromptSplit, assert_disjoint_from_eval,
+from specrt.distill import features as features_mod
+from specrt.distill.cache import TargetCache
+from specrt.distill.data import (EVAL_ROWS, TOO_LONG, Prompt, PromptSplit, assert_disjoint_from_eval,
                                           capture_features, eval_prompts, generate_responses, read_responses,
                                           training_prompts)
 from specrt.exporter.export import export_artifact

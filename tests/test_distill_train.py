@@ -12,10 +12,10 @@ from safetensors.numpy import load_file, save_file
 from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.exporter.config import ModelConfig
-from specrt.exporter.distill import losses, train_dspark as td
-from specrt.exporter.distill.cache import CacheWriter, TargetCache
-from specrt.exporter.distill.calibrate import calibrate_dspark, ece, sts_temperatures
-from specrt.exporter.distill.train_mtp import train_mtp
+from specrt.distill import losses, train_dspark as td
+from specrt.distill.cache import CacheWriter, TargetCache
+from specrt.distill.calibrate import calibrate_dspark, ece, sts_temperatures
+from specrt.distill.train_mtp import train_mtp
 from specrt.exporter.export import export_artifact
 from specrt.exporter.loaders import expected_shapes, load_target
 from specrt.exporter.loaders.deepspec import DSparkConfig, load_dspark
@@ -269,7 +269,7 @@ def test_trained_dspark_loads_exports_and_drafts(tiny, trained, tmp_path):
     np.testing.assert_array_equal(loaded.weights["lm_head.weight"], target.weights["lm_head.weight"])
     np.testing.assert_array_equal(loaded.weights["embed_tokens.weight"], target.weights["model.embed_tokens.weight"])
     art = export_artifact(target_dir, tmp_path / "art", SETTINGS, draft=trained.out_dir, progress=False)
-    assert io.load_manifest(art).heads["dspark"]["block"] == 4
+    assert io.load_manifest(art).heads["dspark"].steps == 4
     # the runtime drafts with it: greedy τ about 1.7 on fresh prompts (a random head of this shape: about 1.1)
     rng = np.random.default_rng(1)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)

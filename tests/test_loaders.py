@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specrt.errors import SpecrtError
-from specrt.exporter import fetch
+from specrt.configs import fetch
 from specrt.exporter.loaders import LoadedTarget, load_target
 from specrt.exporter.loaders.gguf import unpermute_qk
 

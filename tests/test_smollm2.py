@@ -22,7 +22,7 @@ NEW_TOKENS = 128
 
 @pytest.fixture(scope="session")
 def gguf() -> Path:
-    from specrt.exporter.fetch import default_model_path
+    from specrt.configs.fetch import default_model_path
 
     return default_model_path(progress=False)
 
@@ -166,7 +166,7 @@ def shipped_art(gguf, tmp_path_factory) -> Path:
 
 
 def test_preset_export_carries_the_shipped_heads(shipped_art):
-    from specrt.exporter.presets import HEADS_DIR
+    from specrt.configs.presets import HEADS_DIR
 
     m = io.load_manifest(shipped_art)
     assert set(m.heads) == {"dspark", "mtp"} and m.gamma == 7

@@ -120,7 +120,7 @@ def test_runtime_does_not_import_transformers(bpe_dir):
 def test_smollm2_gguf_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
-    from specrt.exporter.fetch import default_model_path
+    from specrt.configs.fetch import default_model_path
     from specrt.exporter.loaders.tokenizer import TokenizerSource
 
     path = default_model_path()
