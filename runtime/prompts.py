@@ -8,14 +8,22 @@ from specrt.errors import SpecrtError
 from specrt.runtime.tokenizer import Tokenizer
 
 
+NO_TOKENIZER = "this artifact has no tokenizer (its model had none)"
+
+
 def read_prompts_file(path: str | Path, limit: int | None = None) -> list[str]:
     """First turn of each `{"turns": [...]}` line (the ../shared/datasets format)."""
+    return [text for _, text in read_prompt_lines(path, limit)]
+
+
+def read_prompt_lines(path: str | Path, limit: int | None = None) -> list[tuple[int, str]]:
+    """(line number, first turn) of each `{"turns": [...]}` line, so errors can name the line."""
     p = Path(path)
     if limit is not None and limit < 1:
         raise SpecrtError(f"--limit must be >= 1, got {limit}")
     if not p.is_file():
         raise SpecrtError(f"prompts file not found: {p}")
-    prompts: list[str] = []
+    prompts: list[tuple[int, str]] = []
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -32,7 +40,7 @@ def read_prompts_file(path: str | Path, limit: int | None = None) -> list[str]:
             raise SpecrtError(f"{p}:{lineno}: expected a JSON object with a non-empty \"turns\" list") from None
         if not isinstance(turn, str):
             raise SpecrtError(f"{p}:{lineno}: turns[0] must be a string")
-        prompts.append(turn)
+        prompts.append((lineno, turn))
         if limit is not None and len(prompts) >= limit:
             break
     if not prompts:
@@ -53,7 +61,7 @@ def parse_input_ids(text: str) -> list[int]:
 def encode_prompt(tokenizer: Tokenizer | None, text: str, *, raw: bool = False) -> list[int]:
     """Token ids for a user message: chat template with a generation prompt unless `raw`."""
     if tokenizer is None:
-        raise SpecrtError("this artifact has no tokenizer (the model directory had none); use --input-ids")
+        raise SpecrtError(f"{NO_TOKENIZER}, and text prompts need one: export from a model that has a tokenizer")
     if not raw and tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=raw)

@@ -32,6 +32,11 @@ class SamplingParams:
             raise SpecrtError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.seed is not None and self.seed < 0:
             raise SpecrtError(f"--seed must be >= 0, got {self.seed}")
+        bad = [t for t in self.stop_token_ids if t < 0]
+        if bad:  # ids past the vocabulary are the engine's to reject: only it knows the vocabulary
+            raise SpecrtError(f"--stop-token-id must be >= 0, got {bad[0]}")
+        if "" in self.stop_strings:
+            raise SpecrtError("--stop must not be empty (it would stop every request at once)")
 
     @property
     def greedy(self) -> bool:

@@ -1,6 +1,7 @@
 """Target loaders: a Hugging Face directory or a GGUF file -> config + float32 HF-named weights."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -78,8 +79,15 @@ def _is_gguf(path: Path) -> bool:
 def load_target(source: str | Path) -> LoadedTarget:
     """Load a target from a HF directory, a .gguf file, or a preset name (e.g. "smollm2")."""
     path = Path(source).expanduser()
+    try:
+        return _load(source, path)
+    except OSError as e:  # unreadable files or directories (permissions, I/O errors)
+        raise SpecrtError(f"cannot read {e.filename or path}: {e.strerror or e}") from None
+
+
+def _load(source: str | Path, path: Path) -> LoadedTarget:
     if not path.exists():
-        from specrt.exporter.fetch import PRESETS
+        from specrt.configs.fetch import PRESETS
 
         if isinstance(source, str) and source in PRESETS:
             path = PRESETS[source]()
@@ -89,6 +97,7 @@ def load_target(source: str | Path) -> LoadedTarget:
     if path.is_dir():
         from specrt.exporter.loaders.hf import load_hf_dir
 
+        os.listdir(path)  # an unreadable directory fails here, named as such
         return load_hf_dir(path)
     if _is_gguf(path):
         from specrt.exporter.loaders.gguf import load_gguf

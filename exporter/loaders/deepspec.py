@@ -19,7 +19,7 @@ import numpy as np
 from specrt.errors import SpecrtError
 from specrt.exporter.config import ModelConfig
 from specrt.exporter.loaders import LoadedTarget, load_target
-from specrt.exporter.loaders.hf import _open, _read_json, weight_files
+from specrt.exporter.loaders.hf import _open, _read_json, config_problem, weight_files
 
 # DeepSpec `architectures[0]` -> the HF CausalLM whose decoder layers the draft uses.
 DSPARK_ARCHITECTURES: dict[str, str] = {"Qwen3DSparkModel": "Qwen3ForCausalLM",
@@ -179,11 +179,14 @@ def load_dspark(path: str | Path, target: ModelConfig) -> LoadedDSpark:
     config_path = ckpt / CONFIG_FILE
     if not config_path.is_file():
         raise SpecrtError(f"{ckpt}: no {CONFIG_FILE} (not a DeepSpec checkpoint directory)")
+    hf = _read_json(config_path)
     try:
-        cfg = DSparkConfig.from_hf(_read_json(config_path))
+        cfg = DSparkConfig.from_hf(hf)
         cfg.check_target(target)
     except SpecrtError as e:
         raise SpecrtError(f"{config_path}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpecrtError(f"{config_path}: {config_problem(e, hf)}") from None
     files, index_files = weight_files(ckpt)
     wanted, located = expected_dspark_shapes(cfg), {}
     for f in files:

@@ -19,11 +19,28 @@ SINGLE_FILE = "model.safetensors"
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except OSError as e:
+        raise SpecrtError(f"{path}: cannot read: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SpecrtError(f"{path}: cannot read JSON: {e}") from None
     if not isinstance(data, dict):
         raise SpecrtError(f"{path}: expected a JSON object")
     return data
+
+
+INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def config_problem(e: Exception, hf: dict[str, Any]) -> str:
+    """What a KeyError / TypeError / ValueError raised while reading the config.json dict `hf` says about it."""
+    for key in INT_KEYS:  # the sizes every decoder needs, named when they are the problem
+        if key not in hf:
+            return f"missing key {key!r}"
+        if isinstance(hf[key], bool) or not isinstance(hf[key], int):
+            return f"{key} must be an integer, got {hf[key]!r}"
+    if isinstance(e, KeyError):
+        return f"missing key {e.args[0]!r}"
+    return f"invalid value ({e})"
 
 
 def weight_files(model_dir: Path) -> tuple[list[Path], list[Path]]:
@@ -40,7 +57,7 @@ def weight_files(model_dir: Path) -> tuple[list[Path], list[Path]]:
         return files, [index]
     if (model_dir / SINGLE_FILE).is_file():
         return [model_dir / SINGLE_FILE], []
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted(f for f in model_dir.glob("*.safetensors") if f.is_file())
     if files:
         return files, []
     if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
@@ -52,6 +69,10 @@ def weight_files(model_dir: Path) -> tuple[list[Path], list[Path]]:
 def _open(path: Path):
     from safetensors import SafetensorError, safe_open
 
+    try:  # safe_open reports every failure to open (permissions too) as "No such file or directory"
+        open(path, "rb").close()
+    except OSError as e:
+        raise SpecrtError(f"{path}: cannot read: {e.strerror or e}") from None
     try:
         return safe_open(str(path), framework="pt")
     except SafetensorError as e:
@@ -104,7 +125,11 @@ def load_hf_dir(model_dir: Path) -> LoadedTarget:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise SpecrtError(f"{model_dir}: no config.json (not a Hugging Face model directory)")
-    cfg = ModelConfig.from_hf(_read_json(config_path))
+    hf = _read_json(config_path)
+    try:
+        cfg = ModelConfig.from_hf(hf)
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpecrtError(f"{config_path}: {config_problem(e, hf)}") from None
     cfg, extra_files = _merge_eos(cfg, model_dir)
     files, index_files = weight_files(model_dir)
     weights = read_safetensors(files, cfg, model_dir)

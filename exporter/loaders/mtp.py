@@ -100,7 +100,11 @@ def load_mtp(path: str | Path, target: ModelConfig) -> LoadedMTP:
         raise SpecrtError(f"MTP checkpoint not found: {root} (expected a directory with safetensors)")
     config_path = root / "config.json"
     has_config = config_path.is_file()
-    n = _check_config(_read_json(config_path), target, root) if has_config else target.num_layers
+    hf = _read_json(config_path) if has_config else {}
+    try:
+        n = _check_config(hf, target, root) if has_config else target.num_layers
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpecrtError(f"{config_path}: invalid value ({e})") from None
     prefix = f"model.layers.{n}."
     files, index_files = weight_files(root)
     located: dict[str, tuple[Path, tuple[int, ...]]] = {}  # unprefixed name -> (file, shape); headers only
