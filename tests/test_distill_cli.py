@@ -97,7 +97,9 @@ def test_mtp_reuses_the_work_dir_and_saves_bf16(target, distilled):
     assert {f: (work / f).stat().st_mtime_ns for f in STAGE_FILES} == distilled["mtimes"]
     report = distilled["mtp_report"]
     assert report["head"] == "mtp" and report["calibration"] is None
-    assert report["seconds"]["generate"] == distilled["dspark_report"]["seconds"]["generate"]
+    # the resumed stage only checks the finished responses: it adds far less than generating them again
+    before = distilled["dspark_report"]["seconds"]["generate"]
+    assert report["seconds"]["generate"] - before < 0.5 * before + 0.2
     with safe_open(str(distilled["mtp"] / "model.safetensors"), "pt") as f:
         assert {str(f.get_slice(n).get_dtype()) for n in f.keys()} == {"BF16"}
     loaded = load_mtp(distilled["mtp"], load_target(target).config)
