@@ -54,9 +54,9 @@ def prompt_ids(engine) -> list[list[int]]:
 
 def test_artifact_of_default_model(smollm2_art, engine):
     m = io.load_manifest(smollm2_art)
-    assert (m.model["family"], m.model["num_layers"], m.model["hidden_size"]) == ("llama", 30, 576)
-    assert (m.model["num_heads"], m.model["num_kv_heads"], m.model["vocab_size"]) == (9, 3, 49152)
-    assert m.model["tie_word_embeddings"] is True
+    assert (m.model.family, m.model.num_layers, m.model.hidden_size) == ("llama", 30, 576)
+    assert (m.model.num_heads, m.model.num_kv_heads, m.model.vocab_size) == (9, 3, 49152)
+    assert m.model.tie_word_embeddings is True
     assert m.tokenizer and m.tokenizer.get("chat_template")
     assert engine.tokenizer is not None and engine.eos_ids
 
@@ -171,7 +171,7 @@ def test_preset_export_carries_the_shipped_heads(shipped_art):
     m = io.load_manifest(shipped_art)
     assert set(m.heads) == {"dspark", "mtp"} and m.gamma == 7
     cfg = json.loads((HEADS_DIR / "smollm2" / "dspark" / "config.json").read_text())
-    assert m.heads["dspark"]["config"]["confidence_temperatures"] == cfg["confidence_temperatures"]
+    assert list(m.heads["dspark"].temperatures) == cfg["confidence_temperatures"]
     size = sum(f.stat().st_size for d in ("dspark", "mtp") for f in (HEADS_DIR / "smollm2" / d).iterdir())
     assert size <= 40e6  # the committed heads stay small: bf16, embedding and head shared with the target
 
