@@ -16,6 +16,7 @@ from specrt.exporter.config import ModelConfig
 from specrt.exporter.heads import HeadPlan, dspark_plan, feature_layout, mtp_plan
 from specrt.exporter.loaders import LoadedTarget, load_target
 from specrt.exporter.onnx.builder import GraphBuilder, WeightStore
+from specrt.exporter.onnx.quant import Blocks, pack_weights, stored_bytes
 from specrt.exporter.outdir import check_out, staged
 from specrt.exporter.onnx.target import FINAL, build_target_graph, target_weights
 
@@ -40,8 +41,8 @@ def _write_graph(art: Path, g: GraphBuilder, name: str, signature: tuple, s: io.
 
 def _write_target(art: Path, store: WeightStore, cfg: ModelConfig, s: io.ExportSettings,
                   features: list[int | str], bar: tqdm) -> io.GraphSpec:
-    g = GraphBuilder(store)
-    build_target_graph(g, cfg, max_seq=s.max_seq, dtype=s.dtype, features=features)
+    g = GraphBuilder(store, accuracy_level=s.accuracy_level)
+    build_target_graph(g, cfg, max_seq=s.max_seq, dtype=s.dtype, features=features, attention=s.attention)
     signature = io.target_signature(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                     vocab_size=cfg.vocab_size, max_seq=s.max_seq, dtype=s.dtype,
                                     feature_dim=len(features) * cfg.hidden_size)
@@ -49,9 +50,17 @@ def _write_target(art: Path, store: WeightStore, cfg: ModelConfig, s: io.ExportS
 
 
 def _write_head(art: Path, store: WeightStore, head: HeadPlan, s: io.ExportSettings, bar: tqdm) -> io.GraphSpec:
-    g = GraphBuilder(store)
+    g = GraphBuilder(store, accuracy_level=s.accuracy_level)
     head.build(g)
     return _write_graph(art, g, head.name, head.signature, s, io.head_buckets(s), bar)
+
+
+def _bytes_per_token(store: WeightStore, cfg: ModelConfig, tensors: dict[str, "np.ndarray | Blocks"]) -> int:
+    """Weight bytes one decoded token reads: every target matmul, the LM head and one embedding row."""
+    embed = "model.embed_tokens.weight"
+    matrices = [n for n, w in tensors.items() if n != embed and (isinstance(w, Blocks) or np.ndim(w) == 2)]
+    head = stored_bytes(store, embed) if cfg.tie_word_embeddings else 0  # untied: lm_head is among the matrices
+    return sum(stored_bytes(store, n) for n in matrices) + head + stored_bytes(store, embed) // cfg.vocab_size
 
 
 def _check_graphs(art: Path, graphs: dict[str, io.GraphSpec], bar: tqdm) -> None:
@@ -94,11 +103,20 @@ def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSett
                 if f != FINAL and not (isinstance(f, int) and -1 <= f < cfg.num_layers):
                     raise SpecrtError(f"feature source {f!r}: use a layer id in -1..{cfg.num_layers - 1} or 'final'")
             features += [f for f in dict.fromkeys(extra_features) if f not in features]
-            tensors = target_weights(cfg, loaded.weights)
-            for head in heads:
-                tensors.update(head.tensors)
-            for name in sorted(tensors):
-                store.add(name, tensors[name].astype(dtype, copy=False))
+            if settings.weights == "gguf" and loaded.blocks is None:
+                raise SpecrtError(f"--weights gguf keeps a GGUF file's own blocks, and {source} is not a GGUF "
+                                  "file; use --weights int4 or int8")
+            # gguf: the file's blocks where it has them (stacked block rows), float tensors elsewhere
+            source_weights = {**loaded.weights, **loaded.blocks} if settings.weights == "gguf" else loaded.weights
+            tensors = target_weights(cfg, source_weights)
+            target_tensors = dict(tensors)
+            for head in heads:  # tensors a head shares with the target (embedding, head) keep the target's form
+                for name, w in head.tensors.items():
+                    tensors.setdefault(name, w)
+            packed = pack_weights(tensors, settings.weights, dtype=dtype, gguf_names=target_tensors)
+            for name in sorted(packed):
+                store.add(name, packed[name])
+            del packed
             weights_bytes = store.close()
             bar.update(1)
             graphs = {io.TARGET: _write_target(tmp, store, cfg, settings, features, bar)}
@@ -110,7 +128,8 @@ def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSett
             sources = tuple(io.SourceFile(path=str(Path(p).resolve()), size=Path(p).stat().st_size,
                                           sha256=sha256_file(Path(p))) for p in files)
             weights = io.WeightsInfo(file=io.WEIGHTS_FILE, bytes=weights_bytes,
-                                     created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                                     created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                     bytes_per_token=_bytes_per_token(store, cfg, target_tensors))
             manifest = io.Manifest(model=cfg, export=settings, graphs=graphs, tokenizer=tok_info, sources=sources,
                                    weights=weights, name=loaded.name, specrt_version=specrt.__version__,
                                    features=tuple(features),

@@ -48,7 +48,7 @@ def dspark_plan(path: str | Path, target: ModelConfig, target_weights: dict[str,
     cfg = loaded.config
 
     def build(g: GraphBuilder) -> None:
-        build_dspark_graph(g, cfg, target, max_seq=s.max_seq, dtype=s.dtype)
+        build_dspark_graph(g, cfg, target, max_seq=s.max_seq, dtype=s.dtype, attention=s.attention)
 
     info = {"kind": "dflash" if not cfg.markov_rank and not cfg.enable_confidence_head else "dspark",
             "steps": cfg.block_size, "confidence": cfg.enable_confidence_head,
@@ -69,7 +69,8 @@ def mtp_plan(path: str | Path, target: ModelConfig, target_weights: dict[str, np
     cfg = loaded.config
 
     def build(g: GraphBuilder) -> None:
-        build_mtp_graph(g, cfg, target, steps=steps, max_seq=s.max_seq, dtype=s.dtype, feedback=feedback)
+        build_mtp_graph(g, cfg, target, steps=steps, max_seq=s.max_seq, dtype=s.dtype, feedback=feedback,
+                        attention=s.attention)
 
     signature = io.mtp_signature(num_kv_heads=cfg.layer.num_kv_heads, head_dim=cfg.layer.head_dim,
                                  hidden_size=target.hidden_size, vocab_size=target.vocab_size, steps=steps,

@@ -171,6 +171,10 @@ class ExportSettings:
     verify_len: int
     dtype: str = "float32"
     attention: str = "standard"
+    # float: weights in `dtype`; int8 / int4: ONNX Runtime's block quantizer; gguf: the GGUF file's own Q4_0 /
+    # Q4_1 / Q8_0 blocks. Quantized graphs use com.microsoft ops (MatMulNBits, GatherBlockQuantized): ORT only.
+    weights: str = "float"
+    accuracy_level: int = 4  # quantized weights: MatMulNBits activations, 0 = fp32 (exact numerics), 4 = int8
 
     def __post_init__(self) -> None:
         for name in ("batch", "max_seq", "prefill_chunk", "verify_len"):
@@ -179,8 +183,15 @@ class ExportSettings:
                 raise SpecrtError(f"--{name.replace('_', '-')} must be >= 1, got {value!r}")
         if self.dtype not in DTYPES:
             raise SpecrtError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.attention not in ("standard",):
-            raise SpecrtError(f"attention lowering must be 'standard', got {self.attention!r}")
+        if self.weights not in ("float", "int8", "int4", "gguf"):
+            raise SpecrtError(f"--weights must be one of float, int8, int4, gguf, got {self.weights!r}")
+        if self.accuracy_level not in (0, 4):
+            raise SpecrtError(f"--accuracy-level must be 0 (fp32 activations) or 4 (int8 activations), "
+                              f"got {self.accuracy_level!r}")
+        if self.weights != "float" and self.dtype != "float32":
+            raise SpecrtError(f"--weights {self.weights} needs --dtype float32 (ONNX Runtime's quantized CPU ops)")
+        if self.attention not in ("standard", "cpu"):
+            raise SpecrtError(f"attention lowering must be 'standard' or 'cpu', got {self.attention!r}")
         if max(self.prefill_chunk, self.verify_len) >= self.max_seq:
             raise SpecrtError(f"max sequence length {self.max_seq} must exceed the prefill chunk "
                               f"({self.prefill_chunk}) and verify length ({self.verify_len})")
@@ -217,6 +228,7 @@ class WeightsInfo:
     file: str
     bytes: int
     created: str
+    bytes_per_token: int = 0  # weight bytes a decoded token reads: target matmuls + LM head + one embedding row
 
 
 @dataclass

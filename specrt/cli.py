@@ -1,6 +1,7 @@
 """The `specrt` command line: export, run, bench, compare, distill, inspect, fetch-model, demo."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -51,8 +52,9 @@ def _export_options(f):
                      help="Draft tokens per round [default: the DSpark block size, else 7]."),
         click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32",
                      help="Weights and activations of the graphs (float16 is meant for TensorRT)."),
-        click.option("--attention", type=click.Choice(["standard"]), default="standard",
-                     help="Attention lowering (standard: ops the TensorRT ONNX parser accepts)."),
+        click.option("--attention", type=click.Choice(["standard", "cpu"]), default="standard",
+                     help="Attention lowering (standard: ops the TensorRT ONNX parser accepts; cpu: ONNX Runtime "
+                          "on CPU, attention cost follows the valid cache length, fused norms)."),
     ]):
         f = opt(f)
     return f
@@ -83,10 +85,15 @@ def _settings(batch: int, max_seq_len: int, prefill_chunk: int, verify_len: int 
 @click.option("--mtp-feedback", type=click.Choice(["post", "pre"]), default="post",
               help="Hidden fed back for chained MTP steps: after (SGLang) or before (vLLM) the head norm.")
 @click.option("--no-heads", is_flag=True, help="Export a preset without its shipped draft heads.")
+@click.option("--weights", type=click.Choice(["float", "int8", "int4", "gguf"]), default="float",
+              help="Weight format: float (--dtype); int8 / int4 (ONNX Runtime's block quantizer, block 32); gguf "
+                   "(a GGUF's own Q4_0/Q4_1/Q8_0 blocks as they are). Quantized graphs run on ONNX Runtime only.")
+@click.option("--accuracy-level", type=click.Choice(["0", "4"]), default="4",
+              help="Quantized weights: activations of MatMulNBits in fp32 (0, exact numerics) or int8 (4, faster).")
 @click.option("--force", is_flag=True, help="Replace an existing artifact directory.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feedback: str, no_heads: bool,
-           force: bool, quiet: bool, **opts) -> None:
+           weights: str, accuracy_level: str, force: bool, quiet: bool, **opts) -> None:
     """Export MODEL (HF directory, .gguf file, or preset name `smollm2`) into an artifact directory.
 
     A preset comes with the draft heads specrt ships for it (DSpark and MTP) unless --draft/--mtp or
@@ -105,7 +112,8 @@ def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feed
         from specrt.exporter.heads import dspark_block_size
 
         block = dspark_block_size(draft)
-    settings = _settings(**opts, block=block)
+    settings = dataclasses.replace(_settings(**opts, block=block), weights=weights,
+                                   accuracy_level=int(accuracy_level))
     path = export_artifact(resolve_model(model, progress=not quiet), out, settings, draft=draft, mtp=mtp,
                            mtp_feedback=mtp_feedback, progress=not quiet, force=force)
     click.echo(f"wrote {path}")
@@ -232,17 +240,21 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
 @click.option("--scheduler", type=click.Choice(["fixed"]), default="fixed", help="Verify lengths per round.")
 @click.option("--ngram", default=3, help="ngram method: longest suffix looked up.")
 @click.option("--backend", type=click.Choice(["ort", "torch"]), default="ort", help="Runtime backend.")
-@click.option("--baseline", type=click.Choice(["none", "hf"]), default="none",
-              help="Also run transformers generate() on the artifact's source model.")
-@click.option("--threads", type=int, default=None, help="Threads for ONNX Runtime and torch (default: all cores).")
+@click.option("--baseline", "baselines", multiple=True, default=["none"],
+              help="Also run on the artifact's source model: hf (transformers generate()), llama.cpp "
+                   "(llama-cpp-python on the source GGUF; optional extra specrt[llama]); repeat or comma-separate.")
+@click.option("--threads", type=int, default=None,
+              help="Threads for ONNX Runtime, torch and llama.cpp (default: all cores).")
 @click.option("--plot", type=click.Path(path_type=Path), default=None,
               help="Write a PNG: per-position conditional acceptance per method, and tau per prompt set.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens: int, methods: str, gamma,
-          scheduler: str, ngram: int, backend: str, baseline: str, threads, plot: Path | None, as_json: bool) -> None:
+          scheduler: str, ngram: int, backend: str, baselines: tuple[str, ...], threads, plot: Path | None,
+          as_json: bool) -> None:
     """Benchmark methods and baselines on the same prompts, side by side in one run (greedy, batch 1).
 
-    Every method must produce the same greedy tokens as `ar`; if any differs the command fails (exit 1)."""
+    Every method (and the hf baseline) must produce the same greedy tokens as `ar`; if any differs the command
+    fails (exit 1). llama.cpp computes differently (quantized weights): where it first differs is only reported."""
     from specrt.runtime import bench as b
     from specrt.runtime.engine import METHODS, Engine
     from specrt.runtime.prompts import encode_prompt, read_prompts_file
@@ -258,21 +270,25 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
         raise SpecrtError(f"--prompts: two files share the name {next(s for s in stems if stems.count(s) > 1)!r}")
     if plot is not None and plot.suffix.lower() != ".png":
         raise SpecrtError(f"--plot writes a PNG; got {plot}")
+    baselines = b.parse_baselines(baselines)
+    if "llama.cpp" in baselines:
+        b.require_llama_cpp()  # a missing optional extra fails before anything is loaded
     engines = [Engine(artifact, method=m, gamma=gamma if m != "ar" else None, scheduler=scheduler, ngram=ngram,
                       backend=backend, threads=threads) for m in names]
     engine = engines[0]
     sets = {p.stem: [encode_prompt(engine.tokenizer, t) for t in read_prompts_file(p, limit)] for p in prompt_files}
     params = SamplingParams(max_new_tokens=max_new_tokens)
     progress = not as_json
-    generate = b.hf_baseline(b.artifact_source(engine), threads=threads) if baseline == "hf" else None
+    longest = max((len(ids) for prompts in sets.values() for ids in prompts), default=0)
+    runs = b.load_baselines(baselines, b.artifact_source(engine), threads=threads,
+                            n_ctx=longest + max_new_tokens) if baselines else {}
     per_set: dict[str, list] = {}
     for name, ids in sets.items():
         results = [b.run_specrt(e, ids, params, progress=progress, desc=f"{name} {e.method}") for e in engines]
-        if generate is not None:
-            results.append(b.run_hf(generate, ids, max_new_tokens, sorted(engine.eos_ids), progress=progress))
+        results += [b.run_baseline(m, generate, ids, max_new_tokens, sorted(engine.eos_ids), progress=progress)
+                    for m, generate in runs.items()]
         per_set[name] = results
-    datasets = [{"dataset": name, "prompts": len(sets[name]),
-                 "identical": all(r.outputs == results[0].outputs for r in results),
+    datasets = [{"dataset": name, "prompts": len(sets[name]), "identical": b.identical(results),
                  "results": [dict(r.row(results[0]), dataset=name) for r in results]}
                 for name, results in per_set.items()]
     columns = list(zip(*per_set.values()))  # per method: its result on every set
@@ -289,16 +305,22 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
         rows = [(d["dataset"], row) for d in datasets for row in d["results"]]
         if len(datasets) > 1:
             rows += [("all", row) for row in report["pooled"]]
-        click.echo(f"{'prompts':10s} {'method':8s} {'tau':>6s} {'decode tok/s':>13s} {'e2e tok/s':>10s} "
+        click.echo(f"{'prompts':10s} {'method':9s} {'tau':>6s} {'decode tok/s':>13s} {'e2e tok/s':>10s} "
                    f"{'speedup':>8s} {'tokens':>7s}")
         for name, row in rows:
             tau = f"{row['tau']:6.2f}" if "tau" in row else f"{'-':>6s}"
-            click.echo(f"{name[:10]:10s} {row['method']:8s} {tau} {row['tokens_per_s']:13.2f} "
+            click.echo(f"{name[:10]:10s} {row['method']:9s} {tau} {row['tokens_per_s']:13.2f} "
                        f"{row['end_to_end_tokens_per_s']:10.2f} {row['speedup']:8.2f} {row['generated_tokens']:7d}")
         for row in report["pooled"]:
             if "per_position_acceptance" in row:
                 cond = ", ".join(f"{a:.2f}" for a in row["per_position_acceptance"]["conditional"])
                 click.echo(f"{row['method']} conditional acceptance per position: {cond}")
+            if "first_difference" in row:
+                d = row["first_difference"]
+                where = (f"; first differs at token {d['min_index']} (min), {d['mean_index']} (mean)"
+                         if d["min_index"] is not None else "")
+                click.echo(f"{row['method']} vs ar: identical tokens on {d['identical_prompts']}/{d['prompts']} "
+                           f"prompts{where}")
         click.echo(f"identical greedy outputs: {identical}")
         if plot is not None:
             click.echo(f"wrote {report['plot']}")
@@ -389,7 +411,9 @@ def inspect(artifact: Path, as_json: bool) -> None:
                f"heads {cfg.num_heads}/{cfg.num_kv_heads} kv, vocab {cfg.vocab_size}")
     click.echo(f"export   B={s.batch} S_MAX={s.max_seq} prefill_chunk={s.prefill_chunk} verify_len={s.verify_len} "
                f"dtype={s.dtype} attention={s.attention}")
-    click.echo(f"weights  {m.weights.file} ({m.weights.bytes / 2**20:.1f} MiB, shared by all graphs)")
+    fmt = s.weights if s.weights == "float" else f"{s.weights}, accuracy level {s.accuracy_level}, ONNX Runtime only"
+    click.echo(f"weights  {m.weights.file} ({fmt}; {m.weights.bytes / 2**20:.1f} MiB, shared by all graphs; "
+               f"{m.weights.bytes_per_token / 2**20:.1f} MiB read per decoded token)")
     click.echo(f"tokenizer {'yes' if m.tokenizer else 'none (use --input-ids)'}")
     for h in m.heads.values():
         extra = f", STS temperatures {list(h.temperatures)}" if h.temperatures else ""
@@ -402,6 +426,35 @@ def inspect(artifact: Path, as_json: bool) -> None:
         for use, buckets in g.buckets.items():
             shapes = " ".join("(" + ",".join(f"{k}={v}" for k, v in b.items()) + ")" for b in buckets)
             click.echo(f"  bucket {use:8s} {shapes}")
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--prompts", "prompt_files", multiple=True, required=True, type=click.Path(path_type=Path),
+              help='JSONL of {"turns": [...]} (repeatable).')
+@click.option("--limit", type=int, default=None, help="Use the first N prompts of each file.")
+@click.option("--max-new-tokens", default=64, help="Greedy tokens per prompt.")
+@click.option("--threads", type=int, default=None, help="Threads for ONNX Runtime and torch (default: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def parity(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens: int, threads, as_json: bool) -> None:
+    """Compare the artifact's target with transformers' fp32 model of the same source (the GGUF dequantized):
+    first greedy divergence and max logit difference (teacher-forced) per prompt."""
+    from specrt.runtime import parity as p
+    from specrt.runtime.bench import artifact_source
+    from specrt.runtime.engine import Engine
+    from specrt.runtime.prompts import encode_prompt, read_prompts_file
+
+    with Engine(artifact, threads=threads) as engine:
+        prompts = [encode_prompt(engine.tokenizer, t) for f in prompt_files for t in read_prompts_file(f, limit)]
+        report = p.parity(engine, prompts, max_new_tokens=max_new_tokens, source=artifact_source(engine),
+                          threads=threads, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    click.echo(f"weights {report['weights']}: {report['identical']}/{report['prompts']} prompts token-identical "
+               f"for {max_new_tokens} tokens; first divergence min {report['first_divergence_min']}, "
+               f"mean {report['first_divergence_mean']}; max |logit diff| {report['max_abs_logit_diff']:.4g} "
+               f"(mean per prompt {report['mean_max_abs_logit_diff']:.4g})")
 
 
 @main.command("fetch-model")

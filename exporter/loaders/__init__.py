@@ -26,6 +26,7 @@ class LoadedTarget:
     weights: dict[str, np.ndarray]
     source_files: list[Path] = field(default_factory=list)
     tokenizer: "TokenizerSource | None" = None
+    blocks: dict | None = None  # a GGUF's own Q4_0/Q4_1/Q8_0 blocks: HF name -> quant.Blocks (None: not a GGUF)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -1,4 +1,5 @@
-"""Load a GGUF file (llama, qwen2, qwen3 archs): metadata -> ModelConfig, dequantized HF weights."""
+"""Load a GGUF file (llama, qwen2, qwen3 archs): metadata -> ModelConfig, dequantized HF weights, and the
+file's own Q4_0 / Q4_1 / Q8_0 blocks (for `specrt export --weights gguf`)."""
 from __future__ import annotations
 
 import re
@@ -10,6 +11,7 @@ import numpy as np
 from specrt.errors import SpecrtError
 from specrt.exporter.config import ModelConfig
 from specrt.exporter.loaders import LoadedTarget, check_weights, expected_shapes
+from specrt.exporter.onnx.quant import Blocks, from_gguf, permute_rows
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -53,8 +55,20 @@ def _f32(x: float) -> float:
 def _open_reader(path: Path):
     from gguf import GGUFReader
 
+    class Reader(GGUFReader):
+        """GGUFReader slicing a plain ndarray view of its memory map: numpy.memmap's Python-level __getitem__
+        and __array_finalize__ were ~80% of parsing a 49k-token vocabulary's metadata (item by item)."""
+
+        @property
+        def data(self) -> np.ndarray:
+            return self._array
+
+        @data.setter
+        def data(self, mapped: np.memmap) -> None:
+            self._array = mapped.view(np.ndarray)  # same pages, no copy
+
     try:
-        reader = GGUFReader(path)
+        reader = Reader(path)
     except (ValueError, IndexError, KeyError, OSError, OverflowError) as e:
         raise SpecrtError(f"{path} is corrupt or truncated: {e or type(e).__name__}") from None
     size = path.stat().st_size
@@ -144,16 +158,24 @@ def load_gguf(path: Path) -> LoadedTarget:
     check_weights(cfg, {k: tuple(int(s) for s in reversed(t.shape)) for k, t in by_hf.items()},
                   path)
     weights: dict[str, np.ndarray] = {}
+    blocks: dict[str, Blocks] = {}
     for name in expected_shapes(cfg):
         t = by_hf[name]
         shape = tuple(int(s) for s in reversed(t.shape))
-        try:
-            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        b = from_gguf(t.data, t.tensor_type.name) if len(shape) == 2 else None  # exact-path blocks, as they are
+        try:  # the blocks dequantize with gguf-py's arithmetic (bit-identical), vectorized over the whole tensor
+            w = b.dequantize() if b is not None else \
+                np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
         except (NotImplementedError, ValueError) as e:
             raise SpecrtError(f"{path}: cannot dequantize {t.name} ({t.tensor_type.name}): {e}") \
                 from None
         if cfg.family == "llama" and (".q_proj." in name or ".k_proj." in name):
-            w = unpermute_qk(w, cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads)
+            heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+            w = unpermute_qk(w, heads)
+            if b is not None:  # a row permutation, so it moves whole block rows
+                b = permute_rows(b, lambda rows: unpermute_qk(rows, heads))
+        if b is not None:
+            blocks[name] = b
         if not (w.flags.writeable and w.flags.c_contiguous):
             w = np.array(w, dtype=np.float32, order="C")  # F32 tensors are views of the mmap
         weights[name] = w
@@ -161,4 +183,4 @@ def load_gguf(path: Path) -> LoadedTarget:
     if "tokenizer.ggml.model" in meta:
         tokenizer = TokenizerSource.from_gguf(path, eos_token_ids=cfg.eos_token_ids)
     return LoadedTarget(name=path.stem, config=cfg, weights=weights, source_files=[path],
-                        tokenizer=tokenizer)
+                        tokenizer=tokenizer, blocks=blocks)

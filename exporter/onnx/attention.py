@@ -11,6 +11,11 @@
 
 The G query heads of a KV head become extra query rows (Hugging Face's repeat_kv order), so each cached K/V
 is read once instead of being repeated G times. The bias is built by the caller from its own visibility rule.
+
+Lowerings (`LOWERINGS`, chosen at export): `standard` attends over all S cache positions (ops the TensorRT
+ONNX parser accepts); `cpu` (ONNX Runtime on CPU) Slices the cache to its first L positions, L = the
+largest position any query of the call may see (a [1] i64 tensor, the caller's "window"), so the cost of
+attention follows the valid length, not S. Exact: the keys past L are the ones the bias masks anyway.
 """
 from __future__ import annotations
 
@@ -19,11 +24,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specrt.errors import SpecrtError
 from specrt.exporter.config import ModelConfig
 from specrt.exporter.onnx.builder import GraphBuilder, onnx_dtype
 from specrt.exporter.onnx.layers import apply_rope, linear, rms_norm
 
 Rope = tuple[str, str, str]  # (cos, sin, rotate_half matrix) for `apply_rope`
+LOWERINGS = ("standard", "cpu")  # see the module docstring; ExportSettings.attention
+
+
+def check_lowering(attention: str) -> None:
+    if attention not in LOWERINGS:
+        raise SpecrtError(f"attention lowering must be one of {', '.join(LOWERINGS)}, got {attention!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,11 +45,28 @@ class KeyBlock:
     name: str
     k: str
     v: str
-    length: int  # L, fixed at export
+    length: int | str  # L: fixed at export, or a [1] i64 tensor (the cpu lowering's cache window)
+
+
+def cache_block(g: GraphBuilder, present_k: str, present_v: str, window: int | str) -> KeyBlock:
+    """The cache as a key block: all S positions (`window` = S, no node), or its first `window` positions.
+
+    The cpu lowering's Slice copies only the L valid positions, and everything after it (scores, softmax,
+    probs·v) is sized by L instead of S.
+    """
+    if isinstance(window, int):
+        return KeyBlock("cache", present_k, present_v, window)
+    # Not com.microsoft GroupQueryAttention, which reads a shared past/present buffer without this copy: on
+    # ORT 1.32's CPU it refuses T > 1 after a past at B > 1 (verify) and writes past S (prefill padding),
+    # and one graph serves every bucket.
+    with g.scope("cache_window"):
+        zero, axis = g.const([0], "start", "int64"), g.const([2], "axis", "int64")
+        return KeyBlock("cache", g.op("Slice", present_k, zero, window, axis, name="keys"),
+                        g.op("Slice", present_v, zero, window, axis, name="values"), window)
 
 
 def project_heads(g: GraphBuilder, x: str, p: str, parts: str, shape: str, cfg: ModelConfig, rope: Rope,
-                  dtype: str) -> list[str]:
+                  dtype: str, *, lowering: str = "standard") -> list[str]:
     """Project x [N,d] with the stacked weight `{p}.{parts}_proj` (`parts`: "qkv", "q" or "kv") into heads.
 
     `shape` is the [B,T,n,D] reshape target. Returns q as [B,T,H,D] (unscaled) and k, v as [B,Hkv,T,D]; q and
@@ -52,7 +81,8 @@ def project_heads(g: GraphBuilder, x: str, p: str, parts: str, shape: str, cfg: 
     if cfg.qk_norm:  # Qwen3: per-head RMSNorm on q and k before rope
         out = _split(g, y, [heads[c] for c in parts], f"{parts}_sizes")
         for i, c in enumerate(roped):
-            normed = rms_norm(g, out[i], w(f"{p}.{c}_norm.weight"), cfg.rms_norm_eps, dtype, name=f"{c}_norm")
+            normed = rms_norm(g, out[i], w(f"{p}.{c}_norm.weight"), cfg.rms_norm_eps, dtype, name=f"{c}_norm",
+                              lowering=lowering)
             out[i] = apply_rope(g, normed, *rope, name=f"{c}_rope")
     else:  # q and k share one rope pass; v is split off first
         rot, *rest = _split(g, y, [sum(heads[c] for c in roped), *(heads[c] for c in parts[len(roped):])],
@@ -83,23 +113,34 @@ def attend(g: GraphBuilder, q: str, blocks: Sequence[KeyBlock], bias: str, o_pro
     q [B,T,H,D]; `bias` [B,1,1,T or 1,L] (0 or a large negative, f32) with L the blocks' total length.
     """
     H, Hkv, D, G = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.kv_groups
-    L = sum(b.length for b in blocks)
+    static = all(isinstance(b.length, int) for b in blocks)
+    if static:
+        L = sum(b.length for b in blocks)
+    else:  # the cpu lowering's cache window: L known at run time, as a [1] i64 tensor
+        lengths = [b.length if isinstance(b.length, str) else g.const([b.length], f"{b.name}_length", "int64")
+                   for b in blocks]
+        L = lengths[0]
+        for n in lengths[1:]:  # Add, not Sum: Sum takes no int64
+            L = g.op("Add", L, n, name="total_length")
     q = g.op("Mul", q, g.const(np.asarray(D ** -0.5, dtype=dtype), "scale"))
     q = g.op("Reshape", g.op("Transpose", q, perm=[0, 2, 1, 3]), g.const([0, Hkv, -1, D], "grouped", "int64"))
-    # Scores against each block side by side: no block (the cache above all) is ever copied.
+    # Scores against each block side by side: no block (the cache above all) is ever concatenated.
     scores = [g.op("MatMul", q, g.op("Transpose", b.k, perm=[0, 1, 3, 2]), name=f"qk_{b.name}") for b in blocks]
     scores = g.op("Concat", *scores, axis=-1, name="scores") if len(blocks) > 1 else scores[0]  # [B,Hkv,G*T,L]
     # [B,Hkv,G,T,L] so a per-query bias [B,1,1,T,L] broadcasts over the groups
-    scores = g.op("Reshape", scores, g.const([0, Hkv, G, -1, L], "per_group", "int64"))
+    scores = g.op("Reshape", scores, g.const([0, Hkv, G, -1, L], "per_group", "int64") if static else
+                  g.op("Concat", g.const([0, Hkv, G, -1], "per_group", "int64"), L, axis=0, name="per_group_shape"))
     if dtype != "float32":
         scores = g.op("Cast", scores, to=onnx_dtype("float32"))
     probs = g.op("Softmax", g.op("Add", scores, bias, name="mask"), axis=-1)
     if dtype != "float32":
         probs = g.op("Cast", probs, to=onnx_dtype(dtype))
-    probs = g.op("Reshape", probs, g.const([0, Hkv, -1, L], "rows", "int64"))
+    probs = g.op("Reshape", probs, g.const([0, Hkv, -1, L], "rows", "int64") if static else
+                 g.op("Concat", g.const([0, Hkv, -1], "rows", "int64"), L, axis=0, name="rows_shape"))
     if len(blocks) > 1:
-        probs = g.op("Split", probs, g.const([b.length for b in blocks], "block_sizes", "int64"), axis=-1,
-                     outputs=len(blocks))
+        sizes = g.const([b.length for b in blocks], "block_sizes", "int64") if static else \
+            g.op("Concat", *lengths, axis=0, name="block_sizes")
+        probs = g.op("Split", probs, sizes, axis=-1, outputs=len(blocks))
     else:
         probs = [probs]
     out = None

@@ -16,8 +16,10 @@ from onnx import TensorProto, helper, numpy_helper
 OPSET = 23
 ALIGN = 4096  # page-aligned offsets let ONNX Runtime memory-map the weights
 
+MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits, GatherBlockQuantized): quantized weights
+
 _ONNX_DTYPE = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int64": TensorProto.INT64,
-               "int32": TensorProto.INT32, "bool": TensorProto.BOOL}
+               "int32": TensorProto.INT32, "bool": TensorProto.BOOL, "uint8": TensorProto.UINT8}
 
 
 def onnx_dtype(name: str) -> int:
@@ -44,8 +46,21 @@ class WeightStore:
         self._file.write(array.tobytes())
         self._index[name] = (offset, array.nbytes, array.dtype.name, tuple(array.shape))
 
+    def alias(self, name: str, of: str, shape: tuple[int, ...]) -> None:
+        """Name the bytes of tensor `of` a second time with another shape (one copy in the file)."""
+        offset, length, dtype, _ = self._index[of]
+        if int(np.prod(shape)) * np.dtype(dtype).itemsize != length:
+            raise ValueError(f"alias {name} {shape} does not cover the {length} bytes of {of}")
+        self._index.setdefault(name, (offset, length, dtype, tuple(shape)))
+
     def __contains__(self, name: str) -> bool:
         return name in self._index
+
+    def nbytes(self, name: str) -> int:
+        return self._index[name][1]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._index[name][3]
 
     def tensor_proto(self, name: str) -> TensorProto:
         offset, length, dtype, shape = self._index[name]
@@ -67,8 +82,9 @@ class WeightStore:
 class GraphBuilder:
     """Emits nodes under a scope path; `op` returns the output name(s)."""
 
-    def __init__(self, store: WeightStore) -> None:
+    def __init__(self, store: WeightStore, *, accuracy_level: int = 4) -> None:
         self.store = store
+        self.accuracy_level = accuracy_level  # MatMulNBits activations: 0 fp32, 4 int8 (quantized weights only)
         self.nodes: list[onnx.NodeProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
@@ -108,8 +124,13 @@ class GraphBuilder:
         return full
 
     def weight(self, name: str) -> str:
-        """Reference a tensor of the shared weight file by its name."""
+        """Reference a tensor of the shared weight file by its name.
+
+        A weight stored as blocks (`name.qcodes`, ...) is returned by name too: `linear` and `embedding`
+        read its block tensors (`weight` registers them then)."""
         if name not in self.store:
+            if name + ".qcodes" in self.store:
+                return name
             raise KeyError(f"weight {name} was not added to the store")
         self._weights.add(name)
         return name
@@ -132,7 +153,9 @@ class GraphBuilder:
     def model(self, graph_name: str) -> onnx.ModelProto:
         inits = [self.store.tensor_proto(n) for n in sorted(self._weights)] + self._consts
         graph = helper.make_graph(self.nodes, graph_name, self.inputs, self.outputs, inits)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                                  producer_name="specrt")
+        opsets = [helper.make_opsetid("", OPSET)]
+        if any(n.domain == MS_DOMAIN for n in self.nodes):  # only graphs with quantized weights need ORT's ops
+            opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="specrt")
         model.ir_version = 11
         return model

@@ -12,8 +12,10 @@ from specrt import artifact as io
 from specrt.exporter.config import ModelConfig
 from specrt.exporter.loaders.deepspec import DSparkConfig
 from specrt.exporter.onnx.builder import GraphBuilder, onnx_dtype
-from specrt.exporter.onnx.attention import KeyBlock, Rope, attend, project_heads, write_cache
-from specrt.exporter.onnx.layers import linear, mlp, rms_norm, rope_tables, rotate_half_matrix
+from specrt.exporter.onnx.attention import (KeyBlock, Rope, attend, cache_block, check_lowering, project_heads,
+                                            write_cache)
+from specrt.exporter.onnx.layers import add_rms_norm, embedding, linear, mlp, rms_norm, rope_tables, rotate_half_matrix
+from specrt.exporter.onnx.quant import is_quantized
 from specrt.exporter.onnx.sampling import sample_draft
 
 P = "dspark."  # weight-name prefix in the shared store
@@ -45,7 +47,8 @@ def dspark_weights(cfg: DSparkConfig, weights: dict[str, np.ndarray],
 
 def _shared(g: GraphBuilder, own: str, target_name: str) -> str:
     """The draft's own copy when `dspark_weights` kept one, else the target's tensor."""
-    return g.weight(P + own if P + own in g.store else target_name)
+    mine = P + own in g.store or is_quantized(g.store, P + own)
+    return g.weight(P + own if mine else target_name)
 
 
 # ctx_features[B,C,F] --fc--hidden_norm--> ctx[B*C,d] ------------------------------+ (every layer)
@@ -60,8 +63,11 @@ def _shared(g: GraphBuilder, own: str, target_name: str) -> str:
 
 
 def build_dspark_graph(g: GraphBuilder, cfg: DSparkConfig, target_cfg: ModelConfig, *, max_seq: int,
-                       dtype: str) -> None:
-    """Emit the whole DSpark draft graph into `g` over named axes B/C; its store must hold `dspark_weights(...)`."""
+                       dtype: str, attention: str = "standard") -> None:
+    """Emit the whole DSpark draft graph into `g` over named axes B/C; its store must hold `dspark_weights(...)`.
+
+    `attention` is the target's lowering (`attention.LOWERINGS`)."""
+    check_lowering(attention)
     lc, K = cfg.layers, cfg.block_size
     cfg.check_target(target_cfg)
     inputs, outputs = dspark_signature(cfg, max_seq=max_seq, dtype=dtype)
@@ -72,13 +78,12 @@ def build_dspark_graph(g: GraphBuilder, cfg: DSparkConfig, target_cfg: ModelConf
     anchor, temperature, noise = io.ANCHOR_IDS, io.TEMPERATURE, io.NOISE
 
     with g.scope("dspark"):
-        ctx = _context(g, cfg, feats, dtype)
+        ctx = _context(g, cfg, feats, dtype, attention)
         with g.scope("block"):
             ids = g.op("Where", g.const(np.arange(K).reshape(1, K) == 0, "is_anchor"),
                        g.op("Unsqueeze", anchor, g.const([1], "axis1", "int64")),
                        g.const(np.int64(cfg.mask_token_id), "mask_token"), name="block_ids")  # [B,K]
-            x = g.op("Gather", _shared(g, "embed_tokens.weight", "model.embed_tokens.weight"), ids,
-                     name="embed_tokens")
+            x = embedding(g, _shared(g, "embed_tokens.weight", "model.embed_tokens.weight"), ids)
             x = g.op("Reshape", x, g.const([-1, lc.hidden_size], "flat", "int64"))  # [B*K, d]
             block_pos = g.op("Add", g.op("Unsqueeze", ctx_len, g.const([1], "axis1", "int64")),
                              g.const(np.arange(K, dtype=np.int64), "offsets"), name="positions")
@@ -86,21 +91,21 @@ def build_dspark_graph(g: GraphBuilder, cfg: DSparkConfig, target_cfg: ModelConf
         with g.scope("ctx"):
             rope_ctx = rope_tables(g, ctx_pos, lc.inv_freq(), dtype)
         rotate = g.const(rotate_half_matrix(lc.head_dim, dtype), "rotate_half")
-        scatter_idx, bias, ctx_kv_shape = _cache_io(g, lc, ctx_pos, write_index, ctx_len, K, max_seq)
+        scatter_idx, bias, ctx_kv_shape, window = _cache_io(g, lc, ctx_pos, write_index, ctx_len, K, max_seq,
+                                                            attention)
         presents = []
         for i in range(lc.num_layers):
             with g.scope(f"layers.{i}"):
                 p = f"{P}layers.{i}"
                 a = rms_norm(g, x, g.weight(f"{p}.input_layernorm.weight"), lc.rms_norm_eps, dtype,
-                             name="input_layernorm")
+                             name="input_layernorm", lowering=attention)
                 o, pk, pv = _attention(g, a, ctx, f"{p}.self_attn", lc, K, io.past_names(i), (*rope_block, rotate),
-                                       (*rope_ctx, rotate), scatter_idx, bias, ctx_kv_shape, dtype, max_seq)
-                x = g.op("Add", x, o, name="attn_residual")
-                m = rms_norm(g, x, g.weight(f"{p}.post_attention_layernorm.weight"), lc.rms_norm_eps, dtype,
-                             name="post_attention_layernorm")
+                                       (*rope_ctx, rotate), scatter_idx, bias, ctx_kv_shape, dtype, window, attention)
+                x, m = add_rms_norm(g, x, o, g.weight(f"{p}.post_attention_layernorm.weight"), lc.rms_norm_eps, dtype,
+                                    name="post_attention_layernorm", residual="attn_residual", lowering=attention)
                 x = g.op("Add", x, mlp(g, m, f"{p}.mlp", lc.intermediate_size), name="mlp_residual")
             presents.append((pk, pv))
-        h = rms_norm(g, x, g.weight(P + "norm.weight"), lc.rms_norm_eps, dtype, name="norm")
+        h = rms_norm(g, x, g.weight(P + "norm.weight"), lc.rms_norm_eps, dtype, name="norm", lowering=attention)
         head = "lm_head.weight" if not target_cfg.tie_word_embeddings else "model.embed_tokens.weight"
         base = linear(g, h, _shared(g, "lm_head.weight", head), name="lm_head")  # [B*K, V]
         tokens, logits, probs, conf = _draft_heads(g, cfg, base, h, anchor, temperature, noise, dtype)
@@ -121,20 +126,22 @@ def dspark_signature(cfg: DSparkConfig, *, max_seq: int, dtype: str
                                dtype=dtype, confidence=cfg.enable_confidence_head)
 
 
-def _context(g: GraphBuilder, cfg: DSparkConfig, feats: str, dtype: str) -> str:
+def _context(g: GraphBuilder, cfg: DSparkConfig, feats: str, dtype: str, lowering: str) -> str:
     """ctx = hidden_norm(fc(features)) [B*C, d], in fp32 whatever the graph dtype (fp16 overflows here)."""
     with g.scope("context"):
         x = g.op("Reshape", feats, g.const([-1, cfg.feature_dim], "flat", "int64"))
         w, nw = g.weight(P + "fc.weight"), g.weight(P + "hidden_norm.weight")
         if dtype != "float32":
             x, w, nw = (g.op("Cast", t, to=F32) for t in (x, w, nw))
-        ctx = rms_norm(g, linear(g, x, w, name="fc"), nw, cfg.layers.rms_norm_eps, "float32", name="hidden_norm")
+        ctx = rms_norm(g, linear(g, x, w, name="fc"), nw, cfg.layers.rms_norm_eps, "float32", name="hidden_norm",
+                       lowering=lowering)
         return g.op("Cast", ctx, to=onnx_dtype(dtype)) if dtype != "float32" else ctx
 
 
 def _cache_io(g: GraphBuilder, lc: ModelConfig, ctx_pos: str, write_index: str, ctx_len: str, K: int,
-              max_seq: int) -> tuple[str, str, str]:
-    """Scatter indices [B,Hkv,C,D] for the context K/V, bias [B,1,1,1,S+K] over [cache ; block], ctx K/V shape."""
+              max_seq: int, lowering: str) -> tuple[str, str, str, int | str]:
+    """Scatter indices [B,Hkv,C,D] for the context K/V, bias [B,1,1,1,L+K] over [cache ; block], ctx K/V shape,
+    and the cache window L: S, or in the cpu lowering a [1] i64 tensor, max(ctx_len) clamped to [1, S]."""
     with g.scope("cache_io"):
         bc = g.op("Shape", ctx_pos, name="ctx_shape")  # [B, C]
         c_range = g.op("Range", g.const(0, "zero", "int64"), g.op("Gather", bc, g.const(1, "one", "int64")),
@@ -148,32 +155,46 @@ def _cache_io(g: GraphBuilder, lc: ModelConfig, ctx_pos: str, write_index: str, 
         scatter_idx = g.op("Expand", g.op("Unsqueeze", slot, g.const([1, 3], "axes13", "int64")), idx_shape,
                            name="scatter_index")
         kv_shape = g.op("Concat", bc, g.const([2 * lc.num_kv_heads, lc.head_dim], "kv_heads", "int64"), axis=0)
-        # Cache slot s is visible iff s < ctx_len[b]; the K block keys (appended after S) always are.
-        keys = g.const(np.arange(max_seq + K, dtype=np.int64).reshape(1, -1), "key_index")
-        in_ctx = g.op("Less", keys, g.op("Unsqueeze", ctx_len, g.const([1], "axis1", "int64")))
-        visible = g.op("Or", in_ctx, g.const((np.arange(max_seq + K) >= max_seq).reshape(1, -1), "is_block"))
+        # Cache slot s is visible iff s < ctx_len[b]; the K block keys (appended after the cache) always are.
+        if lowering == "cpu":  # the keys past max(ctx_len) are masked for every row: cut the cache there
+            longest = g.op("ReduceMax", ctx_len, keepdims=1, name="longest_context")  # [1]
+            window = g.op("Min", g.op("Max", longest, g.const([1], "non_empty", "int64")),
+                          g.const([max_seq], "cache_size", "int64"), name="cache_window")  # [1]
+            end = g.op("Add", window, g.const([K], "block_size", "int64"), name="keys_end")
+            keys = g.op("Unsqueeze", g.op("Range", g.const(np.int64(0), "first_key", "int64"),
+                                          g.op("Squeeze", end, g.const([0], "axis0", "int64")),
+                                          g.const(np.int64(1), "key_step", "int64")),
+                        g.const([0], "axis0_u", "int64"), name="key_index")  # [1, L+K]
+            in_ctx = g.op("Less", keys, g.op("Unsqueeze", ctx_len, g.const([1], "axis1", "int64")))
+            visible = g.op("Or", in_ctx, g.op("GreaterOrEqual", keys, window, name="is_block"))
+        else:
+            window = max_seq
+            keys = g.const(np.arange(max_seq + K, dtype=np.int64).reshape(1, -1), "key_index")
+            in_ctx = g.op("Less", keys, g.op("Unsqueeze", ctx_len, g.const([1], "axis1", "int64")))
+            visible = g.op("Or", in_ctx, g.const((np.arange(max_seq + K) >= max_seq).reshape(1, -1), "is_block"))
         neg = np.finfo(np.float32).min / 2  # finite: no NaN even with an empty context
         bias = g.op("Where", visible, g.const(np.float32(0.0), "zero_f"), g.const(np.float32(neg), "neg_f"))
         bias = g.op("Unsqueeze", bias, g.const([1, 2, 3], "axes123", "int64"), name="attention_bias")
-    return scatter_idx, bias, kv_shape
+    return scatter_idx, bias, kv_shape, window
 
 
 def _attention(g: GraphBuilder, a: str, ctx: str, p: str, lc: ModelConfig, K: int, cache: tuple[str, str],
                rope_block: Rope, rope_ctx: Rope, scatter_idx: str, bias: str, ctx_kv_shape: str, dtype: str,
-               max_seq: int) -> tuple[str, str, str]:
+               window: int | str, lowering: str) -> tuple[str, str, str]:
     """Block queries over [cache (after writing the context rows' K/V) ; the block's own K/V]; (o, present k/v).
 
     Context rows need only k/v, so q is projected for the block alone; Qwen3's k_norm also applies to them.
     """
     with g.scope("attn"):
         H, Hkv, D = lc.num_heads, lc.num_kv_heads, lc.head_dim
-        q, = project_heads(g, a, p, "q", g.const([-1, K, H, D], "q_shape", "int64"), lc, rope_block, dtype)
+        q, = project_heads(g, a, p, "q", g.const([-1, K, H, D], "q_shape", "int64"), lc, rope_block, dtype,
+                           lowering=lowering)
         kb, vb = project_heads(g, a, p, "kv", g.const([-1, K, 2 * Hkv, D], "kv_shape", "int64"), lc, rope_block,
-                               dtype)
+                               dtype, lowering=lowering)
         with g.scope("ctx"):
-            kc, vc = project_heads(g, ctx, p, "kv", ctx_kv_shape, lc, rope_ctx, dtype)
+            kc, vc = project_heads(g, ctx, p, "kv", ctx_kv_shape, lc, rope_ctx, dtype, lowering=lowering)
         present_k, present_v = write_cache(g, cache, scatter_idx, kc, vc)
-        blocks = [KeyBlock("cache", present_k, present_v, max_seq), KeyBlock("block", kb, vb, K)]
+        blocks = [cache_block(g, present_k, present_v, window), KeyBlock("block", kb, vb, K)]
         o = attend(g, q, blocks, bias, f"{p}.o_proj", lc, dtype)
     return o, present_k, present_v
 
@@ -201,7 +222,7 @@ def _draft_heads(g: GraphBuilder, cfg: DSparkConfig, base: str, h: str, anchor: 
                 with g.scope(f"slot.{k}"):
                     u = g.op("Gather", base3, g.const(np.int64(k), "k"), axis=1, name="base_logits")  # [B,V]
                     hk = g.op("Gather", h3, g.const(np.int64(k), "k"), axis=1, name="hidden")  # [B,d]
-                    e = g.op("Gather", g.weight(P + "markov_head.markov_w1.weight"), prev, name="markov_w1")
+                    e = embedding(g, g.weight(P + "markov_head.markov_w1.weight"), prev, name="markov_w1")
                     corrected, state = _markov_step(g, cfg, u, e, hk, state, dtype)
                     nz = g.op("Slice", noise, g.const([k], "k0", "int64"), g.const([k + 1], "k1", "int64"),
                               g.const([1], "ax", "int64"))  # [B,1]

@@ -1,7 +1,8 @@
 """ONNX emitters for the pieces of a decoder layer (RMSNorm, linear, rope, MLP; attention is in attention.py).
 
 Hidden states flow as 2-D [N = B*T, d] so every projection is one Gemm against the weight in its
-Hugging Face [out, in] layout (transB=1): the weight file holds the checkpoint's tensors unchanged.
+Hugging Face [out, in] layout (transB=1): the weight file holds the checkpoint's tensors unchanged. With
+quantized weights (`specrt export --weights`) a projection is one com.microsoft MatMulNBits over the blocks.
 """
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrt.exporter.onnx.builder import GraphBuilder, onnx_dtype
+from specrt.exporter.onnx.builder import MS_DOMAIN, GraphBuilder, onnx_dtype
+from specrt.exporter.onnx.quant import BLOCK, GATHER_ROWS, is_quantized
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,8 +23,14 @@ class Shapes:
     qkv: str  # [4] i64: [B, T, H + 2*Hkv, D]
 
 
-def rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str, name: str = "norm") -> str:
-    """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32 (ORT fuses this into SimplifiedLayerNorm)."""
+def rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str, name: str = "norm", *,
+             lowering: str = "standard") -> str:
+    """y = x / sqrt(mean(x^2) + eps) * w over the last axis, computed in fp32.
+
+    `standard`: the decomposed form (ORT fuses it into SimplifiedLayerNorm); `cpu`: one RMSNormalization.
+    """
+    if lowering == "cpu":  # opset 23; ORT runs it with its SimplifiedLayerNormalization kernel
+        return g.op("RMSNormalization", x, weight, name=name, axis=-1, epsilon=float(eps), stash_type=1)
     with g.scope(name):
         xf = g.op("Cast", x, to=onnx_dtype("float32")) if dtype != "float32" else x
         sq = g.op("Pow", xf, g.const(np.float32(2.0), "two"), name="square")
@@ -34,9 +42,72 @@ def rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str, name:
         return g.op("Mul", y, weight, name="scale")
 
 
+def add_rms_norm(g: GraphBuilder, x: str, delta: str, weight: str, eps: float, dtype: str, *, name: str,
+                 residual: str, lowering: str = "standard") -> tuple[str, str]:
+    """(x + delta, rms_norm(x + delta)): a residual add and the norm after it, for [N, d] hidden states.
+
+    `cpu`: one com.microsoft SkipSimplifiedLayerNormalization (the sum is its fourth output), so the
+    residual stream is read once; `standard`: an Add named `residual`, then `rms_norm`.
+    """
+    if lowering != "cpu":
+        s = g.op("Add", x, delta, name=residual)
+        return s, rms_norm(g, s, weight, eps, dtype, name=name)
+    normed, _, _, s = g.op("SkipSimplifiedLayerNormalization", x, delta, weight, name=name, domain=MS_DOMAIN,
+                           outputs=4, epsilon=float(eps))
+    return s, normed
+
+
 def linear(g: GraphBuilder, x: str, weight: str, bias: str | None = None, name: str = "linear") -> str:
+    """x [N, K] @ weightᵀ (+ bias): Gemm(transB=1) on a float weight, MatMulNBits on a block-quantized one."""
+    if is_quantized(g.store, weight):
+        return _linear_blocks(g, x, weight, bias, name)
     inputs = (x, weight, bias) if bias else (x, weight)
     return g.op("Gemm", *inputs, name=name, transB=1)
+
+
+# x[N,K] ─ MatMulNBits(codes, scales[, zeros][, bias]) ─────────────────┐ C
+#    └──── Reshape [N,K/32,32] ─ ReduceSum ─► blocksum(x)[N,K/32] ─ Gemm(·, minsᵀ) ─► y   (GGUF Q4_1 only)
+def _linear_blocks(g: GraphBuilder, x: str, w: str, bias: str | None, name: str) -> str:
+    """MatMulNBits over `w.q*` (see quant.py); Q4_1's w = d·q + m adds Σ_blocks sum(x_block)·m, exactly."""
+    n, kb, blob = g.store.shape(w + ".qcodes")
+    inputs = [x, g.weight(w + ".qcodes"), g.weight(w + ".qscales"),
+              g.weight(w + ".qzeros") if w + ".qzeros" in g.store else ""]
+    if bias:
+        inputs += ["", bias]  # input 4, g_idx, is deprecated
+    while not inputs[-1]:
+        inputs.pop()
+    level = {"accuracy_level": g.accuracy_level} if g.accuracy_level else {}  # 0: fp32 activations
+    y = g.op("MatMulNBits", *inputs, name=name, domain=MS_DOMAIN, K=kb * BLOCK, N=n, bits=blob * 8 // BLOCK,
+             block_size=BLOCK, **level)
+    if w + ".qmins" not in g.store:
+        return y
+    with g.scope(name):
+        sums = g.op("ReduceSum", g.op("Reshape", x, g.const([-1, kb, BLOCK], "blocks", "int64")),
+                    g.const([-1], "axes", "int64"), keepdims=0, name="block_sums")
+        return g.op("Gemm", sums, g.weight(w + ".qmins"), y, transB=1, name="mins")
+
+
+def embedding(g: GraphBuilder, table: str, ids: str, name: str = "embed_tokens") -> str:
+    """Rows of `table` [V, d] -> ids.shape + [d]: Gather, or GatherBlockQuantized on a block-quantized table.
+
+    The quantized table is the same bytes as the tied LM head's MatMulNBits codes, named again as [V, d*bits/8].
+    """
+    if not is_quantized(g.store, table):
+        return g.op("Gather", g.weight(table), ids, name=name)
+    v, kb, blob = g.store.shape(table + ".qcodes")
+    g.store.alias(table + GATHER_ROWS, table + ".qcodes", (v, kb * blob))
+    inputs = [g.weight(table + GATHER_ROWS), ids, g.weight(table + ".qscales")]
+    if table + ".qzeros" in g.store:
+        inputs.append(g.weight(table + ".qzeros"))
+    y = g.op("GatherBlockQuantized", *inputs, name=name, domain=MS_DOMAIN, bits=blob * 8 // BLOCK,
+             block_size=BLOCK, gather_axis=0, quantize_axis=1)
+    if table + ".qmins" not in g.store:
+        return y
+    with g.scope(name):  # GGUF Q4_1: + the row's min, broadcast over its block
+        mins = g.op("Gather", g.weight(table + ".qmins"), ids, name="mins")  # ids.shape + [K/32]
+        y = g.op("Add", g.op("Reshape", y, g.const([-1, kb, BLOCK], "blocks", "int64")),
+                 g.op("Reshape", mins, g.const([-1, kb, 1], "per_block", "int64")), name="add_mins")
+        return g.op("Reshape", y, g.op("Concat", g.op("Shape", ids), g.const([kb * BLOCK], "d", "int64"), axis=0))
 
 
 def rope_tables(g: GraphBuilder, position_ids: str, inv_freq: list[float], dtype: str) -> tuple[str, str]:

@@ -11,8 +11,10 @@ from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.exporter.config import ModelConfig
 from specrt.exporter.loaders.mtp import EMBED, HEAD, MTPConfig
+from specrt.exporter.onnx.attention import check_lowering
 from specrt.exporter.onnx.builder import GraphBuilder
-from specrt.exporter.onnx.layers import Shapes, linear, rms_norm, rope_tables, rotate_half_matrix
+from specrt.exporter.onnx.layers import Shapes, embedding, linear, rms_norm, rope_tables, rotate_half_matrix
+from specrt.exporter.onnx.quant import is_quantized
 from specrt.exporter.onnx.sampling import sample_draft
 from specrt.exporter.onnx.target import decoder_layer, input_shapes, slot_io, stack_layer_weights
 
@@ -40,19 +42,20 @@ def mtp_weights(cfg: MTPConfig, weights: dict[str, np.ndarray], target_weights: 
     return out
 
 
-def _fuse(g: GraphBuilder, ids: str, hidden: str, embed_w: str, cfg: ModelConfig, dtype: str) -> str:
+def _fuse(g: GraphBuilder, ids: str, hidden: str, embed_w: str, cfg: ModelConfig, dtype: str, lowering: str) -> str:
     """eh_proj([enorm(emb(ids)) ; hnorm(hidden)]) as [N,d]: the embedding comes first (vLLM / SGLang order)."""
-    e = rms_norm(g, g.op("Gather", g.weight(embed_w), ids, name="embed_tokens"), g.weight(f"{PREFIX}.enorm.weight"),
-                 cfg.rms_norm_eps, dtype, name="enorm")
-    hh = rms_norm(g, hidden, g.weight(f"{PREFIX}.hnorm.weight"), cfg.rms_norm_eps, dtype, name="hnorm")
+    e = rms_norm(g, embedding(g, g.weight(embed_w), ids), g.weight(f"{PREFIX}.enorm.weight"),
+                 cfg.rms_norm_eps, dtype, name="enorm", lowering=lowering)
+    hh = rms_norm(g, hidden, g.weight(f"{PREFIX}.hnorm.weight"), cfg.rms_norm_eps, dtype, name="hnorm",
+                  lowering=lowering)
     u = g.op("Reshape", g.op("Concat", e, hh, axis=-1), g.const([-1, 2 * cfg.hidden_size], "flat", "int64"))
     return linear(g, u, g.weight(f"{PREFIX}.eh_proj.weight"), name="eh_proj")
 
 
-def _head(g: GraphBuilder, h: str, head_w: str, cfg: ModelConfig, dtype: str) -> tuple[str, str]:
+def _head(g: GraphBuilder, h: str, head_w: str, cfg: ModelConfig, dtype: str, lowering: str) -> tuple[str, str]:
     """(shared_head.norm(h), logits) for h [B,d]."""
     normed = rms_norm(g, h, g.weight(f"{PREFIX}.shared_head.norm.weight"), cfg.rms_norm_eps, dtype,
-                      name="shared_head_norm")
+                      name="shared_head_norm", lowering=lowering)
     return normed, linear(g, normed, g.weight(head_w), name="head")
 
 
@@ -63,17 +66,20 @@ def _head(g: GraphBuilder, h: str, head_w: str, cfg: ModelConfig, dtype: str) ->
 # step k:  (tok_{k-1}, h'_{k-1} pre|post norm) at position P+k-1 ─ same block over the updated cache ─ ...
 # outputs: Concat over k ─ draft_tokens[B,G], draft_logits[B,G,V], draft_probs[B,G,V]; present.0.*
 def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *, steps: int, max_seq: int,
-                    dtype: str, feedback: str = "post") -> None:
+                    dtype: str, feedback: str = "post", attention: str = "standard") -> None:
     """Emit the MTP draft graph into `g` with exactly `io.mtp_signature`'s inputs and outputs (axes B/C).
 
-    Add `mtp_weights(...)` to `g.store` first: which embedding / head tensor names exist there picks them."""
+    Add `mtp_weights(...)` to `g.store` first: which embedding / head tensor names exist there picks them.
+    `attention` is the target's lowering (`attention.LOWERINGS`)."""
+    check_lowering(attention)
     if feedback not in ("post", "pre"):
         raise SpecrtError(f"MTP feedback must be 'post' or 'pre', got {feedback!r}")
     if steps < 1:
         raise SpecrtError(f"MTP graph needs steps >= 1, got {steps}")
     c, d, V = cfg.layer, target_cfg.hidden_size, target_cfg.vocab_size
-    embed_w = OWN_EMBED if OWN_EMBED in g.store else TARGET_EMBED  # mtp_weights decided the names
-    head_w = OWN_HEAD if OWN_HEAD in g.store else _target_head(target_cfg)
+    stored = lambda name: name in g.store or is_quantized(g.store, name)  # noqa: E731
+    embed_w = OWN_EMBED if stored(OWN_EMBED) else TARGET_EMBED  # mtp_weights decided the names
+    head_w = OWN_HEAD if stored(OWN_HEAD) else _target_head(target_cfg)
     inputs, outputs = io.mtp_signature(num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=d,
                                        vocab_size=V, steps=steps, max_seq=max_seq, dtype=dtype)
     for t in inputs:
@@ -85,8 +91,9 @@ def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *,
     def block(x: str, pos: str, shapes: Shapes, cache: tuple[str, str]) -> tuple[str, str, str]:
         rope = (*rope_tables(g, pos, c.inv_freq(), dtype), rotate)
         with g.scope("slot_io"):
-            scatter_idx, bias = slot_io(g, shapes, pos, c, max_seq)
-        return decoder_layer(g, x, PREFIX, cache, c, shapes, rope, scatter_idx, bias, dtype, max_seq)
+            scatter_idx, bias, window = slot_io(g, shapes, pos, c, max_seq, lowering=attention)
+        return decoder_layer(g, x, PREFIX, cache, c, shapes, rope, scatter_idx, bias, dtype, window,
+                             lowering=attention)
 
     with g.scope("mtp"):
         shapes = input_shapes(g, tokens, c)
@@ -101,7 +108,7 @@ def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *,
             p_last = g.op("GatherElements", positions, last, axis=1, name="last_position")  # [B,1]
             shifted = g.op("Add", p_last, g.op("Sub", cols, last))
             pos = g.op("Where", g.op("LessOrEqual", cols, last), positions, shifted, name="row_positions")
-            x, pk, pv = block(_fuse(g, tokens, hidden, embed_w, c, dtype), pos, shapes, cache)
+            x, pk, pv = block(_fuse(g, tokens, hidden, embed_w, c, dtype, attention), pos, shapes, cache)
             x3 = g.op("Reshape", x, g.op("Concat", shapes.batch, shapes.tokens, g.const([d], "d", "int64"), axis=0))
             idx = g.op("Expand", g.op("Unsqueeze", last, g.const([2], "axis2", "int64")),
                        g.op("Concat", shapes.batch, g.const([1, d], "one_d", "int64"), axis=0))
@@ -115,8 +122,8 @@ def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *,
             with g.scope(f"step.{k}"):
                 if k > 1:  # one row: previous draft token, fed-back hidden, position P + k - 1
                     pos_k = g.op("Add", p_last, g.const([[k - 1]], "offset", "int64"), name="position")
-                    h, pk, pv = block(_fuse(g, tok, fed, embed_w, c, dtype), pos_k, one_row, (pk, pv))
-                normed, logits = _head(g, h, head_w, c, dtype)
+                    h, pk, pv = block(_fuse(g, tok, fed, embed_w, c, dtype, attention), pos_k, one_row, (pk, pv))
+                normed, logits = _head(g, h, head_w, c, dtype, attention)
                 noise_k = g.op("Slice", noise, g.const([k - 1], "start", "int64"), g.const([k], "stop", "int64"),
                                g.const([1], "axes", "int64"), name="noise_k")  # [B,1]
                 tok, probs = sample_draft(g, logits, t_col, noise_k, V, dtype)

@@ -16,26 +16,30 @@ import numpy as np
 from specrt import artifact as io
 from specrt.exporter.config import ModelConfig
 from specrt.exporter.onnx.builder import GraphBuilder
-from specrt.exporter.onnx.attention import KeyBlock, Rope, attend, project_heads, write_cache
-from specrt.exporter.onnx.layers import Shapes, linear, mlp, rms_norm, rope_tables, rotate_half_matrix
+from specrt.exporter.onnx.attention import Rope, attend, cache_block, check_lowering, project_heads, write_cache
+from specrt.exporter.onnx.layers import (Shapes, add_rms_norm, embedding, linear, mlp, rms_norm, rope_tables,
+                                         rotate_half_matrix)
+from specrt.exporter.onnx.quant import concat_rows
 
 FINAL = "final"  # feature source: the final-normed hidden state (what MTP consumes)
 
 
 def cache_io(g: GraphBuilder, shapes: Shapes, write_index: str, cfg: ModelConfig, max_seq: int,
-             dtype: str) -> tuple[str, str]:
-    """Scatter indices and attention bias for T new tokens written at write_index[b] + t."""
+             dtype: str, *, lowering: str = "standard") -> tuple[str, str, int | str]:
+    """Scatter indices, attention bias and cache window (`slot_io`) for T new tokens at write_index[b] + t."""
     with g.scope("cache_io"):
         t_range = g.op("Range", g.const(0, "zero", "int64"),
                        g.op("Squeeze", shapes.tokens, g.const([0], "axis0", "int64")),
                        g.const(1, "one", "int64"))  # [T]
         qpos = g.op("Add", g.op("Unsqueeze", write_index, g.const([1], "axis1", "int64")), t_range,
                     name="query_positions")  # [B,T]: cache slot of each new token
-        return slot_io(g, shapes, qpos, cfg, max_seq)
+        return slot_io(g, shapes, qpos, cfg, max_seq, lowering=lowering)
 
 
-def slot_io(g: GraphBuilder, shapes: Shapes, slots: str, cfg: ModelConfig, max_seq: int) -> tuple[str, str]:
-    """For new tokens at cache slots [B,T]: scatter indices [B,Hkv,T,D] and the bias [B,1,1,T,S]."""
+def slot_io(g: GraphBuilder, shapes: Shapes, slots: str, cfg: ModelConfig, max_seq: int, *,
+            lowering: str = "standard") -> tuple[str, str, int | str]:
+    """For new tokens at cache slots [B,T]: scatter indices [B,Hkv,T,D], the bias [B,1,1,T,L] and the cache
+    window L the keys are cut to: S, or in the cpu lowering a [1] i64 tensor, one past the largest slot written."""
     # Writes past the end go to the last slot, which the runtime never lets a valid token reach.
     last = g.op("Min", slots, g.const([max_seq - 1], "last_slot", "int64"))
     idx_shape = g.op("Concat", shapes.batch, g.const([cfg.num_kv_heads], "hkv", "int64"), shapes.tokens,
@@ -44,36 +48,48 @@ def slot_io(g: GraphBuilder, shapes: Shapes, slots: str, cfg: ModelConfig, max_s
                        name="scatter_index")
     # Query t of slot b sees key s iff s <= its own slot. An explicit mask, never is_causal: a causal
     # flag against a cache aligns top-left in ORT.
-    keys = g.const(np.arange(max_seq, dtype=np.int64).reshape(1, 1, max_seq), "key_positions")
+    if lowering == "cpu":  # no query sees past the largest slot written: keys [0, L) are all it needs
+        end = g.op("Add", g.op("ReduceMax", last, keepdims=0, name="last_written"),
+                   g.const(np.int64(1), "one_past", "int64"), name="window_end")  # scalar L
+        window = g.op("Reshape", end, g.const([1], "vector", "int64"), name="cache_window")  # [1]
+        keys = g.op("Unsqueeze", g.op("Range", g.const(np.int64(0), "first_key", "int64"), end,
+                                      g.const(np.int64(1), "key_step", "int64")),
+                    g.const([0, 1], "axes01", "int64"), name="key_positions")  # [1,1,L]
+    else:
+        keys = g.const(np.arange(max_seq, dtype=np.int64).reshape(1, 1, max_seq), "key_positions")
+        window = max_seq
     visible = g.op("LessOrEqual", keys, g.op("Unsqueeze", slots, g.const([2], "axis2", "int64")))
     neg = np.finfo(np.float32).min / 2  # finite: a fully masked (padding) row stays NaN-free
     bias = g.op("Where", visible, g.const(np.float32(0.0), "zero_f"), g.const(np.float32(neg), "neg_f"))
-    return scatter_idx, g.op("Unsqueeze", bias, g.const([1, 2], "axes12", "int64"), name="attention_bias")
+    return scatter_idx, g.op("Unsqueeze", bias, g.const([1, 2], "axes12", "int64"), name="attention_bias"), window
 
 
 def _attention(g: GraphBuilder, x: str, p: str, cache: tuple[str, str], cfg: ModelConfig, shapes: Shapes,
-               rope: Rope, scatter_idx: str, bias: str, dtype: str, max_seq: int) -> tuple[str, str, str]:
+               rope: Rope, scatter_idx: str, bias: str, dtype: str, window: int | str, lowering: str
+               ) -> tuple[str, str, str]:
     """Self-attention of T new tokens over the cache they are first written into; returns (o, present_k, present_v)."""
     with g.scope("attn"):
-        q, k, v = project_heads(g, x, p, "qkv", shapes.qkv, cfg, rope, dtype)
+        q, k, v = project_heads(g, x, p, "qkv", shapes.qkv, cfg, rope, dtype, lowering=lowering)
         present_k, present_v = write_cache(g, cache, scatter_idx, k, v)
-        o = attend(g, q, [KeyBlock("cache", present_k, present_v, max_seq)], bias, f"{p}.o_proj", cfg, dtype)
+        o = attend(g, q, [cache_block(g, present_k, present_v, window)], bias, f"{p}.o_proj", cfg, dtype)
     return o, present_k, present_v
 
 
 def decoder_layer(g: GraphBuilder, x: str, prefix: str, cache: tuple[str, str], cfg: ModelConfig, shapes: Shapes,
-                  rope: Rope, scatter_idx: str, bias: str, dtype: str, max_seq: int
-                  ) -> tuple[str, str, str]:
+                  rope: Rope, scatter_idx: str, bias: str, dtype: str, window: int | str, *,
+                  lowering: str = "standard") -> tuple[str, str, str]:
     """One pre-norm decoder layer over its KV cache; returns (x, present_k, present_v).
 
-    `prefix` names the layer's weights (`model.layers.3`), `cache` its past K/V graph inputs.
+    `prefix` names the layer's weights (`model.layers.3`), `cache` its past K/V graph inputs; `window` is the
+    cache length attention reads (S, or the cpu lowering's window tensor from `slot_io`).
     """
-    a = rms_norm(g, x, g.weight(f"{prefix}.input_layernorm.weight"), cfg.rms_norm_eps, dtype,
-                 name="input_layernorm")
-    o, pk, pv = _attention(g, a, f"{prefix}.self_attn", cache, cfg, shapes, rope, scatter_idx, bias, dtype, max_seq)
-    x = g.op("Add", x, o, name="attn_residual")
-    m = rms_norm(g, x, g.weight(f"{prefix}.post_attention_layernorm.weight"), cfg.rms_norm_eps, dtype,
-                 name="post_attention_layernorm")
+    eps = cfg.rms_norm_eps
+    a = rms_norm(g, x, g.weight(f"{prefix}.input_layernorm.weight"), eps, dtype, name="input_layernorm",
+                 lowering=lowering)
+    o, pk, pv = _attention(g, a, f"{prefix}.self_attn", cache, cfg, shapes, rope, scatter_idx, bias, dtype, window,
+                           lowering)
+    x, m = add_rms_norm(g, x, o, g.weight(f"{prefix}.post_attention_layernorm.weight"), eps, dtype,
+                        name="post_attention_layernorm", residual="attn_residual", lowering=lowering)
     x = g.op("Add", x, mlp(g, m, f"{prefix}.mlp", cfg.intermediate_size), name="mlp_residual")
     return x, pk, pv
 
@@ -94,12 +110,14 @@ def rope_inputs(g: GraphBuilder, position_ids: str, cfg: ModelConfig, dtype: str
 
 
 def stack_layer_weights(out: dict[str, np.ndarray], prefix: str, cfg: ModelConfig) -> None:
-    """In place: q/k/v -> `{prefix}.self_attn.qkv_proj`, gate/up -> `{prefix}.mlp.gate_up_proj`."""
+    """In place: q/k/v -> `{prefix}.self_attn.qkv_proj`, gate/up -> `{prefix}.mlp.gate_up_proj`.
+
+    Rows concatenate; a GGUF's block-quantized weights (quant.Blocks) concatenate block rows as they are."""
     a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
-    out[f"{a}.qkv_proj.weight"] = np.concatenate([out.pop(f"{a}.{n}_proj.weight") for n in "qkv"])
+    out[f"{a}.qkv_proj.weight"] = concat_rows([out.pop(f"{a}.{n}_proj.weight") for n in "qkv"])
     if cfg.attention_bias:
         out[f"{a}.qkv_proj.bias"] = np.concatenate([out.pop(f"{a}.{n}_proj.bias") for n in "qkv"])
-    out[f"{m}.gate_up_proj.weight"] = np.concatenate([out.pop(f"{m}.gate_proj.weight"), out.pop(f"{m}.up_proj.weight")])
+    out[f"{m}.gate_up_proj.weight"] = concat_rows([out.pop(f"{m}.gate_proj.weight"), out.pop(f"{m}.up_proj.weight")])
 
 
 def target_weights(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -111,8 +129,11 @@ def target_weights(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> dict[str
 
 
 def build_target_graph(g: GraphBuilder, cfg: ModelConfig, *, max_seq: int, dtype: str,
-                       features: Sequence[int | str] = ()) -> None:
-    """Emit the whole target graph into `g` over named axes B/T/R (the caller turns it into a model)."""
+                       features: Sequence[int | str] = (), attention: str = "standard") -> None:
+    """Emit the whole target graph into `g` over named axes B/T/R (the caller turns it into a model).
+
+    `attention` is the lowering (`attention.LOWERINGS`): `standard` for TensorRT, `cpu` for ONNX Runtime on CPU."""
+    check_lowering(attention)
     d = cfg.hidden_size
     inputs, outputs = io.target_signature(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                           head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, max_seq=max_seq,
@@ -124,19 +145,19 @@ def build_target_graph(g: GraphBuilder, cfg: ModelConfig, *, max_seq: int, dtype
 
     with g.scope("target"):
         shapes = input_shapes(g, input_ids, cfg)
-        x = g.op("Gather", g.weight("model.embed_tokens.weight"), input_ids, name="embed_tokens")
+        x = embedding(g, g.weight("model.embed_tokens.weight"), input_ids)
         x = g.op("Reshape", x, g.const([-1, d], "flat", "int64"))  # [N, d]
         rope = rope_inputs(g, position_ids, cfg, dtype)
-        scatter_idx, bias = cache_io(g, shapes, write_index, cfg, max_seq, dtype)
+        scatter_idx, bias, window = cache_io(g, shapes, write_index, cfg, max_seq, dtype, lowering=attention)
         captured: dict[int | str, str] = {-1: x}
         presents: list[tuple[str, str]] = []
         for i in range(cfg.num_layers):
             with g.scope(f"layers.{i}"):
                 x, pk, pv = decoder_layer(g, x, f"model.layers.{i}", io.past_names(i), cfg, shapes, rope,
-                                          scatter_idx, bias, dtype, max_seq)
+                                          scatter_idx, bias, dtype, window, lowering=attention)
             captured[i] = x
             presents.append((pk, pv))
-        h = rms_norm(g, x, g.weight("model.norm.weight"), cfg.rms_norm_eps, dtype, name="norm")
+        h = rms_norm(g, x, g.weight("model.norm.weight"), cfg.rms_norm_eps, dtype, name="norm", lowering=attention)
         captured[FINAL] = h
 
         with g.scope("head"):

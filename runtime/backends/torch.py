@@ -3,7 +3,9 @@
 The numerical reference for the ONNX graphs, behind the same `Runner` verbs as ONNX Runtime. Weights come
 from the artifact alone: the family's ONNX file names its initializers and where they sit in the
 memory-mapped weights.bin; the exporter's stacking (q/k/v, k/v, gate/up) is undone into the names the
-modules' `from_weights` take. Each layer's KV cache is one [slots, Hkv, S, D] tensor pair allocated once; a
+modules' `from_weights` take. Block-quantized weights (`specrt export --weights`) are dequantized into the float
+weights the graph multiplies by (exact at accuracy level 0; level 4 also rounds the activations to int8).
+Each layer's KV cache is one [slots, Hkv, S, D] tensor pair allocated once; a
 call over slots [s, s+n) points the modules' caches at views [s:s+n], so the scatter writes land in place.
 Per (slot, bucket), host input buffers (numpy, shared with torch) and the cache views are made once.
 """
@@ -26,6 +28,7 @@ from specrt.exporter.loaders.mtp import EMBED, HEAD, MTPConfig
 from specrt.exporter.models.dspark import DSparkDraft
 from specrt.exporter.models.llama import KVCache, Transformer, cache_mask, rope_cos_sin
 from specrt.exporter.models.mtp import MTP, SlotKVCache
+from specrt.exporter.onnx.quant import dequantize_tensors
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64}
 TARGET_EMBED = "model.embed_tokens.weight"
@@ -198,7 +201,7 @@ class TorchRunner:
         if threads:
             torch.set_num_threads(threads)
         self.dtype = TORCH_DTYPES[manifest.export.dtype]
-        weights = graph_tensors(art_dir, proto)
+        weights = dequantize_tensors(graph_tensors(art_dir, proto))  # quantized artifacts: what the blocks stand for
         if family == io.TARGET:
             self._family = _TargetFamily(manifest, weights, self.dtype)
         elif manifest.heads[family].kind == "mtp":

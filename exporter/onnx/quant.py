@@ -1,0 +1,230 @@
+"""Weight formats at export: float, ONNX Runtime block quantization (int4 / int8), or GGUF blocks as they are.
+
+A quantized [N, K] weight `W` (Hugging Face [out, in] layout) is stored as com.microsoft MatMulNBits inputs
+under derived names, blocks of 32 along K:
+
+    W.qcodes   uint8 [N, K/32, 32*bits/8]   codes; 4 bits: element 2i in the low nibble of byte i
+    W.qscales  f32   [N, K/32]
+    W.qzeros   uint8 [N, ceil(K/32*bits/8)] zero points packed like the codes (absent: 2^(bits-1))
+    W.qmins    f32   [N, K/32]              GGUF Q4_1 only (w = d*q + m): added as blocksum(x) @ minsᵀ
+
+so that  w[n, k] = (code - zero) * scale + min  of k's block. Zero points are uint8 only: float zero points
+take a slow path in ONNX Runtime.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+BLOCK = 32
+SUFFIXES = (".qcodes", ".qscales", ".qzeros", ".qmins")
+GATHER_ROWS = ".qrows"  # an alias of .qcodes as [N, K*bits/8], the layout GatherBlockQuantized reads
+
+
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    """One [N, K] weight as MatMulNBits blocks (see the module docstring)."""
+
+    codes: np.ndarray  # uint8 [N, K/32, 32*bits/8]
+    scales: np.ndarray  # f32 [N, K/32]
+    bits: int  # 4 | 8
+    kind: str  # where the blocks come from: "Q4_0", "Q4_1", "Q8_0" (GGUF) or "int4", "int8" (ONNX Runtime)
+    zeros: np.ndarray | None = None  # uint8 [N, ceil(K/32*bits/8)], or None: 2^(bits-1)
+    mins: np.ndarray | None = None  # f32 [N, K/32], or None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, kb, _ = self.codes.shape
+        return n, kb * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.codes, self.scales, self.zeros, self.mins) if a is not None)
+
+    def tensors(self, name: str) -> dict[str, np.ndarray]:
+        """The store tensors of weight `name`."""
+        out = {name + ".qcodes": self.codes, name + ".qscales": self.scales}
+        if self.zeros is not None:
+            out[name + ".qzeros"] = self.zeros
+        if self.mins is not None:
+            out[name + ".qmins"] = self.mins
+        return out
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 [N, K] weight the blocks stand for (what the graph multiplies by at accuracy level 0)."""
+        n, kb, _ = self.codes.shape
+        codes = unpack(self.codes.reshape(n, -1), self.bits).reshape(n, kb, BLOCK).astype(np.float32)
+        zeros = (unpack(self.zeros, self.bits)[:, :kb] if self.zeros is not None
+                 else np.full((n, kb), 1 << (self.bits - 1), np.uint8)).astype(np.float32)
+        w = (codes - zeros[..., None]) * self.scales[..., None]
+        if self.mins is not None:
+            w = w + self.mins[..., None]
+        return w.reshape(n, kb * BLOCK)
+
+    def with_defaults(self) -> "Blocks":
+        """The same weight with explicit zero points and mins (so blocks of different kinds concatenate)."""
+        n, kb, _ = self.codes.shape
+        zeros = self.zeros if self.zeros is not None else pack(np.full((n, kb), 1 << (self.bits - 1), np.uint8),
+                                                                 self.bits)
+        mins = self.mins if self.mins is not None else np.zeros((n, kb), np.float32)
+        return Blocks(self.codes, self.scales, self.bits, self.kind, zeros, mins)
+
+
+def pack(values: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 [N, M] values < 2^bits -> [N, ceil(M*bits/8)] bytes, 4 bits: element 2i in the low nibble."""
+    if bits == 8:
+        return np.ascontiguousarray(values, dtype=np.uint8)
+    if values.shape[1] % 2:
+        values = np.pad(values, ((0, 0), (0, 1)))
+    return (values[:, 0::2] | (values[:, 1::2] << 4)).astype(np.uint8)
+
+
+def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
+    """Inverse of `pack` (an odd count comes back with one padding column)."""
+    if bits == 8:
+        return packed
+    out = np.empty((packed.shape[0], packed.shape[1] * 2), np.uint8)
+    out[:, 0::2], out[:, 1::2] = packed & 0x0F, packed >> 4
+    return out
+
+
+# ---- GGUF blocks, kept as they are ----------------------------------------------------------------
+
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def from_gguf(data: np.ndarray, qtype: str) -> Blocks | None:
+    """A GGUF tensor's raw bytes [N, K/32 * block bytes] as Blocks, or None for a type without an exact path.
+
+    Q4_0: w = d*(q - 8) -> default zero point 8. Q4_1: w = d*q + m -> zero point 0 and mins m. Q8_0: w = d*q,
+    q int8 -> codes q + 128, default zero point 128. d and m are fp16 in the file; fp32 holds them exactly.
+    GGUF packs element j of a 4-bit block in the low nibble and j + 16 in the high nibble of byte j;
+    MatMulNBits wants elements 2i, 2i+1 in byte i, so the nibbles are reordered (the codes are unchanged).
+    """
+    if qtype not in GGUF_TYPES:
+        return None
+    n = data.shape[0]
+    head = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[qtype]
+    blocks = np.asarray(data, np.uint8).reshape(n, -1, head + (BLOCK if qtype == "Q8_0" else BLOCK // 2))
+    kb = blocks.shape[1]
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(n, kb).astype(np.float32)
+    qs = blocks[..., head:]
+    if qtype == "Q8_0":
+        return Blocks(np.ascontiguousarray(qs ^ np.uint8(0x80)), d, 8, qtype)  # int8 q -> q + 128
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [n, kb, 32]: element order 0..31
+    codes = pack(codes.reshape(n * kb, BLOCK), 4).reshape(n, kb, BLOCK // 2)
+    if qtype == "Q4_0":
+        return Blocks(codes, d, 4, qtype)
+    m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).reshape(n, kb).astype(np.float32)
+    return Blocks(codes, d, 4, qtype, zeros=np.zeros((n, (kb + 1) // 2), np.uint8), mins=m)
+
+
+def permute_rows(b: Blocks, permute) -> Blocks:
+    """Apply a row permutation `permute(array)` (e.g. undoing llama.cpp's Q/K permute) to every block array."""
+    fix = lambda a: None if a is None else np.ascontiguousarray(permute(a))  # noqa: E731
+    return Blocks(fix(b.codes), fix(b.scales), b.bits, b.kind, fix(b.zeros), fix(b.mins))
+
+
+def concat_rows(parts: list) -> "np.ndarray | Blocks":
+    """Stack weights along N (q/k/v, gate/up): blocks run along K, so block rows concatenate as they are.
+
+    Float parts concatenate as arrays; blocks of one bit width concatenate exactly (zero points and mins made
+    explicit when the parts differ); any other mix dequantizes to float (the export then falls back).
+    """
+    if all(isinstance(p, Blocks) for p in parts) and len({p.bits for p in parts}) == 1:
+        if len({(p.zeros is None, p.mins is None) for p in parts}) > 1:
+            parts = [p.with_defaults() for p in parts]
+        cat = lambda arrays: None if arrays[0] is None else np.concatenate(arrays)  # noqa: E731
+        kinds = "+".join(dict.fromkeys(p.kind for p in parts))
+        return Blocks(cat([p.codes for p in parts]), cat([p.scales for p in parts]), parts[0].bits, kinds,
+                      cat([p.zeros for p in parts]), cat([p.mins for p in parts]))
+    return np.concatenate([p.dequantize() if isinstance(p, Blocks) else p for p in parts])
+
+
+# ---- ONNX Runtime's block quantizer ---------------------------------------------------------------
+
+def quantize(w: np.ndarray, bits: int, *, symmetric: bool) -> Blocks:
+    """Quantize a float [N, K] weight with ONNX Runtime's own MatMulNBits quantizer kernels (block 32).
+
+    The same C++ routines `onnxruntime.quantization.matmul_nbits_quantizer.DefaultWeightOnlyQuantizer`
+    calls (that module configures root logging on import, so its kernels are called directly).
+    """
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+
+    n, k = w.shape
+    kb = k // BLOCK
+    kernel = {4: quantize_matmul_4bits, 8: quantize_matmul_8bits}[bits]
+    codes = np.zeros((n, kb, BLOCK * bits // 8), np.uint8)
+    zeros = np.zeros((n, (kb * bits + 7) // 8), np.uint8)
+    scales = np.zeros((n, kb), np.float32)
+    kernel(codes, np.ascontiguousarray(w.T, dtype=np.float32), scales, zeros, BLOCK, n, k, symmetric)
+    return Blocks(codes, scales, bits, f"int{bits}", None if symmetric else zeros)
+
+
+# ---- the weights of an export ---------------------------------------------------------------------
+
+def quantizable(w: np.ndarray) -> bool:
+    """A matrix that block-quantizes: 2-D, K a multiple of the block, at least a block of rows (so DSpark's
+    one-row confidence head and a Markov head of rank < 32 stay float: tiny, nothing to save)."""
+    return w.ndim == 2 and w.shape[1] % BLOCK == 0 and w.shape[0] >= BLOCK
+
+
+def pack_weights(tensors: dict[str, "np.ndarray | Blocks"], fmt: str, *, dtype: np.dtype,
+                 gguf_names: Iterable[str] = ()) -> dict[str, np.ndarray]:
+    """The store tensors of an export in weight format `fmt`.
+
+    float: every tensor in `dtype`. int4 (asymmetric, uint8 zero points) / int8 (symmetric): matrices through
+    ONNX Runtime's quantizer. gguf: Blocks as they are; matrices of the GGUF (`gguf_names`) without an exact
+    block path fall back to int8 (one warning line); the others (draft heads' own layers) take int4.
+    Vectors (norms, biases) and small matrices stay float.
+    """
+    out: dict[str, np.ndarray] = {}
+    gguf_names, fallback = set(gguf_names), []
+    for name, w in tensors.items():
+        if isinstance(w, Blocks) and fmt != "gguf":
+            w = w.dequantize()
+        if isinstance(w, Blocks):
+            out.update(w.tensors(name))
+        elif fmt == "float" or not quantizable(w):
+            out[name] = w.astype(dtype, copy=False)
+        elif fmt == "gguf" and name in gguf_names:  # no exact block path: the stated fallback
+            fallback.append(name)
+            out.update(quantize(w, 8, symmetric=True).tensors(name))
+        elif fmt == "int8":
+            out.update(quantize(w, 8, symmetric=True).tensors(name))
+        else:  # int4, and under gguf the draft heads' own layers
+            out.update(quantize(w, 4, symmetric=False).tensors(name))
+    if fallback:
+        print(f"specrt: warning: {len(fallback)} GGUF matrices (a stacked q/k/v or gate/up counts once) are not "
+              f"{'/'.join(GGUF_TYPES)} blocks of one width, stored as int8 instead: {', '.join(fallback[:3])}"
+              f"{', ...' if len(fallback) > 3 else ''}", file=sys.stderr)
+    return out
+
+
+def is_quantized(store, name: str) -> bool:
+    """Whether weight `name` is stored as blocks (`name.qcodes`) rather than as a float tensor."""
+    return name + ".qcodes" in store
+
+
+def stored_bytes(store, name: str) -> int:
+    """Bytes of weight `name` in the store: the float tensor, or its block tensors."""
+    if name in store:
+        return store.nbytes(name)
+    return sum(store.nbytes(name + s) for s in SUFFIXES if name + s in store)
+
+
+def dequantize_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Replace every `W.q*` group of a graph's initializers by the float32 weight `W` it stands for
+    (the torch backend reads quantized artifacts this way; aliases for GatherBlockQuantized are dropped)."""
+    out = {k: v for k, v in tensors.items() if not k.endswith((*SUFFIXES, GATHER_ROWS))}
+    for key in tensors:
+        if key.endswith(".qscales"):
+            name, (n, kb) = key.removesuffix(".qscales"), tensors[key].shape
+            codes = tensors.get(name + ".qcodes")  # a table only Gathered from has just its .qrows alias
+            codes = tensors[name + GATHER_ROWS].reshape(n, kb, -1) if codes is None else codes
+            out[name] = Blocks(codes, tensors[key], codes.shape[2] * 8 // BLOCK, "", tensors.get(name + ".qzeros"),
+                               tensors.get(name + ".qmins")).dequantize()
+    return out
