@@ -168,10 +168,8 @@ def load_baselines(names: list[str], source: Path, *, threads: int | None = None
     return {name: loaders[name]() for name in names}
 
 
-def hf_baseline(source: Path, threads: int | None = None) -> Callable:
-    """Load the artifact's source model with transformers; returns generate(ids, max_new, eos) -> (ids, t_prefill, t_total).
-
-    t_total is a full generate(); t_prefill a 1-token generate() (prompt + first token) on the same prompt."""
+def load_hf_model(source: Path, threads: int | None = None):
+    """transformers' fp32 model of an artifact's source (a GGUF is dequantized), in eval mode."""
     import torch
     import transformers as tf
 
@@ -181,7 +179,16 @@ def hf_baseline(source: Path, threads: int | None = None) -> Callable:
         model = tf.AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     else:
         model = tf.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    model.eval()
+    return model.eval()
+
+
+def hf_baseline(source: Path, threads: int | None = None) -> Callable:
+    """Load the artifact's source model with transformers; returns generate(ids, max_new, eos) -> (ids, t_prefill, t_total).
+
+    t_total is a full generate(); t_prefill a 1-token generate() (prompt + first token) on the same prompt."""
+    import torch
+
+    model = load_hf_model(source, threads)
 
     @torch.inference_mode()
     def generate(ids: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], float, float]:

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from specrt import artifact as io
 from specrt.runtime.backends import infer
+from specrt.runtime.bench import load_hf_model
 from specrt.runtime.engine import Engine, Request
 from specrt.runtime.sampling import SamplingParams
 
@@ -27,19 +28,6 @@ class PromptParity:
     first_divergence: int | None  # index of the first generated token that differs (None: identical)
     teacher_forced_argmax_divergence: int | None  # first position whose argmax differs on identical inputs
     max_abs_logit_diff: float  # over the generated positions, teacher-forced
-
-
-def _hf_model(source: Path, threads: int | None):
-    import torch
-    import transformers as tf
-
-    if threads:
-        torch.set_num_threads(threads)
-    if source.suffix == ".gguf":
-        model = tf.AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-    else:
-        model = tf.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    return model.eval()
 
 
 def _specrt_logits(engine: Engine, ids: list[int]) -> np.ndarray:
@@ -63,7 +51,7 @@ def parity(engine: Engine, prompts: list[list[int]], *, max_new_tokens: int, sou
     """Per-prompt parity of `engine`'s artifact (method ar) with transformers on `source`, and a summary."""
     import torch
 
-    model = _hf_model(source, threads)
+    model = load_hf_model(source, threads)
     eos = sorted(engine.eos_ids)
     rows: list[PromptParity] = []
     for ids in tqdm(prompts, desc="parity", unit="prompt", disable=not progress):
