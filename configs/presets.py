@@ -1,6 +1,7 @@
 """Named models (`specrt export smollm2`) and the demo's cached default artifact."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import asdict
@@ -46,8 +47,21 @@ def resolve_model(name_or_path: str, *, progress: bool = True) -> Path:
 EXPORT_DEFAULTS = io.ExportSettings(batch=4, max_seq=1024, prefill_chunk=64, verify_len=8)
 
 
+# A preset's weight format and attention lowering when `specrt export` is not told: the fastest that keeps
+# the exactness promise on ONNX Runtime's CPU (README "Weight formats"): the published GGUF blocks as they
+# are, through the cpu lowering (4-bit MatMulNBits, a runtime-sized cache). A TensorRT build wants
+# `--weights float --attention standard`.
+PRESET_FORMAT = {"weights": "gguf", "attention": "cpu"}
+
+
+def preset_format(name: str) -> dict[str, str]:
+    """{"weights", "attention"} defaults for exporting `name`: PRESET_FORMAT for a preset, else float/standard."""
+    return dict(PRESET_FORMAT) if name in PRESETS else {"weights": "float", "attention": "standard"}
+
+
 def default_settings() -> io.ExportSettings:
-    return EXPORT_DEFAULTS
+    """The demo's artifact: the export defaults in the preset's format."""
+    return dataclasses.replace(EXPORT_DEFAULTS, **PRESET_FORMAT)
 
 
 def default_artifact(*, progress: bool = True) -> Path:

@@ -18,7 +18,7 @@ from specrt.exporter.loaders import LoadedTarget, load_target
 from specrt.exporter.onnx.builder import GraphBuilder, WeightStore
 from specrt.exporter.onnx.quant import Blocks, pack_weights, stored_bytes
 from specrt.exporter.outdir import check_out, staged
-from specrt.exporter.onnx.target import FINAL, build_target_graph, target_weights
+from specrt.exporter.onnx.target import FINAL, build_target_graph, target_cache_len, target_weights
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -45,7 +45,8 @@ def _write_target(art: Path, store: WeightStore, cfg: ModelConfig, s: io.ExportS
     build_target_graph(g, cfg, max_seq=s.max_seq, dtype=s.dtype, features=features, attention=s.attention)
     signature = io.target_signature(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                     vocab_size=cfg.vocab_size, max_seq=s.max_seq, dtype=s.dtype,
-                                    feature_dim=len(features) * cfg.hidden_size)
+                                    feature_dim=len(features) * cfg.hidden_size,
+                                    cache_len=target_cache_len(s.attention, s.max_seq))
     return _write_graph(art, g, io.TARGET, signature, s, io.target_buckets(s), bar)
 
 

@@ -45,7 +45,9 @@ FEATURES = "features"
 DTYPES = ("float32", "float16")
 TARGET = "target"  # the target's graph family; draft families are named after their head ("dspark", "mtp")
 
-Dim = int | str  # a fixed size, or a named axis: B slots, T tokens, R logit rows, C context rows
+Dim = int | str  # a fixed size, or a named axis: B slots, T tokens, R logit rows, C context rows,
+#                  S cache positions (cpu lowering's target: the runtime sizes it, up to GraphSpec.max_seq)
+CACHE_LEN = "S"
 Bucket = dict[str, int]  # sizes of a family's named axes for one fixed shape it is run at
 
 
@@ -101,6 +103,12 @@ class GraphSpec:
     def cache_inputs(self) -> tuple[TensorSpec, ...]:
         return tuple(t for t in self.inputs if t.name.startswith("past."))
 
+    @property
+    def sized_cache(self) -> bool:
+        """Whether the cache length is the named axis S: the runtime allocates only what the sequences hold
+        (growing toward max_seq) and attention reads what it allocated."""
+        return any(CACHE_LEN in t.axes for t in self.cache_inputs())
+
     def host_inputs(self) -> tuple[TensorSpec, ...]:
         return tuple(t for t in self.inputs if not t.name.startswith("past."))
 
@@ -139,8 +147,10 @@ def head_buckets(s: "ExportSettings") -> dict[str, tuple[Bucket, ...]]:
 
 
 def target_signature(*, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int, max_seq: int,
-                     dtype: str, feature_dim: int = 0) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """The target graph's inputs and outputs over named axes B/T/R (see the module docstring)."""
+                     dtype: str, feature_dim: int = 0, cache_len: Dim | None = None
+                     ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The target graph's inputs and outputs over named axes B/T/R (see the module docstring); the cache
+    length is `max_seq`, or the axis S (`CACHE_LEN`) when the runtime sizes it."""
     inputs = [TensorSpec(INPUT_IDS, "int64", ("B", "T")),
               TensorSpec(POSITION_IDS, "int64", ("B", "T")),
               TensorSpec(WRITE_INDEX, "int64", ("B",)),
@@ -149,11 +159,11 @@ def target_signature(*, num_layers: int, num_kv_heads: int, head_dim: int, vocab
     if feature_dim:
         outputs.append(TensorSpec(FEATURES, dtype, ("B", "T", feature_dim)))
     return cache_signature(inputs, outputs, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                           head_dim=head_dim, max_seq=max_seq, dtype=dtype)
+                           head_dim=head_dim, max_seq=cache_len or max_seq, dtype=dtype)
 
 
 def cache_signature(inputs: list[TensorSpec], outputs: list[TensorSpec], *, num_layers: int, num_kv_heads: int,
-                    head_dim: int, max_seq: int, dtype: str
+                    head_dim: int, max_seq: Dim, dtype: str
                     ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """Append the per-layer past (inputs) and present (outputs) KV tensors, [B,Hkv,S,D] each."""
     cache = ("B", num_kv_heads, max_seq, head_dim)

@@ -52,16 +52,17 @@ def _export_options(f):
                      help="Draft tokens per round [default: the DSpark block size, else 7]."),
         click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32",
                      help="Weights and activations of the graphs (float16 is meant for TensorRT)."),
-        click.option("--attention", type=click.Choice(["standard", "cpu"]), default="standard",
+        click.option("--attention", type=click.Choice(["standard", "cpu"]), default=None,
                      help="Attention lowering (standard: ops the TensorRT ONNX parser accepts; cpu: ONNX Runtime "
-                          "on CPU, attention cost follows the valid cache length, fused norms)."),
+                          "on CPU, a cache sized by the runtime, fused norms) [default: cpu for a preset, else "
+                          "standard]."),
     ]):
         f = opt(f)
     return f
 
 
 def _settings(batch: int, max_seq_len: int, prefill_chunk: int, verify_len: int | None, gamma: int | None,
-              dtype: str, attention: str, block: int | None = None):
+              dtype: str, attention: str | None, block: int | None = None):
     from specrt.artifact import ExportSettings
 
     if gamma is not None and verify_len is not None and verify_len != gamma + 1:
@@ -71,7 +72,7 @@ def _settings(batch: int, max_seq_len: int, prefill_chunk: int, verify_len: int 
     if gamma < 1:
         raise SpecrtError(f"--gamma must be >= 1, got {gamma}")
     return ExportSettings(batch=batch, max_seq=max_seq_len, prefill_chunk=prefill_chunk, verify_len=gamma + 1,
-                          dtype=dtype, attention=attention)
+                          dtype=dtype, attention=attention or "standard")
 
 
 @main.command()
@@ -85,9 +86,10 @@ def _settings(batch: int, max_seq_len: int, prefill_chunk: int, verify_len: int 
 @click.option("--mtp-feedback", type=click.Choice(["post", "pre"]), default="post",
               help="Hidden fed back for chained MTP steps: after (SGLang) or before (vLLM) the head norm.")
 @click.option("--no-heads", is_flag=True, help="Export a preset without its shipped draft heads.")
-@click.option("--weights", type=click.Choice(["float", "int8", "int4", "gguf"]), default="float",
+@click.option("--weights", type=click.Choice(["float", "int8", "int4", "gguf"]), default=None,
               help="Weight format: float (--dtype); int8 / int4 (ONNX Runtime's block quantizer, block 32); gguf "
-                   "(a GGUF's own Q4_0/Q4_1/Q8_0 blocks as they are). Quantized graphs run on ONNX Runtime only.")
+                   "(a GGUF's own Q4_0/Q4_1/Q8_0 blocks as they are). Quantized graphs run on ONNX Runtime only. "
+                   "[default: gguf for a preset, else float]")
 @click.option("--accuracy-level", type=click.Choice(["0", "4"]), default="4",
               help="Quantized weights: activations of MatMulNBits in fp32 (0, exact numerics) or int8 (4, faster).")
 @click.option("--force", is_flag=True, help="Replace an existing artifact directory.")
@@ -97,9 +99,14 @@ def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feed
     """Export MODEL (HF directory, .gguf file, or preset name `smollm2`) into an artifact directory.
 
     A preset comes with the draft heads specrt ships for it (DSpark and MTP) unless --draft/--mtp or
-    --no-heads say otherwise."""
+    --no-heads say otherwise, and is exported for ONNX Runtime on CPU (--weights gguf --attention cpu)
+    unless --weights/--attention say otherwise."""
     from specrt.exporter.export import export_artifact
-    from specrt.configs.presets import preset_heads, resolve_model
+    from specrt.configs.presets import preset_format, preset_heads, resolve_model
+
+    fmt = preset_format(model)
+    weights = weights or fmt["weights"]
+    opts["attention"] = opts["attention"] or fmt["attention"]
 
     if not no_heads and draft is None and mtp is None:
         shipped = preset_heads(model)
@@ -472,7 +479,8 @@ def fetch_model(name: str) -> None:
 @click.option("--method", type=click.Choice(["dspark", "mtp", "ngram", "ar"]), default="dspark",
               help="Decoding method; dspark and mtp use the shipped trained heads.")
 def demo(prompt: str, max_new_tokens: int, method: str) -> None:
-    """Fetch the default model, export it (cached), and generate for a sample prompt."""
+    """Fetch the default model, export it (cached), generate for a sample prompt, and, when llama-cpp-python
+    is installed, run llama.cpp on the same GGUF and prompt tokens for comparison."""
     from tqdm import tqdm
 
     from specrt.configs.presets import default_artifact
@@ -482,15 +490,35 @@ def demo(prompt: str, max_new_tokens: int, method: str) -> None:
 
     art = default_artifact(progress=True)
     with Engine(art, method=method) as engine:
-        request = Request(prompt_ids=encode_prompt(engine.tokenizer, prompt),
-                          params=SamplingParams(max_new_tokens=max_new_tokens))
+        ids = encode_prompt(engine.tokenizer, prompt)
+        request = Request(prompt_ids=ids, params=SamplingParams(max_new_tokens=max_new_tokens))
         with tqdm(total=max_new_tokens, desc="generate", unit="tok") as bar:
             outputs, stats = engine.generate([request], on_token=lambda _id, n: bar.update(n))
-    s = stats.to_dict()
-    click.echo(f"\n>>> {prompt}\n{outputs[0].text}\n")
-    spec = f"; {s['method']} tau {s['tau']:.2f} tokens per target call" if "tau" in s else ""
-    click.echo(f"{s['generated_tokens']} tokens; decode {s['decode_tokens_per_s']:.1f} tokens/s{spec}; "
-               f"prefill {s['prefill_ms']:.0f} ms  (artifact: {art})")
+        x = engine.manifest.export
+        click.echo(f"\n>>> {prompt}\n{outputs[0].text}\n")
+        s = stats.to_dict()
+        spec = f"; tau {s['tau']:.2f} tokens per target call" if "tau" in s else ""
+        click.echo(f"specrt {method} ({x.weights} weights, {x.attention} attention): {s['generated_tokens']} tokens; "
+                   f"decode {s['decode_tokens_per_s']:.1f} tokens/s{spec}; prefill {s['prefill_ms']:.0f} ms")
+        _demo_llama_cpp(engine, ids, max_new_tokens, s["decode_tokens_per_s"])
+    click.echo(f"(artifact: {art})")
+
+
+def _demo_llama_cpp(engine, ids: list[int], max_new_tokens: int, specrt_tps: float) -> None:
+    """llama.cpp's greedy decode tokens/s on the artifact's source GGUF, beside specrt's (when installed)."""
+    from specrt.runtime import bench
+
+    try:
+        bench.require_llama_cpp()
+    except SpecrtError:
+        click.echo(f"llama.cpp: not installed, no comparison ({bench.LLAMA_CPP_INSTALL})")
+        return
+    source = bench.artifact_source(engine)
+    gen = bench.llama_cpp_baseline(source, n_ctx=engine.manifest.export.max_seq)
+    r = bench.run_llama_cpp(gen, [ids], max_new_tokens, sorted(engine.eos_ids), progress=False)
+    tps = r.decode_tokens / r.decode_s if r.decode_s else 0.0
+    click.echo(f"llama.cpp on {source.name}, same prompt tokens: decode {tps:.1f} tokens/s "
+               f"(specrt {specrt_tps / tps:.2f}x)" if tps else "llama.cpp: produced no decode tokens")
 
 
 @main.command()

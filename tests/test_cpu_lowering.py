@@ -69,7 +69,8 @@ def test_settings_accept_standard_and_cpu_only():
 
 
 def test_manifest_records_the_lowering_and_only_cpu_graphs_change(arts):
-    """The cpu graphs carry the fused norms and a cache window; the standard ones stay TensorRT-parsable."""
+    """The cpu graphs carry the fused norms, row scatters and a cache window (the heads: a Slice of it; the
+    target: a cache of the axis S the runtime sizes); the standard ones stay TensorRT-parsable."""
     std, cpu = arts("llama", "standard"), arts("llama", "cpu")
     assert io.load_manifest(std).export.attention == "standard"
     assert io.load_manifest(cpu).export.attention == "cpu"
@@ -78,9 +79,16 @@ def test_manifest_records_the_lowering_and_only_cpu_graphs_change(arts):
     for family, used in _ops(cpu).items():
         assert "RMSNormalization" in used, family
         model = onnx.load(str(cpu / f"{family}.onnx"), load_external_data=False)
+        spec = io.load_manifest(cpu).graphs[family]
         slices = [n.name for n in model.graph.node if n.op_type == "Slice" and "/cache_window/" in n.name]
-        assert len(slices) >= len(io.load_manifest(cpu).graphs[family].cache_inputs()), family  # every layer's k, v
+        if family == io.TARGET:
+            assert spec.sized_cache and not slices
+            assert all(t.shape[2] == io.CACHE_LEN for t in spec.cache_inputs())
+        else:
+            assert not spec.sized_cache and len(slices) >= len(spec.cache_inputs()), family  # every layer's k, v
         assert "SkipSimplifiedLayerNormalization" in used, family  # the post-attention residual add, fused
+        if family != "dspark":  # the decoder-layer caches (target, MTP) are written a row of D at a time
+            assert "ScatterND" in used and "ScatterElements" not in used, family
 
 
 def test_cli_exports_the_cpu_lowering(tiny_model_dir, tmp_path):
@@ -136,27 +144,57 @@ def test_every_call_matches_the_standard_lowering(arts, kind, family):
         for name, (worst, _, unexplained, ok) in compare_outputs(out["standard"], out["cpu"], feeds, ATOL).items():
             assert ok, f"call {i} ({use} {bucket}): {name} differs by {worst} ({unexplained} tokens)"
         for name, ref in runners["standard"]._cache.items():
-            np.testing.assert_allclose(runners["cpu"]._cache[name], ref, rtol=0, atol=ATOL,
+            got = runners["cpu"]._cache[name]  # a sized cache holds the positions written so far
+            assert got.shape[2] >= min(int(start.max()) + 1, ref.shape[2])
+            np.testing.assert_allclose(got, ref[:, :, :got.shape[2]], rtol=0, atol=ATOL,
                                        err_msg=f"call {i} ({use} {bucket}): {name}")
+            assert not ref[:, :, got.shape[2]:].any(), f"call {i}: {name} written past the sized cache"
 
 
 def test_attention_reads_only_the_cache_window(arts):
-    """Cache positions past the window are never read: NaN there leaves the cpu lowering's decode untouched
-    (the standard lowering multiplies every position, masked or not)."""
+    """Head caches: positions past the window are never read: NaN there leaves the cpu lowering's MTP call
+    untouched (the standard lowering multiplies every position, masked or not)."""
     art = arts("llama", "cpu")
     m = io.load_manifest(art)
-    runner = load_runner("ort", art, m, "target", threads=1)
-    feeds = {io.INPUT_IDS: np.array([[5], [9]]), io.POSITION_IDS: np.array([[3], [10]]),
-             io.WRITE_INDEX: np.array([3, 10]), io.LOGIT_ROWS: np.zeros((2, 1), np.int64)}
+    runner = load_runner("ort", art, m, "mtp", threads=1)
+    rng = np.random.default_rng(0)
     results = []
     for poison in (0.0, np.nan):
         runner.allocate(2)
         for buf in runner._cache.values():
             buf[:] = 0.5
-            buf[:, :, 11:] = poison  # window = max(write_index) + 1 = 11
-        results.append(infer(runner, 0, feeds)[io.LOGITS].copy())
-    assert np.isfinite(results[1]).all()
-    np.testing.assert_array_equal(results[0], results[1])
+            buf[:, :, 32:] = poison  # past the window: the last position the chained steps write is < 20
+        feeds, _ = random_feeds(m, "mtp", runner.spec.bucket("propose", B=2, C=1), 0, np.random.default_rng(0),
+                                np.array([3, 10]))
+        results.append({k: v.copy() for k, v in infer(runner, 0, feeds).items()})
+    for name, ref in results[0].items():
+        assert np.isfinite(results[1][name]).all(), name
+        np.testing.assert_array_equal(results[1][name], ref, err_msg=name)
+
+
+def test_target_cache_grows_with_the_sequences(tiny_model_dir, tmp_path):
+    """The target's cache is sized by the runtime: it starts at one GROWTH block, grows (contents kept) as the
+    sequences pass it, and stays short of S_MAX for short sequences; decoding across the growth points gives
+    the standard export's tokens."""
+    from specrt.runtime.backends.ort import GROWTH
+    target = tiny_model_dir("llama", num_layers=2)
+    settings = dict(batch=2, max_seq=4 * GROWTH, prefill_chunk=16, verify_len=5)
+    arts = {lw: export_artifact(target, tmp_path / lw, ExportSettings(**settings, attention=lw), progress=False)
+            for lw in LOWERINGS}
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, 256, n)] for n in (GROWTH + 7, 20)]
+    params = SamplingParams(max_new_tokens=GROWTH + 10, ignore_eos=True)
+    got = {}
+    for lowering, art in arts.items():
+        engine = Engine(art, method="ngram", threads=1)
+        if lowering == "cpu":
+            engine.target.allocate(2)
+            assert engine.target.cache_length == GROWTH
+        outs, _ = engine.generate([Request(prompt_ids=p, params=params, id=i) for i, p in enumerate(prompts)])
+        got[lowering] = [o.output_ids for o in outs]
+        if lowering == "cpu":  # the longest sequence ends at 2 * GROWTH + 17 positions
+            assert engine.target.cache_length == 3 * GROWTH < settings["max_seq"]
+    assert got["cpu"] == got["standard"]
 
 
 # -- decoding: the standard export's tokens ------------------------------------------------------------------

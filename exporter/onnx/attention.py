@@ -100,8 +100,13 @@ def _split(g: GraphBuilder, y: str, sizes: list[int], name: str) -> list[str]:
     return g.op("Split", y, g.const(sizes, name, "int64"), axis=2, outputs=len(sizes))
 
 
-def write_cache(g: GraphBuilder, cache: tuple[str, str], scatter_idx: str, k: str, v: str) -> tuple[str, str]:
-    """present = past with new k/v [B,Hkv,T,D] scattered at `scatter_idx` (in place when the buffers are bound)."""
+def write_cache(g: GraphBuilder, cache: tuple[str, str], scatter_idx: str, k: str, v: str, *,
+                rows: bool = False) -> tuple[str, str]:
+    """present = past with new k/v [B,Hkv,T,D] scattered at `scatter_idx` (in place when the buffers are bound):
+    ScatterElements over [B,Hkv,T,D] element indices, or with `rows` ScatterND over [B,Hkv,T,3] row indices."""
+    if rows:
+        return (g.op("ScatterND", cache[0], scatter_idx, k, name="write_k"),
+                g.op("ScatterND", cache[1], scatter_idx, v, name="write_v"))
     return (g.op("ScatterElements", cache[0], scatter_idx, k, axis=2, name="write_k"),
             g.op("ScatterElements", cache[1], scatter_idx, v, axis=2, name="write_v"))
 

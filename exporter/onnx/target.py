@@ -16,7 +16,8 @@ import numpy as np
 from specrt import artifact as io
 from specrt.exporter.config import ModelConfig
 from specrt.exporter.onnx.builder import GraphBuilder
-from specrt.exporter.onnx.attention import Rope, attend, cache_block, check_lowering, project_heads, write_cache
+from specrt.exporter.onnx.attention import (KeyBlock, Rope, attend, cache_block, check_lowering, project_heads,
+                                            write_cache)
 from specrt.exporter.onnx.layers import (Shapes, add_rms_norm, embedding, linear, mlp, rms_norm, rope_tables,
                                          rotate_half_matrix)
 from specrt.exporter.onnx.quant import concat_rows
@@ -26,29 +27,59 @@ FINAL = "final"  # feature source: the final-normed hidden state (what MTP consu
 
 def cache_io(g: GraphBuilder, shapes: Shapes, write_index: str, cfg: ModelConfig, max_seq: int,
              dtype: str, *, lowering: str = "standard") -> tuple[str, str, int | str]:
-    """Scatter indices, attention bias and cache window (`slot_io`) for T new tokens at write_index[b] + t."""
+    """Scatter indices, attention bias and cache window (`slot_io`) for T new tokens at write_index[b] + t.
+
+    In the cpu lowering the target's cache length is the axis S the runtime sizes (`GraphSpec.sized_cache`),
+    and attention reads all of it: the window is Shape(past)[2], no copy of the valid positions is made."""
     with g.scope("cache_io"):
         t_range = g.op("Range", g.const(0, "zero", "int64"),
                        g.op("Squeeze", shapes.tokens, g.const([0], "axis0", "int64")),
                        g.const(1, "one", "int64"))  # [T]
         qpos = g.op("Add", g.op("Unsqueeze", write_index, g.const([1], "axis1", "int64")), t_range,
                     name="query_positions")  # [B,T]: cache slot of each new token
-        return slot_io(g, shapes, qpos, cfg, max_seq, lowering=lowering)
+        sized = g.op("Shape", io.past_names(0)[0], start=2, end=3, name="cache_length") if lowering == "cpu" else None
+        return slot_io(g, shapes, qpos, cfg, max_seq, lowering=lowering, sized=sized)
+
+
+def _row_indices(g: GraphBuilder, shapes: Shapes, slots: str, heads: int) -> str:
+    """ScatterND indices [B,Hkv,T,3]: (b, h, slots[b, t]) for every cache row the call writes."""
+    with g.scope("row_index"):
+        shape = g.op("Concat", shapes.batch, g.const([heads], "hkv", "int64"), shapes.tokens, axis=0)  # [3]
+        b = g.op("Range", g.const(np.int64(0), "zero", "int64"), g.op("Squeeze", shapes.batch),
+                 g.const(np.int64(1), "one", "int64"))
+        parts = [g.op("Unsqueeze", b, g.const([1, 2], "b_axes", "int64")),  # [B,1,1]
+                 g.const(np.arange(heads, dtype=np.int64).reshape(1, heads, 1), "h"),  # [1,Hkv,1]
+                 g.op("Unsqueeze", slots, g.const([1], "s_axes", "int64"))]  # [B,1,T]
+        parts = [g.op("Unsqueeze", g.op("Expand", p, shape), g.const([3], "last", "int64")) for p in parts]
+        return g.op("Concat", *parts, axis=3, name="scatter_rows")
 
 
 def slot_io(g: GraphBuilder, shapes: Shapes, slots: str, cfg: ModelConfig, max_seq: int, *,
-            lowering: str = "standard") -> tuple[str, str, int | str]:
-    """For new tokens at cache slots [B,T]: scatter indices [B,Hkv,T,D], the bias [B,1,1,T,L] and the cache
-    window L the keys are cut to: S, or in the cpu lowering a [1] i64 tensor, one past the largest slot written."""
+            lowering: str = "standard", sized: str | None = None) -> tuple[str, str, int | str]:
+    """For new tokens at cache slots [B,T]: scatter indices, the bias [B,1,1,T,L] and the cache window L the
+    keys are cut to: S, or in the cpu lowering a [1] i64 tensor, one past the largest slot written; with `sized`
+    (the [1] length of a runtime-sized cache) L is all of it, and nothing is cut.
+
+    The indices are ScatterElements' [B,Hkv,T,D] (`standard`), or ScatterND's [B,Hkv,T,3] (b, h, slot) in the
+    cpu lowering, where ONNX Runtime copies whole D-rows (4x faster per layer at T=1): see `write_cache`."""
     # Writes past the end go to the last slot, which the runtime never lets a valid token reach.
     last = g.op("Min", slots, g.const([max_seq - 1], "last_slot", "int64"))
-    idx_shape = g.op("Concat", shapes.batch, g.const([cfg.num_kv_heads], "hkv", "int64"), shapes.tokens,
-                     g.const([cfg.head_dim], "hd", "int64"), axis=0)
-    scatter_idx = g.op("Expand", g.op("Unsqueeze", last, g.const([1, 3], "axes13", "int64")), idx_shape,
-                       name="scatter_index")
+    if lowering == "cpu":
+        scatter_idx = _row_indices(g, shapes, last, cfg.num_kv_heads)
+    else:
+        idx_shape = g.op("Concat", shapes.batch, g.const([cfg.num_kv_heads], "hkv", "int64"), shapes.tokens,
+                         g.const([cfg.head_dim], "hd", "int64"), axis=0)
+        scatter_idx = g.op("Expand", g.op("Unsqueeze", last, g.const([1, 3], "axes13", "int64")), idx_shape,
+                           name="scatter_index")
     # Query t of slot b sees key s iff s <= its own slot. An explicit mask, never is_causal: a causal
     # flag against a cache aligns top-left in ORT.
-    if lowering == "cpu":  # no query sees past the largest slot written: keys [0, L) are all it needs
+    if sized is not None:  # the cache holds what the runtime allocated for these slots: read all of it
+        window = sized
+        keys = g.op("Unsqueeze", g.op("Range", g.const(np.int64(0), "first_key", "int64"),
+                                      g.op("Squeeze", sized, g.const([0], "axis0", "int64")),
+                                      g.const(np.int64(1), "key_step", "int64")),
+                    g.const([0, 1], "axes01", "int64"), name="key_positions")  # [1,1,L]
+    elif lowering == "cpu":  # no query sees past the largest slot written: keys [0, L) are all it needs
         end = g.op("Add", g.op("ReduceMax", last, keepdims=0, name="last_written"),
                    g.const(np.int64(1), "one_past", "int64"), name="window_end")  # scalar L
         window = g.op("Reshape", end, g.const([1], "vector", "int64"), name="cache_window")  # [1]
@@ -65,29 +96,32 @@ def slot_io(g: GraphBuilder, shapes: Shapes, slots: str, cfg: ModelConfig, max_s
 
 
 def _attention(g: GraphBuilder, x: str, p: str, cache: tuple[str, str], cfg: ModelConfig, shapes: Shapes,
-               rope: Rope, scatter_idx: str, bias: str, dtype: str, window: int | str, lowering: str
-               ) -> tuple[str, str, str]:
+               rope: Rope, scatter_idx: str, bias: str, dtype: str, window: int | str, lowering: str,
+               sized_cache: bool) -> tuple[str, str, str]:
     """Self-attention of T new tokens over the cache they are first written into; returns (o, present_k, present_v)."""
     with g.scope("attn"):
         q, k, v = project_heads(g, x, p, "qkv", shapes.qkv, cfg, rope, dtype, lowering=lowering)
-        present_k, present_v = write_cache(g, cache, scatter_idx, k, v)
-        o = attend(g, q, [cache_block(g, present_k, present_v, window)], bias, f"{p}.o_proj", cfg, dtype)
+        present_k, present_v = write_cache(g, cache, scatter_idx, k, v, rows=lowering == "cpu")
+        keys = KeyBlock("cache", present_k, present_v, window) if sized_cache else \
+            cache_block(g, present_k, present_v, window)
+        o = attend(g, q, [keys], bias, f"{p}.o_proj", cfg, dtype)
     return o, present_k, present_v
 
 
 def decoder_layer(g: GraphBuilder, x: str, prefix: str, cache: tuple[str, str], cfg: ModelConfig, shapes: Shapes,
                   rope: Rope, scatter_idx: str, bias: str, dtype: str, window: int | str, *,
-                  lowering: str = "standard") -> tuple[str, str, str]:
+                  lowering: str = "standard", sized_cache: bool = False) -> tuple[str, str, str]:
     """One pre-norm decoder layer over its KV cache; returns (x, present_k, present_v).
 
     `prefix` names the layer's weights (`model.layers.3`), `cache` its past K/V graph inputs; `window` is the
-    cache length attention reads (S, or the cpu lowering's window tensor from `slot_io`).
+    cache length attention reads (S, or the cpu lowering's window tensor from `slot_io`); `sized_cache`: the
+    cache is as long as the window (the runtime sized it), so attention reads it whole.
     """
     eps = cfg.rms_norm_eps
     a = rms_norm(g, x, g.weight(f"{prefix}.input_layernorm.weight"), eps, dtype, name="input_layernorm",
                  lowering=lowering)
     o, pk, pv = _attention(g, a, f"{prefix}.self_attn", cache, cfg, shapes, rope, scatter_idx, bias, dtype, window,
-                           lowering)
+                           lowering, sized_cache)
     x, m = add_rms_norm(g, x, o, g.weight(f"{prefix}.post_attention_layernorm.weight"), eps, dtype,
                         name="post_attention_layernorm", residual="attn_residual", lowering=lowering)
     x = g.op("Add", x, mlp(g, m, f"{prefix}.mlp", cfg.intermediate_size), name="mlp_residual")
@@ -128,6 +162,11 @@ def target_weights(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> dict[str
     return out
 
 
+def target_cache_len(attention: str, max_seq: int) -> int | str:
+    """The target's cache length axis: S_MAX, or in the cpu lowering the axis S the runtime sizes."""
+    return io.CACHE_LEN if attention == "cpu" else max_seq
+
+
 def build_target_graph(g: GraphBuilder, cfg: ModelConfig, *, max_seq: int, dtype: str,
                        features: Sequence[int | str] = (), attention: str = "standard") -> None:
     """Emit the whole target graph into `g` over named axes B/T/R (the caller turns it into a model).
@@ -137,7 +176,8 @@ def build_target_graph(g: GraphBuilder, cfg: ModelConfig, *, max_seq: int, dtype
     d = cfg.hidden_size
     inputs, outputs = io.target_signature(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                           head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, max_seq=max_seq,
-                                          dtype=dtype, feature_dim=d * len(features))
+                                          dtype=dtype, feature_dim=d * len(features),
+                                          cache_len=target_cache_len(attention, max_seq))
     for t in inputs:
         g.input(t.name, t.dtype, t.shape)
     shape = {t.name: t.shape for t in outputs}
@@ -154,7 +194,8 @@ def build_target_graph(g: GraphBuilder, cfg: ModelConfig, *, max_seq: int, dtype
         for i in range(cfg.num_layers):
             with g.scope(f"layers.{i}"):
                 x, pk, pv = decoder_layer(g, x, f"model.layers.{i}", io.past_names(i), cfg, shapes, rope,
-                                          scatter_idx, bias, dtype, window, lowering=attention)
+                                          scatter_idx, bias, dtype, window, lowering=attention,
+                                          sized_cache=attention == "cpu")
             captured[i] = x
             presents.append((pk, pv))
         h = rms_norm(g, x, g.weight("model.norm.weight"), cfg.rms_norm_eps, dtype, name="norm", lowering=attention)

@@ -5,6 +5,10 @@ A family's graph declares its B/T/R/C axes symbolic, so one session serves every
 is one numpy buffer bound as both `past.*` and `present.*` (the graph scatters the new K/V into it in
 place); a call over slots [s, s+n) binds cache[s:s+n].
 Per bucket, host input buffers, output buffers and the binding are created on first use and reused.
+
+A cache of named length S (the cpu lowering's target, `GraphSpec.sized_cache`) starts at `GROWTH` positions
+and grows (by whole `GROWTH`s, up to max_seq, contents copied, bindings re-pointed) before a call that writes
+past it, so attention reads about what the sequences hold, not S_MAX.
 """
 from __future__ import annotations
 
@@ -42,6 +46,9 @@ def session_options(threads: int | None = None, *, spin: bool = True) -> "ort.Se
     return so
 
 
+GROWTH = 64  # cache positions a sized cache grows by
+
+
 class OrtRunner:
     """Serves one graph family of an artifact from one ONNX Runtime session (the `Runner` verbs)."""
 
@@ -65,6 +72,7 @@ class OrtRunner:
         except Exception as e:  # ORT raises its own exception types for broken files
             raise SpecrtError(f"cannot load {graph.file}: {str(e).splitlines()[0]}") from None
         self.slots = 0
+        self.cache_length = graph.max_seq  # positions allocated per slot: max_seq, or what a sized cache holds
         self._cache: dict[str, np.ndarray] = {}
         self._bindings: dict[tuple, tuple] = {}
 
@@ -72,8 +80,36 @@ class OrtRunner:
         """Allocate (zeroed) KV buffers for `slots` request slots; drops bindings of an older size."""
         if slots != self.slots or not self._cache:
             self.slots = slots
-            self._cache = {t.name: np.zeros(t.resolve({"B": slots}), dtype=t.dtype) for t in self.spec.cache_inputs()}
+            self._cache = {}
             self._bindings.clear()
+            self._resize(min(GROWTH, self.spec.max_seq) if self.spec.sized_cache else self.spec.max_seq)
+
+    def _resize(self, length: int) -> None:
+        """(Re)allocate the caches at `length` positions, keeping what they hold; bindings start over."""
+        old = self._cache
+        self.cache_length = length
+        self._cache = {t.name: np.zeros(t.resolve({"B": self.slots, io.CACHE_LEN: length}), dtype=t.dtype)
+                       for t in self.spec.cache_inputs()}
+        for name, buf in old.items():
+            n = min(buf.shape[2], length)
+            self._cache[name][:, :, :n] = buf[:, :, :n]
+        # host buffers the caller may have filled for the coming call live on: re-point the cache bindings only
+        for key, (b, _, _, _, views) in self._bindings.items():
+            self._bind_cache(b, key[0], dict(key[1:])["B"], views)
+
+    def _bind_cache(self, b, slot: int, n: int, views: list) -> None:
+        """Bind each layer's cache rows [slot, slot + n) as both past and present; `views` keeps the OrtValues."""
+        views.clear()
+        for name, buf in self._cache.items():
+            views.append(ort.OrtValue.ortvalue_from_numpy(buf[slot:slot + n]))
+            b.bind_ortvalue_input(name, views[-1])
+            b.bind_ortvalue_output(name.replace("past.", "present.", 1), views[-1])
+
+    def _fit(self, host: dict[str, np.ndarray], bucket: io.Bucket) -> None:
+        """Grow a sized cache so the call's writes (write_index + T) land inside it."""
+        need = int(host[io.WRITE_INDEX].max()) + bucket["T"]
+        if need > self.cache_length < self.spec.max_seq:
+            self._resize(min(self.spec.max_seq, -(-need // GROWTH) * GROWTH))
 
     def _binding(self, slot: int, bucket: io.Bucket) -> tuple:
         key = (slot, *sorted(bucket.items()))
@@ -88,14 +124,12 @@ class OrtRunner:
             for name, arr in host.items():
                 keep.append(ort.OrtValue.ortvalue_from_numpy(arr))
                 b.bind_ortvalue_input(name, keep[-1])
-            for name, buf in self._cache.items():
-                keep.append(ort.OrtValue.ortvalue_from_numpy(buf[slot:slot + n]))
-                b.bind_ortvalue_input(name, keep[-1])
-                b.bind_ortvalue_output(name.replace("past.", "present.", 1), keep[-1])
             for name, arr in outs.items():
                 keep.append(ort.OrtValue.ortvalue_from_numpy(arr))
                 b.bind_ortvalue_output(name, keep[-1])
-            self._bindings[key] = (b, host, outs, keep)
+            views: list = []
+            self._bind_cache(b, slot, n, views)
+            self._bindings[key] = (b, host, outs, keep, views)
         return self._bindings[key]
 
     def inputs(self, slot: int, bucket: io.Bucket) -> dict[str, np.ndarray]:
@@ -104,6 +138,8 @@ class OrtRunner:
 
     def run(self, slot: int, bucket: io.Bucket) -> dict[str, np.ndarray]:
         """Run on the buffers `inputs(slot, bucket)` returned; outputs stay valid until the next call."""
-        binding, _, outs, _ = self._binding(slot, bucket)
+        binding, host, outs, _, _ = self._binding(slot, bucket)
+        if self.spec.sized_cache:
+            self._fit(host, bucket)
         self.session.run_with_iobinding(binding)
         return outs

@@ -222,7 +222,8 @@ class TorchRunner:
         if slots != self.slots or not self._cache:
             self.slots = slots
             past = self.spec.cache_inputs()
-            self._cache = [tuple(torch.zeros(t.resolve({"B": slots}), dtype=self.dtype) for t in kv)
+            size = {"B": slots, io.CACHE_LEN: self.spec.max_seq}  # a sized cache: all of it (eager torch)
+            self._cache = [tuple(torch.zeros(t.resolve(size), dtype=self.dtype) for t in kv)
                            for kv in zip(past[::2], past[1::2])]  # (key, value) per layer
             self._calls.clear()
 

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The README's weight-format table: SmolLM2-135M-Instruct exported in every weight format, each benchmarked
+# (`ar`, greedy, batch 1, 2 threads, the first 5 prompts of each shared set, 128 new tokens) side by side with
+# llama.cpp on the same GGUF in the same run, then compared with transformers' fp32 dequantization of that GGUF
+# (`specrt parity`). llama.cpp needs the optional extra: pip install 'specrt[llama]'.
+# Writes docs/formats/{bench,parity}_<format>.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p docs/formats
+SETS=(--prompts datasets/gsm8k.jsonl --prompts datasets/humaneval.jsonl --prompts datasets/math500.jsonl
+      --prompts datasets/mbpp.jsonl --prompts datasets/mt-bench.jsonl)
+for FORMAT in ${FORMATS:-gguf int4 int8 float}; do
+    ART=art/smollm2-$FORMAT
+    [ -f "$ART/manifest.json" ] || specrt export smollm2 --out "$ART" --weights "$FORMAT" --attention cpu \
+        --batch 1 --force --quiet >&2
+    specrt bench "$ART" "${SETS[@]}" --limit 5 --max-new-tokens 128 --methods ar --baseline llama.cpp \
+        --threads 2 --json > "docs/formats/bench_$FORMAT.json"
+    specrt parity "$ART" "${SETS[@]}" --limit 5 --max-new-tokens 64 --threads 2 --json \
+        > "docs/formats/parity_$FORMAT.json"
+done
