@@ -18,3 +18,9 @@ for FORMAT in ${FORMATS:-gguf int4 int8 float}; do
     specrt parity "$ART" "${SETS[@]}" --limit 5 --max-new-tokens 64 --threads 2 --json \
         > "docs/formats/parity_$FORMAT.json"
 done
+# gguf with fp32 activations (MatMulNBits accuracy level 0): numerics only (its 8-bit LM head has no fast path
+# in ONNX Runtime, ~0.4 s a token), so parity on the first prompt of each set
+ART=art/smollm2-gguf-acc0
+[ -f "$ART/manifest.json" ] || specrt export smollm2 --out "$ART" --weights gguf --accuracy-level 0 \
+    --attention cpu --batch 1 --no-heads --force --quiet >&2
+specrt parity "$ART" "${SETS[@]}" --limit 1 --max-new-tokens 64 --threads 2 --json > docs/formats/parity_gguf-acc0.json
