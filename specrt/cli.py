@@ -512,7 +512,7 @@ def _demo_llama_cpp(engine, ids: list[int], max_new_tokens: int, specrt_tps: flo
     try:
         bench.require_llama_cpp()
     except SpecrtError:
-        click.echo(f"llama.cpp: not installed, no comparison ({bench.LLAMA_CPP_INSTALL})")
+        click.echo(f"llama.cpp: not installed, no comparison; to compare: {bench.LLAMA_CPP_INSTALL}")
         return
     source = bench.artifact_source(engine)
     gen = bench.llama_cpp_baseline(source, n_ctx=engine.manifest.export.max_seq)
