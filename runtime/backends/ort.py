@@ -72,6 +72,7 @@ class OrtRunner:
         except Exception as e:  # ORT raises its own exception types for broken files
             raise SpecrtError(f"cannot load {graph.file}: {str(e).splitlines()[0]}") from None
         self.slots = 0
+        self._sized = graph.sized_cache  # read once: run() is on the decode path
         self.cache_length = graph.max_seq  # positions allocated per slot: max_seq, or what a sized cache holds
         self._cache: dict[str, np.ndarray] = {}
         self._bindings: dict[tuple, tuple] = {}
@@ -82,7 +83,7 @@ class OrtRunner:
             self.slots = slots
             self._cache = {}
             self._bindings.clear()
-            self._resize(min(GROWTH, self.spec.max_seq) if self.spec.sized_cache else self.spec.max_seq)
+            self._resize(min(GROWTH, self.spec.max_seq) if self._sized else self.spec.max_seq)
 
     def _resize(self, length: int) -> None:
         """(Re)allocate the caches at `length` positions, keeping what they hold; bindings start over."""
@@ -139,7 +140,7 @@ class OrtRunner:
     def run(self, slot: int, bucket: io.Bucket) -> dict[str, np.ndarray]:
         """Run on the buffers `inputs(slot, bucket)` returned; outputs stay valid until the next call."""
         binding, host, outs, _, _ = self._binding(slot, bucket)
-        if self.spec.sized_cache:
+        if self._sized:
             self._fit(host, bucket)
         self.session.run_with_iobinding(binding)
         return outs
