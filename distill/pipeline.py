@@ -5,7 +5,8 @@
     features  one prefill pass per response into an fp16 memmap cache (work/cache)
     train     DSpark or MTP training on that cache (work/train-<head>; resumable from its last save)
     calibrate STS temperatures of the DSpark confidence head on the held-out "calib" prompts
-    save      the compact bf16 checkpoint (embedding and head left to the target's) + report.json, atomically
+    save      the compact bf16 checkpoint (embedding and head left to the target's), token_counts.npy (the
+              train responses' token frequencies, for `specrt export --draft-vocab`) + report.json, atomically
 
 The work directory is shared by both heads: the target and cache always carry the default DSpark feature
 layers and the final hidden state, so `--head mtp` after `--head dspark` reuses generation and features.
@@ -25,7 +26,8 @@ from specrt.errors import SpecrtError
 from specrt.distill.cache import TargetCache
 from specrt.distill.calibrate import calibrate_dspark
 from specrt.distill.features import capture_features
-from specrt.distill.generate import SAMPLING, generate_responses
+from specrt.distill.generate import SAMPLING, generate_responses, read_responses
+from specrt.distill.vocab import COUNTS_FILE, count_tokens, write_counts
 from specrt.distill.prompts import PromptSplit, rows_label, training_prompts
 from specrt.distill.train_dspark import TrainResult, train_dspark
 from specrt.distill.train_mtp import train_mtp
@@ -198,6 +200,10 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
 
     with staged(out) as staging:  # written beside `out`, swapped in at the end; removed on any failure
         timed("save", lambda: _save_compact(s, train_dir, staging, loaded))
+        train = set(split.train)  # what `specrt export --draft-vocab` ranks tokens by
+        counts = count_tokens((r["response_ids"] for r in read_responses(responses) if r["index"] in train),
+                              cfg.vocab_size)
+        write_counts(staging / COUNTS_FILE, counts)
         calibration = None
         if s.head == "dspark":
             cal = timed("calibrate", lambda: calibrate_dspark(cache, staging, cfg, seed=s.seed,
@@ -211,6 +217,7 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
             "head": s.head, "target": str(source), "settings": asdict(s),
             "prompts": {"files": [str(f) for f in prompt_files], "split": rows_label(split),
                         "train": len(split.train), "calib": len(split.calib)},
+            "token_counts": {"file": COUNTS_FILE, "tokens": int(counts.sum()), "distinct": int((counts > 0).sum())},
             "cache": {"samples": len(cache), **cache.manifest.get("counts", {}),
                       "tokens": int(len(cache.tokens)), "capture": cache.manifest.get("capture", {}),
                       "generation": cache.manifest.get("generation", {}).get("sampling_params", {})},

@@ -16,7 +16,7 @@ from specrt.exporter.config import ModelConfig
 from specrt.exporter.heads import HeadPlan, dspark_plan, feature_layout, mtp_plan
 from specrt.exporter.loaders import LoadedTarget, load_target
 from specrt.exporter.onnx.builder import GraphBuilder, WeightStore
-from specrt.exporter.onnx.quant import Blocks, pack_weights, stored_bytes
+from specrt.exporter.onnx.quant import Blocks, pack_weights, select_rows, stored_bytes
 from specrt.exporter.outdir import check_out, staged
 from specrt.exporter.onnx.target import FINAL, build_target_graph, target_cache_len, target_weights
 
@@ -72,14 +72,19 @@ def _check_graphs(art: Path, graphs: dict[str, io.GraphSpec], bar: tqdm) -> None
 
 def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSettings, *,
                     draft: str | Path | None = None, mtp: str | Path | None = None, mtp_feedback: str = "post",
-                    extra_features: tuple[int | str, ...] = (), progress: bool = True, force: bool = False) -> Path:
+                    extra_features: tuple[int | str, ...] = (), token_counts: str | Path | None = None,
+                    progress: bool = True, force: bool = False) -> Path:
     """Export `source` (HF dir, GGUF file or preset name) into the artifact directory `out`.
+
+    `token_counts`: the file a `settings.draft_vocab` is chosen from (default: beside the DSpark head).
 
     Everything is written to a temporary sibling directory that is renamed into place at the end, so
     an interrupted export never leaves a directory that looks like a finished artifact.
     """
     out = Path(out)
     check_out(out, sources=[source, draft, mtp], force=force)  # before anything is touched
+    if settings.draft_vocab and draft is None:
+        raise SpecrtError("--draft-vocab reduces a DSpark head's vocabulary; give --draft (or a preset with heads)")
     dtype = np.dtype(settings.dtype)
     with staged(out) as tmp:  # written beside `out`, swapped in at the end; removed on any failure or SIGTERM
         n_graphs = 1 + (draft is not None) + (mtp is not None)
@@ -91,7 +96,7 @@ def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSett
             store = WeightStore(tmp / io.WEIGHTS_FILE)
             heads: list[HeadPlan] = []
             if draft is not None:
-                heads.append(dspark_plan(draft, cfg, loaded.weights, settings))
+                heads.append(dspark_plan(draft, cfg, loaded.weights, settings, token_counts))
                 if settings.verify_len - 1 > heads[-1].info["steps"]:
                     raise SpecrtError(f"--gamma {settings.verify_len - 1} exceeds the DSpark block size "
                                       f"{heads[-1].info['steps']}")
@@ -114,6 +119,8 @@ def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSett
             for head in heads:  # tensors a head shares with the target (embedding, head) keep the target's form
                 for name, w in head.tensors.items():
                     tensors.setdefault(name, w)
+                for name, (src, rows) in head.row_subsets.items():  # e.g. a draft vocabulary's LM head rows
+                    tensors[name] = select_rows(target_tensors[src], rows)
             packed = pack_weights(tensors, settings.weights, dtype=dtype, gguf_names=target_tensors)
             for name in sorted(packed):
                 store.add(name, packed[name])

@@ -5,6 +5,7 @@ those features (`features[B,T,F]`), and the manifest records each head's slice o
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from specrt import artifact as io
+from specrt.errors import SpecrtError
 from specrt.exporter.config import ModelConfig
 from specrt.exporter.onnx.builder import GraphBuilder
 from specrt.exporter.onnx.target import FINAL
@@ -32,31 +34,63 @@ class HeadPlan:
     signature: Signature
     info: dict[str, Any] = field(default_factory=dict)  # HeadSpec fields but the feature slice
     source_files: list[Path] = field(default_factory=list)
+    # tensors the exporter cuts from the target's (in the target's weight form): name -> (target tensor, rows)
+    row_subsets: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
 
 
 def _config_dict(cfg: Any) -> dict[str, Any]:
     return {k: (v.to_dict() if isinstance(v, ModelConfig) else v) for k, v in asdict(cfg).items()}
 
 
+def token_counts_path(draft: str | Path, given: str | Path | None = None) -> Path:
+    """Where a head's token counts are: `given`, else token_counts.npy in the head's directory or its parent
+    (the shipped heads share one file: specrt/heads/smollm2/token_counts.npy)."""
+    from specrt.distill.vocab import COUNTS_FILE
+
+    if given is not None:
+        return Path(given)
+    draft = Path(draft)
+    for p in (draft / COUNTS_FILE, draft.parent / COUNTS_FILE):
+        if p.is_file():
+            return p
+    raise SpecrtError(f"--draft-vocab needs the token counts of the head's distillation data: no {COUNTS_FILE} "
+                      f"in {draft} or its parent (`specrt distill` writes it); give --token-counts FILE")
+
+
 def dspark_plan(path: str | Path, target: ModelConfig, target_weights: dict[str, np.ndarray],
-                s: io.ExportSettings) -> HeadPlan:
-    """A DeepSpec DSpark (or DFlash) checkpoint as a head; γ is the block size."""
+                s: io.ExportSettings, token_counts: str | Path | None = None) -> HeadPlan:
+    """A DeepSpec DSpark (or DFlash) checkpoint as a head; γ is the block size. With `s.draft_vocab`, its LM and
+    Markov heads keep the `s.draft_vocab` most frequent tokens of `token_counts` (and the target's EOS)."""
+    from specrt.distill.vocab import coverage, draft_vocab, read_counts
     from specrt.exporter.loaders.deepspec import load_dspark
-    from specrt.exporter.onnx.dspark import build_dspark_graph, dspark_signature, dspark_weights
+    from specrt.exporter.onnx.dspark import build_dspark_graph, dspark_signature, dspark_weights, vocab_head_source
 
     loaded = load_dspark(path, target)
     cfg = loaded.config
+    ids, info_vocab, source_files = None, {}, list(loaded.source_files)
+    if s.draft_vocab:
+        counts_file = token_counts_path(path, token_counts)
+        counts = read_counts(counts_file, target.vocab_size)
+        ids = draft_vocab(counts, s.draft_vocab, keep=target.eos_token_ids)
+        info_vocab = {"vocab_ids": tuple(int(t) for t in ids)}
+        source_files.append(counts_file)
+        print(f"specrt: draft vocabulary: the {len(ids)} most frequent tokens of {counts_file} "
+              f"({coverage(counts, ids):.1%} of its tokens)", file=sys.stderr)
 
     def build(g: GraphBuilder) -> None:
-        build_dspark_graph(g, cfg, target, max_seq=s.max_seq, dtype=s.dtype, attention=s.attention)
+        build_dspark_graph(g, cfg, target, max_seq=s.max_seq, dtype=s.dtype, attention=s.attention, vocab_ids=ids)
 
     info = {"kind": "dflash" if not cfg.markov_rank and not cfg.enable_confidence_head else "dspark",
             "steps": cfg.block_size, "confidence": cfg.enable_confidence_head,
-            "temperatures": tuple(cfg.confidence_temperatures), "config": _config_dict(cfg)}
-    return HeadPlan(name="dspark", features=list(cfg.target_layer_ids),
-                    tensors=dspark_weights(cfg, loaded.weights, target_weights), build=build,
-                    signature=dspark_signature(cfg, max_seq=s.max_seq, dtype=s.dtype), info=info,
-                    source_files=list(loaded.source_files))
+            "temperatures": tuple(cfg.confidence_temperatures), "config": _config_dict(cfg), **info_vocab}
+    tensors = dspark_weights(cfg, loaded.weights, target_weights, ids)
+    subsets = {}
+    if ids is not None and (src := vocab_head_source(tensors, target)) is not None:
+        subsets["dspark.lm_head.weight"] = (src, ids)
+    return HeadPlan(name="dspark", features=list(cfg.target_layer_ids), tensors=tensors, build=build,
+                    signature=dspark_signature(cfg, max_seq=s.max_seq, dtype=s.dtype, draft_vocab=s.draft_vocab
+                                               if ids is not None else 0),
+                    info=info, source_files=source_files, row_subsets=subsets)
 
 
 def mtp_plan(path: str | Path, target: ModelConfig, target_weights: dict[str, np.ndarray],

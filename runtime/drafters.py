@@ -35,8 +35,19 @@ class Proposal:
 
     tokens: np.ndarray  # [n, K] i64
     counts: np.ndarray  # [n] i64: drafts proposed per slot (K for graph heads)
-    probs: np.ndarray | None  # [n, K, V] f32: the distribution each draft was drawn from; None = one-hot drafts
+    probs: np.ndarray | None  # [n, K, V'] f32: the distribution each draft was drawn from; None = one-hot drafts
     confidence_logits: np.ndarray | None = None  # [n, K] (DSpark's confidence head)
+    vocab_ids: np.ndarray | None = None  # [V'] token id of each probs column (a reduced draft vocabulary); None: all
+
+    def draft_probs(self, i: int, n: int, vocab_size: int) -> np.ndarray | None:
+        """Slot i's first n draft distributions over the whole vocabulary (zero outside a draft vocabulary)."""
+        if self.probs is None:
+            return None
+        if self.vocab_ids is None:
+            return self.probs[i, :n]
+        q = np.zeros((n, vocab_size), self.probs.dtype)
+        q[:, self.vocab_ids] = self.probs[i, :n]
+        return q
 
 
 class SlotView(Protocol):
@@ -77,6 +88,7 @@ class _GraphDrafter:
         # drafts run in turn with the target: no idle spinning that would steal the target's cores
         self.runner = load_runner(backend, art_dir, manifest, name, threads=threads, spin=False)
         self.offset, self.width = self.head.feature_offset, self.head.feature_dim
+        self.vocab_ids = np.asarray(self.head.vocab_ids, np.int64) if self.head.vocab_ids else None
 
     def allocate(self, slots: int) -> None:
         self.runner.allocate(slots)
@@ -114,7 +126,7 @@ class _GraphDrafter:
         counts = np.array([self.steps if s is not None else 0 for s in slots], np.int64)
         conf = out.get(io.CONFIDENCE_LOGITS)
         return Proposal(tokens=out[io.DRAFT_TOKENS][:n], counts=counts, probs=out[io.DRAFT_PROBS][:n],
-                        confidence_logits=conf[:n] if conf is not None else None)
+                        confidence_logits=conf[:n] if conf is not None else None, vocab_ids=self.vocab_ids)
 
     def _fill(self, feeds: dict[str, np.ndarray], ctxs: list[Context | None], anchors: list[int]) -> None:
         """Write the context rows (padded) and anchors into the bound input buffers."""

@@ -106,7 +106,7 @@ class Speculator:
         if slot.params.greedy:
             verdict = accept_greedy(drafts, logits[:ell + 1])
         else:
-            probs = proposal.probs[i, :ell] if proposal.probs is not None else None
+            probs = proposal.draft_probs(i, ell, logits.shape[-1])
             verdict = accept_sampled(drafts, probs, logits[:ell + 1], slot.params, slot.rng)
         a = verdict.accepted
         rows = features[i, :a + 1] if features is not None else None

@@ -185,6 +185,7 @@ class ExportSettings:
     # Q4_1 / Q8_0 blocks. Quantized graphs use com.microsoft ops (MatMulNBits, GatherBlockQuantized): ORT only.
     weights: str = "float"
     accuracy_level: int = 4  # quantized weights: MatMulNBits activations, 0 = fp32 (exact numerics), 4 = int8
+    draft_vocab: int = 0  # DSpark: its LM / Markov heads score only this many target tokens (0: all; FR-Spec)
 
     def __post_init__(self) -> None:
         for name in ("batch", "max_seq", "prefill_chunk", "verify_len"):
@@ -198,6 +199,9 @@ class ExportSettings:
         if self.accuracy_level not in (0, 4):
             raise SpecrtError(f"--accuracy-level must be 0 (fp32 activations) or 4 (int8 activations), "
                               f"got {self.accuracy_level!r}")
+        if not isinstance(self.draft_vocab, int) or isinstance(self.draft_vocab, bool) or self.draft_vocab < 0:
+            raise SpecrtError(f"--draft-vocab must be a token count >= 1 (0: the whole vocabulary), "
+                              f"got {self.draft_vocab!r}")
         if self.weights != "float" and self.dtype != "float32":
             raise SpecrtError(f"--weights {self.weights} needs --dtype float32 (ONNX Runtime's quantized CPU ops)")
         if self.attention not in ("standard", "cpu"):
@@ -219,11 +223,15 @@ class HeadSpec:
     confidence: bool = False  # DSpark: a confidence head outputs confidence_logits[B,K]
     temperatures: tuple[float, ...] = ()  # DSpark: STS calibration temperature per draft position
     feedback: str = ""  # MTP: hidden fed back to chained steps, "post" or "pre" the head norm
+    # DSpark with a reduced draft vocabulary (`--draft-vocab`): the target token id of each column of its
+    # draft_logits / draft_probs (sorted); empty: the columns are the whole vocabulary
+    vocab_ids: tuple[int, ...] = ()
     config: dict[str, Any] = field(default_factory=dict)  # the head checkpoint's own config, as exported
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "HeadSpec":
-        return cls(**{**d, "temperatures": tuple(d.get("temperatures") or ())})
+        return cls(**{**d, "temperatures": tuple(d.get("temperatures") or ()),
+                      "vocab_ids": tuple(d.get("vocab_ids") or ())})
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,9 +376,11 @@ MTP_LAST_ROW = "last_row"
 
 
 def dspark_signature(*, num_layers: int, num_kv_heads: int, head_dim: int, hidden_size: int, vocab_size: int,
-                     num_features: int, block: int, max_seq: int, dtype: str,
-                     confidence: bool) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """The DSpark draft graph's inputs and outputs over named axes B/C (see the comment above)."""
+                     num_features: int, block: int, max_seq: int, dtype: str, confidence: bool,
+                     draft_vocab: int = 0) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The DSpark draft graph's inputs and outputs over named axes B/C (see the comment above); with a
+    reduced draft vocabulary its logits and probs have `draft_vocab` columns (HeadSpec.vocab_ids)."""
+    vocab_size = draft_vocab or vocab_size
     inputs = [TensorSpec(CTX_FEATURES, dtype, ("B", "C", num_features * hidden_size)),
               TensorSpec(CTX_POSITIONS, "int64", ("B", "C")),
               TensorSpec(CTX_WRITE_INDEX, "int64", ("B",)),

@@ -92,10 +92,17 @@ def _settings(batch: int, max_seq_len: int, prefill_chunk: int, verify_len: int 
                    "[default: gguf for a preset, else float]")
 @click.option("--accuracy-level", type=click.Choice(["0", "4"]), default="4",
               help="Quantized weights: activations of MatMulNBits in fp32 (0, exact numerics) or int8 (4, faster).")
+@click.option("--draft-vocab", type=int, default=0, show_default=True,
+              help="DSpark: score only the N most frequent target tokens of the head's distillation data in its LM "
+                   "and Markov heads (FR-Spec; output stays exact). 0: the whole vocabulary.")
+@click.option("--token-counts", type=click.Path(path_type=Path), default=None,
+              help="Token counts (.npy, from `specrt distill`) for --draft-vocab [default: token_counts.npy beside "
+                   "the DSpark head]")
 @click.option("--force", is_flag=True, help="Replace an existing artifact directory.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feedback: str, no_heads: bool,
-           weights: str, accuracy_level: str, force: bool, quiet: bool, **opts) -> None:
+           weights: str, accuracy_level: str, draft_vocab: int, token_counts: Path | None, force: bool, quiet: bool,
+           **opts) -> None:
     """Export MODEL (HF directory, .gguf file, or preset name `smollm2`) into an artifact directory.
 
     A preset comes with the draft heads specrt ships for it (DSpark and MTP) unless --draft/--mtp or
@@ -120,9 +127,9 @@ def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feed
 
         block = dspark_block_size(draft)
     settings = dataclasses.replace(_settings(**opts, block=block), weights=weights,
-                                   accuracy_level=int(accuracy_level))
+                                   accuracy_level=int(accuracy_level), draft_vocab=draft_vocab)
     path = export_artifact(resolve_model(model, progress=not quiet), out, settings, draft=draft, mtp=mtp,
-                           mtp_feedback=mtp_feedback, progress=not quiet, force=force)
+                           mtp_feedback=mtp_feedback, token_counts=token_counts, progress=not quiet, force=force)
     click.echo(f"wrote {path}")
 
 

@@ -12,6 +12,8 @@ from safetensors import safe_open
 
 from specrt import artifact as io
 from specrt.cli import main
+from specrt.distill.generate import read_responses
+from specrt.distill.vocab import COUNTS_FILE, read_counts
 from specrt.exporter.loaders import load_target
 from specrt.exporter.loaders.deepspec import load_dspark
 from specrt.exporter.loaders.mtp import load_mtp
@@ -90,6 +92,10 @@ def test_dspark_checkpoint_is_compact_calibrated_and_reported(target, distilled)
     assert set(report["seconds"]) == {"target", "generate", "features", "train", "save", "calibrate", "total"}
     assert report["checkpoint_bytes"] == sum(f.stat().st_size for f in ck.iterdir() if f.name != "report.json")
     assert json.loads((ck / "report.json").read_text())["tau"] == report["tau"]
+    counts = read_counts(ck / COUNTS_FILE, tcfg.vocab_size)  # the train responses' tokens, for --draft-vocab
+    rows = read_responses(distilled["work"] / "responses.jsonl")
+    assert counts.sum() == report["token_counts"]["tokens"] > 0
+    assert counts.sum() < sum(len(r["response_ids"]) for r in rows)  # calib responses are not counted
 
 
 def test_mtp_reuses_the_work_dir_and_saves_bf16(target, distilled):

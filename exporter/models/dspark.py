@@ -102,12 +102,12 @@ class DraftLayer(nn.Module):
 class MarkovHead(nn.Module):
     """Low-rank bias from the previous token (§1.7): vanilla W2·W1[prev], gated, or rnn."""
 
-    def __init__(self, cfg: DSparkConfig) -> None:
+    def __init__(self, cfg: DSparkConfig, draft_vocab: int | None = None) -> None:
         super().__init__()
         v, d, r = cfg.layers.vocab_size, cfg.layers.hidden_size, cfg.markov_rank
         self.kind, self.rank = cfg.markov_head_type, r
-        self.markov_w1 = nn.Embedding(v, r)
-        self.markov_w2 = nn.Linear(r, v, bias=False)
+        self.markov_w1 = nn.Embedding(v, r)  # indexed by target token ids, whatever the draft vocabulary
+        self.markov_w2 = nn.Linear(r, draft_vocab or v, bias=False)
         if self.kind == "gated":
             self.gate_proj = nn.Linear(d + r, r)
         elif self.kind == "rnn":
@@ -163,17 +163,22 @@ class DraftOutput:
 class DSparkDraft(nn.Module):
     """The DSpark / DFlash draft: fc + hidden_norm context, draft layers, norm, lm_head, Markov + confidence heads."""
 
-    def __init__(self, cfg: DSparkConfig) -> None:
+    def __init__(self, cfg: DSparkConfig, vocab_ids: np.ndarray | None = None) -> None:
+        """`vocab_ids`: a reduced draft vocabulary (FR-Spec, distill/vocab.py): the LM head and the Markov
+        head's W2 score only these target tokens, and drafts are mapped back to target ids."""
         super().__init__()
         c = self.config = cfg
         d, v = c.layers.hidden_size, c.layers.vocab_size
+        n = len(vocab_ids) if vocab_ids is not None else None
+        self.register_buffer("vocab_ids", None if vocab_ids is None else torch.as_tensor(vocab_ids, dtype=torch.long),
+                             persistent=False)
         self.embed_tokens = nn.Embedding(v, d)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(c.layers.num_layers))
         self.norm = RMSNorm(d, c.layers.rms_norm_eps)
         self.fc = nn.Linear(c.feature_dim, d, bias=False)
         self.hidden_norm = RMSNorm(d, c.layers.rms_norm_eps)
-        self.lm_head = nn.Linear(d, v, bias=False)
-        self.markov_head = MarkovHead(cfg) if c.markov_rank else None
+        self.lm_head = nn.Linear(d, n or v, bias=False)
+        self.markov_head = MarkovHead(cfg, n) if c.markov_rank else None
         self.confidence_head = ConfidenceHead(d + (c.markov_rank if c.confidence_head_with_markov else 0)) \
             if c.enable_confidence_head else None
         self.register_buffer("inv_freq", torch.tensor(c.layers.inv_freq(), dtype=torch.float32), persistent=False)
@@ -181,9 +186,10 @@ class DSparkDraft(nn.Module):
 
     @classmethod
     def from_weights(cls, cfg: DSparkConfig, weights: dict[str, np.ndarray],
-                     dtype: torch.dtype = torch.float32) -> "DSparkDraft":
-        """Build and load from DeepSpec-named numpy weights (strict)."""
-        model = cls(cfg)
+                     dtype: torch.dtype = torch.float32, vocab_ids: np.ndarray | None = None) -> "DSparkDraft":
+        """Build and load from DeepSpec-named numpy weights (strict); lm_head and markov_w2 hold only the
+        `vocab_ids` rows when a draft vocabulary is given."""
+        model = cls(cfg, vocab_ids)
         state = {k: torch.from_numpy(np.ascontiguousarray(w)) for k, w in weights.items()}
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
@@ -232,6 +238,8 @@ class DSparkDraft(nn.Module):
                 corrected, state = mk.step(corrected, prev_emb, h[:, i], state)
                 prev_embs.append(prev_emb)
             prev, p = sample_draft(corrected, temperature, noise[:, i])
+            if self.vocab_ids is not None:  # an index into the draft vocabulary -> the target's token id
+                prev = self.vocab_ids[prev]
             tokens.append(prev), logits.append(corrected), probs.append(p)
         conf = None
         if self.confidence_head is not None:

@@ -22,10 +22,13 @@ P = "dspark."  # weight-name prefix in the shared store
 F32 = onnx_dtype("float32")
 
 
-def dspark_weights(cfg: DSparkConfig, weights: dict[str, np.ndarray],
-                   target_weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def dspark_weights(cfg: DSparkConfig, weights: dict[str, np.ndarray], target_weights: dict[str, np.ndarray],
+                   vocab_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The tensors the draft graph reads: `dspark.`-prefixed DeepSpec tensors with k/v and gate/up stacked;
-    embed/lm_head under the target's names when numerically equal to the target's (stored once)."""
+    embed/lm_head under the target's names when numerically equal to the target's (stored once).
+
+    With a draft vocabulary (`vocab_ids`), markov_w2 keeps only those rows, and an own lm_head too; a head
+    shared with the target gets its row subset from the exporter (`vocab_head_source`), in the target's form."""
     out = {P + k: v for k, v in weights.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
     for i in range(cfg.layers.num_layers):
         a, m = f"{P}layers.{i}.self_attn", f"{P}layers.{i}.mlp"
@@ -41,8 +44,22 @@ def dspark_weights(cfg: DSparkConfig, weights: dict[str, np.ndarray],
             continue
         ref = target_weights.get(shared)
         same = ref is not None and np.array_equal(weights[own], ref)
+        if own == "lm_head.weight" and vocab_ids is not None:
+            if not same:
+                out[P + own] = weights[own][vocab_ids]
+            continue
         out[shared if same else P + own] = weights[own]
+    if vocab_ids is not None and cfg.markov_rank:
+        w2 = P + "markov_head.markov_w2.weight"
+        out[w2] = out[w2][vocab_ids]
     return out
+
+
+def vocab_head_source(out: dict[str, np.ndarray], target_cfg: ModelConfig) -> str | None:
+    """The target tensor whose rows make a reduced-vocabulary DSpark's lm_head (None: it has its own)."""
+    if P + "lm_head.weight" in out:
+        return None
+    return "model.embed_tokens.weight" if target_cfg.tie_word_embeddings else "lm_head.weight"
 
 
 def _shared(g: GraphBuilder, own: str, target_name: str) -> str:
@@ -63,14 +80,17 @@ def _shared(g: GraphBuilder, own: str, target_name: str) -> str:
 
 
 def build_dspark_graph(g: GraphBuilder, cfg: DSparkConfig, target_cfg: ModelConfig, *, max_seq: int,
-                       dtype: str, attention: str = "standard") -> None:
+                       dtype: str, attention: str = "standard", vocab_ids: np.ndarray | None = None) -> None:
     """Emit the whole DSpark draft graph into `g` over named axes B/C; its store must hold `dspark_weights(...)`.
 
-    `attention` is the target's lowering (`attention.LOWERINGS`)."""
+    `attention` is the target's lowering (`attention.LOWERINGS`). `vocab_ids`: a reduced draft vocabulary;
+    the LM head is then the store's `dspark.lm_head.weight` (those rows), the Markov and sampling work spans
+    len(vocab_ids) columns, and each sampled column is mapped back to its target token id."""
     check_lowering(attention)
     lc, K = cfg.layers, cfg.block_size
     cfg.check_target(target_cfg)
-    inputs, outputs = dspark_signature(cfg, max_seq=max_seq, dtype=dtype)
+    inputs, outputs = dspark_signature(cfg, max_seq=max_seq, dtype=dtype,
+                                       draft_vocab=len(vocab_ids) if vocab_ids is not None else 0)
     for t in inputs:
         g.input(t.name, t.dtype, t.shape)
     shape = {t.name: t.shape for t in outputs}
@@ -107,8 +127,10 @@ def build_dspark_graph(g: GraphBuilder, cfg: DSparkConfig, target_cfg: ModelConf
             presents.append((pk, pv))
         h = rms_norm(g, x, g.weight(P + "norm.weight"), lc.rms_norm_eps, dtype, name="norm", lowering=attention)
         head = "lm_head.weight" if not target_cfg.tie_word_embeddings else "model.embed_tokens.weight"
-        base = linear(g, h, _shared(g, "lm_head.weight", head), name="lm_head")  # [B*K, V]
-        tokens, logits, probs, conf = _draft_heads(g, cfg, base, h, anchor, temperature, noise, dtype)
+        base = linear(g, h, _shared(g, "lm_head.weight", head), name="lm_head")  # [B*K, V or len(vocab_ids)]
+        ids = g.const(np.asarray(vocab_ids, np.int64), "vocab_ids") if vocab_ids is not None else None
+        tokens, logits, probs, conf = _draft_heads(g, cfg, base, h, anchor, temperature, noise, dtype, ids,
+                                                   len(vocab_ids) if vocab_ids is not None else lc.vocab_size)
 
     named = {io.DRAFT_TOKENS: tokens, io.DRAFT_LOGITS: logits, io.DRAFT_PROBS: probs, io.CONFIDENCE_LOGITS: conf}
     named.update({n: v for i, kv in enumerate(presents) for n, v in zip(io.present_names(i), kv)})
@@ -116,14 +138,14 @@ def build_dspark_graph(g: GraphBuilder, cfg: DSparkConfig, target_cfg: ModelConf
         g.output(named[t.name], t.name, t.dtype, t.shape)
 
 
-def dspark_signature(cfg: DSparkConfig, *, max_seq: int, dtype: str
+def dspark_signature(cfg: DSparkConfig, *, max_seq: int, dtype: str, draft_vocab: int = 0
                      ) -> tuple[tuple[io.TensorSpec, ...], tuple[io.TensorSpec, ...]]:
     """`io.dspark_signature` for this checkpoint's config."""
     lc = cfg.layers
     return io.dspark_signature(num_layers=lc.num_layers, num_kv_heads=lc.num_kv_heads, head_dim=lc.head_dim,
                                hidden_size=lc.hidden_size, vocab_size=lc.vocab_size,
                                num_features=len(cfg.target_layer_ids), block=cfg.block_size, max_seq=max_seq,
-                               dtype=dtype, confidence=cfg.enable_confidence_head)
+                               dtype=dtype, confidence=cfg.enable_confidence_head, draft_vocab=draft_vocab)
 
 
 def _context(g: GraphBuilder, cfg: DSparkConfig, feats: str, dtype: str, lowering: str) -> str:
@@ -200,16 +222,19 @@ def _attention(g: GraphBuilder, a: str, ctx: str, p: str, lc: ModelConfig, K: in
 
 
 def _draft_heads(g: GraphBuilder, cfg: DSparkConfig, base: str, h: str, anchor: str, temperature: str, noise: str,
-                 dtype: str) -> tuple[str, str, str, str | None]:
-    """Markov loop unrolled over the K slots with in-graph sampling, then the confidence head."""
+                 dtype: str, ids: str | None, V: int) -> tuple[str, str, str, str | None]:
+    """Markov loop unrolled over the K slots with in-graph sampling, then the confidence head. V columns: the
+    vocabulary, or the draft vocabulary `ids` (a [V] constant mapping a sampled column to its token id)."""
     lc, K, r = cfg.layers, cfg.block_size, cfg.markov_rank
-    V, d = lc.vocab_size, lc.hidden_size
+    d = lc.hidden_size
+    to_id = (lambda col: g.op("Gather", ids, col, name="token_id")) if ids is not None else (lambda col: col)
     with g.scope("heads"):
         base3 = g.op("Reshape", base, g.const([-1, K, V], "bkv", "int64"))
         h3 = g.op("Reshape", h, g.const([-1, K, d], "bkd", "int64"))
         if not r:  # DFlash: no sequential dependency, all K slots sampled at once
             tokens, probs = sample_draft(g, base3, g.op("Unsqueeze", temperature, g.const([1, 2], "ax12", "int64")),
                                          g.op("Unsqueeze", noise, g.const([2], "ax2", "int64")), V, dtype)
+            tokens = to_id(tokens)
             logits, embs = base3, None
         else:
             t_col = g.op("Unsqueeze", temperature, g.const([1], "ax1", "int64"))  # [B,1]
@@ -226,7 +251,8 @@ def _draft_heads(g: GraphBuilder, cfg: DSparkConfig, base: str, h: str, anchor: 
                     corrected, state = _markov_step(g, cfg, u, e, hk, state, dtype)
                     nz = g.op("Slice", noise, g.const([k], "k0", "int64"), g.const([k + 1], "k1", "int64"),
                               g.const([1], "ax", "int64"))  # [B,1]
-                    prev, pk = sample_draft(g, corrected, t_col, nz, V, dtype)  # prev_{k+1} = token_k
+                    col, pk = sample_draft(g, corrected, t_col, nz, V, dtype)
+                    prev = to_id(col)  # prev_{k+1} = token_k
                     ax1 = g.const([1], "ax1", "int64")
                     for key, val in (("tok", prev), ("logits", corrected), ("probs", pk), ("emb", e)):
                         cols[key].append(g.op("Unsqueeze", val, ax1, name=f"stack_{key}"))

@@ -128,6 +128,11 @@ def permute_rows(b: Blocks, permute) -> Blocks:
     return Blocks(fix(b.codes), fix(b.scales), b.bits, b.kind, fix(b.zeros), fix(b.mins))
 
 
+def select_rows(w: "np.ndarray | Blocks", rows: np.ndarray) -> "np.ndarray | Blocks":
+    """Rows `rows` of an [N, K] weight, float or blocks (each row's blocks are its own: exact)."""
+    return permute_rows(w, lambda a: a[rows]) if isinstance(w, Blocks) else np.ascontiguousarray(w[rows])
+
+
 def concat_rows(parts: list) -> "np.ndarray | Blocks":
     """Stack weights along N (q/k/v, gate/up): blocks run along K, so block rows concatenate as they are.
 

@@ -137,11 +137,12 @@ class _DSparkFamily:
 
     def __init__(self, m: io.Manifest, name: str, w: dict[str, np.ndarray], dtype: torch.dtype) -> None:
         cfg = DSparkConfig.from_dict(m.heads[name].config)
+        vocab_ids = np.asarray(m.heads[name].vocab_ids, np.int64) if m.heads[name].vocab_ids else None
         own = _own(w, "dspark.")
         for i in range(cfg.layers.num_layers):
             _unstack_layer(own, f"layers.{i}", cfg.layers, q_apart=True)
         _shared(own, w, m.model, embed="embed_tokens.weight", head="lm_head.weight")  # the target's when equal
-        self.model = model = DSparkDraft.from_weights(cfg, own, dtype)
+        self.model = model = DSparkDraft.from_weights(cfg, own, dtype, vocab_ids)
         _fp32_rope(model)
         if dtype != torch.float32:
             model.fc = nn.Sequential(_Cast(torch.float32), model.fc.float())
