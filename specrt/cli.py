@@ -344,6 +344,47 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
         sys.exit(1)
 
 
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--backend", type=click.Choice(["ort", "torch"]), default="ort", help="Runtime backend.")
+@click.option("--threads", type=int, default=None, help="Threads (default: all cores).")
+@click.option("--position", default=128, show_default=True, help="Cache position every call runs at.")
+@click.option("--repeats", default=5, show_default=True, help="Interleaved repetitions (medians are reported).")
+@click.option("--plot", type=click.Path(path_type=Path), default=None,
+              help="Write a PNG: verify cost against verified tokens, draft calls against a decoding step.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def profile(artifact: Path, backend: str, threads: int | None, position: int, repeats: int, plot: Path | None,
+            as_json: bool) -> None:
+    """Measure the draft call and the verify call (against verified tokens) on this machine; store the table in
+    ARTIFACT (profile.json) for the schedulers."""
+    from specrt.runtime.profile import measure, plot_profile, save_profile
+
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise SpecrtError(f"--plot writes a PNG; got {plot}")
+    if repeats < 1 or (threads is not None and threads < 1):
+        raise SpecrtError("--repeats and --threads must be >= 1")
+    prof = measure(artifact, backend=backend, threads=threads, position=position, repeats=repeats,
+                   progress=not as_json)
+    path = save_profile(artifact, prof)
+    report = {**prof.to_dict(), "in_steps": prof.summary(), "file": str(path)}
+    if plot is not None:
+        report["plot"] = str(plot_profile(prof, plot))
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    step = prof.step_ms(1)
+    click.echo(f"{prof.backend}, {prof.threads} threads, cache position {prof.position} ({prof.machine})")
+    lens = sorted(next(iter(prof.verify.values())))
+    click.echo("verify call ms, B slots x T tokens each (T=1: a decoding step)")
+    click.echo(" " * 6 + "".join(f"{'T=' + str(t):>8s}" for t in lens))
+    for b, row in sorted(prof.verify.items()):
+        click.echo(f"{'B=' + str(b):6s}" + "".join(f"{row[t]:8.2f}" for t in lens))
+    for head, row in sorted(prof.draft.items()):
+        click.echo(f"{head} draft call ms: " + ", ".join(f"B={b} {ms:.2f}" for b, ms in sorted(row.items()))
+                   + f"  ({prof.draft_ms(head, 1) / step:.2f} decoding steps at B=1)")
+    click.echo(f"wrote {path}" + (f" and {report['plot']}" if plot is not None else ""))
+
+
 def _layer_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
     if value is None:
         return None

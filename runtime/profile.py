@@ -1,0 +1,254 @@
+"""`specrt profile`: what a draft/verify round costs on this machine and backend, stored in the artifact.
+
+A round pays when the tokens it commits (τ) are worth more than its cost in plain decoding steps:
+    cost = draft call + verify call over (anchor + ℓ drafts) per slot
+so the schedulers need two measured curves, taken here at one cache position with every slot busy:
+
+    verify   the target call for B slots × T tokens (T = 1 is the plain decoding step), for each exported
+             batch size B and T = 1..verify_len: cost against the total verified tokens B·T (the DSpark
+             paper's SPS cost curve)
+    draft    each head's propose call for B slots (one and verify_len new context rows, averaged)
+
+Calls are interleaved (every configuration once per repetition; medians over repetitions), because the speed
+of a shared machine drifts. The table goes to PROFILE_FILE in the artifact, one entry per backend and thread
+count; `load_profile` reads it back.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from specrt import artifact as io
+from specrt.errors import SpecrtError
+from specrt.runtime.backends import load_runner
+
+PROFILE_FILE = "profile.json"
+VERSION = 1
+
+
+@dataclass
+class Profile:
+    """Measured call costs (milliseconds) of one artifact on one backend with a given thread count."""
+
+    backend: str
+    threads: int
+    position: int  # the cache position the calls ran at
+    machine: str
+    created: str
+    verify: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> tokens per slot T -> ms
+    draft: dict[str, dict[int, float]] = field(default_factory=dict)  # head -> batch -> ms
+
+    def step_ms(self, batch: int) -> float:
+        """The plain decoding step (T = 1) at the smallest profiled batch holding `batch` slots."""
+        return self.verify_ms(batch, 1)
+
+    def verify_ms(self, batch: int, tokens: int) -> float:
+        """A verify call of `batch` slots × `tokens` tokens (rounded up to profiled sizes)."""
+        b = _ceil_key(self.verify, batch)
+        return self.verify[b][_ceil_key(self.verify[b], tokens)]
+
+    def draft_ms(self, head: str, batch: int) -> float:
+        if head not in self.draft:
+            return 0.0  # n-gram lookups: no graph call
+        return self.draft[head][_ceil_key(self.draft[head], batch)]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["verify"] = {str(b): {str(t): ms for t, ms in row.items()} for b, row in self.verify.items()}
+        d["draft"] = {h: {str(b): ms for b, ms in row.items()} for h, row in self.draft.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Profile":
+        d = dict(d)
+        d["verify"] = {int(b): {int(t): float(ms) for t, ms in row.items()} for b, row in d["verify"].items()}
+        d["draft"] = {h: {int(b): float(ms) for b, ms in row.items()} for h, row in d["draft"].items()}
+        return cls(**d)
+
+    def summary(self) -> dict:
+        """Costs in plain decoding steps at batch 1: what decides whether a round pays."""
+        step = self.step_ms(1)
+        return {"step_ms": round(step, 3),
+                "verify_steps": {t: round(ms / step, 3) for t, ms in self.verify[min(self.verify)].items()},
+                "draft_steps": {h: round(self.draft_ms(h, 1) / step, 3) for h in self.draft}}
+
+
+def _ceil_key(table: dict[int, object], n: int) -> int:
+    keys = sorted(table)
+    return next((k for k in keys if k >= n), keys[-1])
+
+
+def _key(backend: str, threads: int) -> str:
+    return f"{backend}/{threads}"
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def _fill_target(feeds: dict[str, np.ndarray], position: int) -> None:
+    b, t = feeds[io.INPUT_IDS].shape
+    feeds[io.INPUT_IDS][:] = 100
+    feeds[io.WRITE_INDEX][:] = position
+    feeds[io.POSITION_IDS][:] = position + np.arange(t)
+    feeds[io.LOGIT_ROWS][:] = np.arange(feeds[io.LOGIT_ROWS].shape[1])
+
+
+def _fill_draft(feeds: dict[str, np.ndarray], position: int, rows: int) -> None:
+    for buf in feeds.values():
+        buf[...] = 0
+    if io.CTX_FEATURES in feeds:  # DSpark: `rows` new context rows ending at the anchor's position
+        feeds[io.CTX_FEATURES][:] = 0.1
+        feeds[io.CTX_POSITIONS][:] = position - rows + np.arange(rows)
+        feeds[io.CTX_WRITE_INDEX][:] = position - rows
+        feeds[io.CTX_LEN][:] = position
+        feeds[io.ANCHOR_IDS][:] = 100
+    else:  # MTP
+        feeds[io.MTP_TOKENS][:] = 100
+        feeds[io.MTP_HIDDEN][:] = 0.1
+        feeds[io.MTP_POSITIONS][:] = position - rows + np.arange(feeds[io.MTP_POSITIONS].shape[1])
+        feeds[io.MTP_LAST_ROW][:] = rows - 1
+
+
+def measure(art: str | Path, *, backend: str = "ort", threads: int | None = None, position: int = 128,
+            repeats: int = 5, calls: int = 4, progress: bool = True) -> Profile:
+    """Time every configuration `calls` times per repetition, interleaved over `repeats` repetitions."""
+    art = Path(art)
+    manifest = io.load_manifest(art)
+    threads = threads or default_threads()
+    s = manifest.export
+    if not s.verify_len < position < s.max_seq - s.verify_len:
+        raise SpecrtError(f"--position must be between {s.verify_len + 1} and {s.max_seq - s.verify_len - 1}, "
+                          f"got {position}")
+    target = load_runner(backend, art, manifest, io.TARGET, threads=threads, spin=True)
+    heads = {name: load_runner(backend, art, manifest, name, threads=threads, spin=False) for name in manifest.heads}
+    batches = io.batch_sizes(s.batch)
+    target.allocate(max(batches))
+    for r in heads.values():
+        r.allocate(max(batches))
+    jobs: list[tuple[tuple, object]] = []  # (key, a call)
+
+    def target_call(b: int, t: int):
+        bucket = target.spec.bucket("decode", B=b) if t == 1 else target.spec.bucket("verify", B=b, T=t)
+        _fill_target(target.inputs(0, bucket), position)
+        return lambda: target.run(0, bucket)
+
+    def draft_call(r, b: int, rows: int):
+        bucket = r.spec.bucket("propose", B=b, C=rows)
+        _fill_draft(r.inputs(0, bucket), position, rows)
+        return lambda: r.run(0, bucket)
+
+    for b in batches:
+        for t in range(1, s.verify_len + 1):
+            jobs.append((("verify", b, t), target_call(b, t)))
+        for name, r in heads.items():
+            for rows in sorted({1, s.verify_len}):
+                jobs.append((("draft", name, b, rows), draft_call(r, b, rows)))
+    times: dict[tuple, list[float]] = {key: [] for key, _ in jobs}
+    for _, call in jobs:  # warm-up: first-use allocations, cache growth
+        call()
+    with tqdm(total=repeats * len(jobs), desc="profile", unit="config", disable=not progress) as bar:
+        for _ in range(repeats):
+            for key, call in jobs:
+                ts = []
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    call()
+                    ts.append(time.perf_counter() - t0)
+                times[key].append(float(np.median(ts)) * 1e3)
+                bar.update(1)
+    med = {key: round(float(np.median(v)), 3) for key, v in times.items()}
+    verify: dict[int, dict[int, float]] = {}
+    draft: dict[str, dict[int, float]] = {}
+    for key, ms in med.items():
+        if key[0] == "verify":
+            verify.setdefault(key[1], {})[key[2]] = ms
+    for name in heads:
+        for b in batches:
+            draft.setdefault(name, {})[b] = round(float(np.mean([ms for k, ms in med.items()
+                                                                  if k[:3] == ("draft", name, b)])), 3)
+    return Profile(backend=backend, threads=threads, position=position, machine=_cpu(),
+                   created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), verify=verify, draft=draft)
+
+
+def save_profile(art: str | Path, profile: Profile) -> Path:
+    """Add (or replace) this backend/thread count's entry in the artifact's PROFILE_FILE, atomically."""
+    path = Path(art) / PROFILE_FILE
+    entries = _read(path)
+    entries[_key(profile.backend, profile.threads)] = profile.to_dict()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"version": VERSION, "profiles": entries}, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise SpecrtError(f"cannot write {path}: {e.strerror or e}") from None
+    return path
+
+
+def _read(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        return dict(data["profiles"]) if data.get("version") == VERSION else {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise SpecrtError(f"{path} is not a specrt profile; delete it and run `specrt profile` again") from None
+
+
+def load_profile(art: str | Path, *, backend: str = "ort", threads: int | None = None) -> Profile | None:
+    """The stored profile for this backend and thread count (or, failing that, for this backend), if any."""
+    entries = _read(Path(art) / PROFILE_FILE)
+    threads = threads or default_threads()
+    d = entries.get(_key(backend, threads)) or next((v for k, v in entries.items() if k.startswith(backend + "/")),
+                                                    None)
+    return Profile.from_dict(d) if d else None
+
+
+def plot_profile(profile: Profile, path: str | Path) -> Path:
+    """Verify cost against total verified tokens per batch size, and each head's draft call, in ms."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for b, row in sorted(profile.verify.items()):
+        ts = sorted(row)
+        left.plot([b * t for t in ts], [row[t] for t in ts], marker="o", label=f"B = {b} (T = 1..{ts[-1]})")
+    left.set(xlabel="verified tokens per call (B·T)", ylabel="ms per target call",
+             title="Verify cost (T = 1: a plain decoding step)")
+    left.grid(alpha=0.3)
+    left.legend()
+    batches = sorted(profile.verify)
+    right.plot(batches, [profile.step_ms(b) for b in batches], marker="s", color="k", label="decode step (target)")
+    for head, row in sorted(profile.draft.items()):
+        right.plot(sorted(row), [row[b] for b in sorted(row)], marker="o", label=f"{head} draft call")
+    right.set(xlabel="slots B", ylabel="ms per call", title="Draft call against a decoding step")
+    right.grid(alpha=0.3)
+    right.legend()
+    fig.suptitle(f"{profile.backend}, {profile.threads} threads, cache position {profile.position}, "
+                 f"{profile.machine}", fontsize=9)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -1,0 +1,68 @@
+"""`specrt profile`: the measured cost table, how it is stored in the artifact and read back."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specrt.artifact import ExportSettings
+from specrt.cli import main
+from specrt.errors import SpecrtError
+from specrt.exporter.export import export_artifact
+from specrt.runtime.profile import PROFILE_FILE, Profile, load_profile, measure, save_profile
+
+FIXTURE = Path(__file__).parent / "fixtures" / "deepspec_dspark_tiny"
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prof") / "art"
+    return export_artifact(FIXTURE / "target", out, ExportSettings(batch=2, max_seq=64, prefill_chunk=8,
+                                                                   verify_len=3), draft=FIXTURE / "draft",
+                           progress=False)
+
+
+def test_measure_covers_every_bucket(art):
+    p = measure(art, threads=1, position=20, repeats=1, calls=1, progress=False)
+    assert sorted(p.verify) == [1, 2] and all(sorted(row) == [1, 2, 3] for row in p.verify.values())
+    assert sorted(p.draft) == ["dspark"] and sorted(p.draft["dspark"]) == [1, 2]
+    assert all(ms > 0 for row in p.verify.values() for ms in row.values())
+    assert p.step_ms(1) == p.verify[1][1] and p.verify_ms(2, 3) == p.verify[2][3]
+    assert p.verify_ms(2, 9) == p.verify[2][3]  # beyond the table: its last column
+    assert p.draft_ms("ngram", 1) == 0.0  # no graph
+    s = p.summary()
+    assert s["verify_steps"][1] == 1.0 and s["draft_steps"]["dspark"] > 0
+
+
+def test_saved_per_backend_and_threads(art):
+    p = measure(art, threads=1, position=20, repeats=1, calls=1, progress=False)
+    save_profile(art, p)
+    q = Profile.from_dict({**p.to_dict(), "threads": 2, "verify": {"1": {"1": 9.0}}, "draft": {}})
+    save_profile(art, q)
+    data = json.loads((art / PROFILE_FILE).read_text())
+    assert sorted(data["profiles"]) == ["ort/1", "ort/2"]
+    assert load_profile(art, threads=1) == p
+    assert load_profile(art, threads=2).verify == {1: {1: 9.0}}
+    assert load_profile(art, threads=7).backend == "ort"  # another thread count: the backend's first entry
+    assert load_profile(art, backend="torch") is None
+    (art / PROFILE_FILE).write_text("{oops")
+    with pytest.raises(SpecrtError, match="not a specrt profile"):
+        load_profile(art)
+    (art / PROFILE_FILE).unlink()
+
+
+def test_cli(art, tmp_path):
+    r = CliRunner().invoke(main, ["profile", str(art), "--threads", "1", "--position", "20", "--repeats", "1",
+                                  "--json", "--plot", str(tmp_path / "p.png")])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output)
+    assert report["in_steps"]["verify_steps"]["1"] == 1.0 and (tmp_path / "p.png").stat().st_size > 0
+    assert load_profile(art, threads=1) is not None
+    r = CliRunner().invoke(main, ["profile", str(art), "--position", "70"])
+    assert r.exit_code != 0 and "--position must be between" in r.output
+    r = CliRunner().invoke(main, ["profile", str(art), "--plot", str(tmp_path / "p.svg")])
+    assert r.exit_code != 0 and "PNG" in r.output
+    r = CliRunner().invoke(main, ["profile", str(tmp_path / "missing")])
+    assert r.exit_code != 0 and "Traceback" not in r.output
