@@ -107,7 +107,7 @@ class Engine:
     def __init__(self, art_dir: str | Path, *, method: str = "ar", gamma: int | None = None,
                  scheduler: str = "fixed", backend: str = "ort", threads: int | None = None,
                  ngram: int = 3, slots: int | None = None, trace: Path | None = None,
-                 observers: Sequence[RoundObserver] = ()) -> None:
+                 observers: Sequence[RoundObserver] = (), threshold: float = 0.3) -> None:
         if method not in METHODS:
             raise SpecrtError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         if backend not in BACKENDS:
@@ -133,7 +133,11 @@ class Engine:
             self.drafter = make_drafter(method, self.art_dir, self.manifest, gamma=gamma or exported,
                                         backend=backend, threads=threads, ngram=ngram)
             g = min(gamma or exported, self.drafter.steps)
-            self.spec = Speculator(self.target, self.drafter, make_scheduler(scheduler, gamma=g), gamma=g)
+            head = self.manifest.heads.get(method)
+            sched = make_scheduler(scheduler, gamma=g, temperatures=head.temperatures if head else (),
+                                   threshold=threshold, head=method,
+                                   costs=self._costs(backend, threads) if scheduler.startswith("sps") else None)
+            self.spec = Speculator(self.target, self.drafter, sched, gamma=g)
         self.gamma = self.spec.gamma if self.spec else 0
         self.observers: list[RoundObserver] = list(observers)
         if trace is not None:
@@ -145,6 +149,20 @@ class Engine:
         self._fixed_slots = slots is not None
         if slots is not None:
             self._allocate(min(max(1, slots), self.max_batch))
+
+    def _costs(self, backend: str, threads: int | None):
+        """The artifact's stored profile for this backend, or (with a warning) a quick one measured now."""
+        import sys
+
+        from specrt.runtime.profile import load_profile, measure
+
+        prof = load_profile(self.art_dir, backend=backend, threads=threads)
+        if prof is None:
+            print(f"specrt: warning: {self.art_dir} has no {backend} cost profile; measuring a quick one "
+                  f"(run `specrt profile {self.art_dir}` once to store a careful one)", file=sys.stderr)
+            prof = measure(self.art_dir, backend=backend, threads=threads, repeats=1, calls=2, progress=False,
+                           position=min(128, self.manifest.export.max_seq // 2))
+        return prof
 
     # -- the online API ---------------------------------------------------------------------------
 

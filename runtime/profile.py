@@ -103,15 +103,15 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
 
-def _fill_target(feeds: dict[str, np.ndarray], position: int) -> None:
+def _fill_target(feeds: dict[str, np.ndarray], position: int, token: int) -> None:
     b, t = feeds[io.INPUT_IDS].shape
-    feeds[io.INPUT_IDS][:] = 100
+    feeds[io.INPUT_IDS][:] = token
     feeds[io.WRITE_INDEX][:] = position
     feeds[io.POSITION_IDS][:] = position + np.arange(t)
     feeds[io.LOGIT_ROWS][:] = np.arange(feeds[io.LOGIT_ROWS].shape[1])
 
 
-def _fill_draft(feeds: dict[str, np.ndarray], position: int, rows: int) -> None:
+def _fill_draft(feeds: dict[str, np.ndarray], position: int, rows: int, token: int) -> None:
     for buf in feeds.values():
         buf[...] = 0
     if io.CTX_FEATURES in feeds:  # DSpark: `rows` new context rows ending at the anchor's position
@@ -119,9 +119,9 @@ def _fill_draft(feeds: dict[str, np.ndarray], position: int, rows: int) -> None:
         feeds[io.CTX_POSITIONS][:] = position - rows + np.arange(rows)
         feeds[io.CTX_WRITE_INDEX][:] = position - rows
         feeds[io.CTX_LEN][:] = position
-        feeds[io.ANCHOR_IDS][:] = 100
+        feeds[io.ANCHOR_IDS][:] = token
     else:  # MTP
-        feeds[io.MTP_TOKENS][:] = 100
+        feeds[io.MTP_TOKENS][:] = token
         feeds[io.MTP_HIDDEN][:] = 0.1
         feeds[io.MTP_POSITIONS][:] = position - rows + np.arange(feeds[io.MTP_POSITIONS].shape[1])
         feeds[io.MTP_LAST_ROW][:] = rows - 1
@@ -140,6 +140,7 @@ def measure(art: str | Path, *, backend: str = "ort", threads: int | None = None
     target = load_runner(backend, art, manifest, io.TARGET, threads=threads, spin=True)
     heads = {name: load_runner(backend, art, manifest, name, threads=threads, spin=False) for name in manifest.heads}
     batches = io.batch_sizes(s.batch)
+    token = min(100, manifest.model.vocab_size - 1)  # any token: costs do not depend on values
     target.allocate(max(batches))
     for r in heads.values():
         r.allocate(max(batches))
@@ -147,12 +148,12 @@ def measure(art: str | Path, *, backend: str = "ort", threads: int | None = None
 
     def target_call(b: int, t: int):
         bucket = target.spec.bucket("decode", B=b) if t == 1 else target.spec.bucket("verify", B=b, T=t)
-        _fill_target(target.inputs(0, bucket), position)
+        _fill_target(target.inputs(0, bucket), position, token)
         return lambda: target.run(0, bucket)
 
     def draft_call(r, b: int, rows: int):
         bucket = r.spec.bucket("propose", B=b, C=rows)
-        _fill_draft(r.inputs(0, bucket), position, rows)
+        _fill_draft(r.inputs(0, bucket), position, rows, token)
         return lambda: r.run(0, bucket)
 
     for b in batches:

@@ -3,6 +3,19 @@
 A scheduler sees the slots, the proposal (with confidence logits where the drafter has a confidence
 head) and the load, and returns verify lengths. The loop then caps every length by the drafts proposed
 and by the request's remaining token budget, so a scheduler only expresses its policy.
+
+    fixed      verify every draft (up to gamma)
+    threshold  cut each slot where the calibrated prefix survival a_k = Π_{i<=k} sigmoid(c_i / T_i) falls
+               below a threshold (specrt::ConfidenceTruncate, threshold mode)
+    sps        the DSpark paper's Algorithm 1: admit (slot, k) pairs in order of survival while the expected
+               committed tokens per second of the round, on the profiled cost curve (`specrt profile`),
+               improve; stop at the first pair that does not improve it
+    sps-async  §5.2: the round's capacity (total drafts) is planned from the previous round's survivals, and
+               this round's survivals only pick which pairs fill it (ConfidenceTruncate, budget mode)
+
+Heads without a confidence head (MTP, n-gram lookups) use the per-position acceptance measured so far in
+the run as their survival. No scheduler looks at whether this round's drafts will be accepted, only at draft-
+side confidences and past rounds, which keeps the loop exact (paper, Appendix A).
 """
 from __future__ import annotations
 
@@ -12,6 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from specrt.errors import SpecrtError
+from specrt.plugins.confidence_truncate import admit, survival
 from specrt.runtime.drafters import Proposal, SlotView
 
 
@@ -30,23 +44,137 @@ class Scheduler(Protocol):
     def schedule(self, slots: list[SlotView | None], proposal: Proposal, load: Load) -> np.ndarray:
         """Verify lengths [n] for slots [0, n) (0 = a plain decode step for that slot)."""
 
+    def observe(self, verified: int, accepted: int) -> None:
+        """One slot's round outcome, after the round (the acceptance history schedulers may learn from)."""
 
-class FixedScheduler:
+
+class Costs(Protocol):
+    """What the cost-aware schedulers read from a profile (runtime/profile.py)."""
+
+    def verify_ms(self, batch: int, tokens: int) -> float: ...
+
+    def draft_ms(self, head: str, batch: int) -> float: ...
+
+
+class AcceptanceHistory:
+    """Per draft position, the conditional acceptance measured so far (a Beta(1, 1) prior: 0.5 untried)."""
+
+    def __init__(self, gamma: int) -> None:
+        self.hits = np.ones(gamma)
+        self.tries = np.full(gamma, 2.0)
+
+    def observe(self, verified: int, accepted: int) -> None:
+        reached = np.arange(min(verified, accepted + 1))  # positions tried with all earlier ones accepted
+        self.tries[reached] += 1
+        self.hits[reached[reached < accepted]] += 1
+
+    def survival(self) -> np.ndarray:
+        """[gamma]: P(the first k+1 drafts are all accepted)."""
+        return np.cumprod(self.hits / self.tries)
+
+
+class _Base:
+    name = "base"
+
+    def __init__(self, gamma: int, *, temperatures=(), **_) -> None:
+        self.gamma = gamma
+        self.temperatures = np.asarray(temperatures if len(temperatures) else [], np.float32)
+        self.history = AcceptanceHistory(gamma)
+
+    def observe(self, verified: int, accepted: int) -> None:
+        self.history.observe(verified, accepted)
+
+    def survival(self, proposal: Proposal) -> np.ndarray:
+        """[n, gamma] prefix survival of every slot's drafts; 0 past the drafts a slot has."""
+        n = len(proposal.counts)
+        conf = proposal.confidence_logits
+        if conf is not None and len(self.temperatures) >= self.gamma:
+            a = survival(conf[:, :self.gamma], self.temperatures[:self.gamma])
+        else:
+            a = np.broadcast_to(self.history.survival()[:self.gamma], (n, self.gamma)).astype(np.float32)
+        return np.where(np.arange(self.gamma) < proposal.counts[:, None], a, np.float32(0.0))
+
+
+class FixedScheduler(_Base):
     """Verify every proposed draft, up to gamma."""
 
     name = "fixed"
-
-    def __init__(self, gamma: int) -> None:
-        self.gamma = gamma
 
     def schedule(self, slots: list[SlotView | None], proposal: Proposal, load: Load) -> np.ndarray:
         return np.minimum(proposal.counts, self.gamma)
 
 
-SCHEDULERS = {"fixed": FixedScheduler}
+class ThresholdScheduler(_Base):
+    """Cut each slot's drafts where the calibrated prefix survival falls below `threshold`."""
+
+    name = "threshold"
+
+    def __init__(self, gamma: int, *, threshold: float = 0.3, **kw) -> None:
+        super().__init__(gamma, **kw)
+        if not 0.0 <= threshold <= 1.0:
+            raise SpecrtError(f"--threshold must be a probability in [0, 1], got {threshold}")
+        self.threshold = threshold
+
+    def schedule(self, slots: list[SlotView | None], proposal: Proposal, load: Load) -> np.ndarray:
+        return (self.survival(proposal) >= np.float32(self.threshold)).sum(axis=1).astype(np.int64)
 
 
-def make_scheduler(name: str, *, gamma: int) -> Scheduler:
+class SPSScheduler(_Base):
+    """Algorithm 1: greedy admission by survival while expected committed tokens per second improve."""
+
+    name = "sps"
+
+    def __init__(self, gamma: int, *, costs: Costs | None = None, head: str = "", **kw) -> None:
+        super().__init__(gamma, **kw)
+        if costs is None:
+            raise SpecrtError(f"--scheduler {self.name} needs a cost profile (run `specrt profile ART`)")
+        self.costs, self.head = costs, head
+        self.planned: int | None = None  # sps-async: drafts the next round admits
+
+    def plan(self, a: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """Lengths [n] admitted by Algorithm 1 on survivals a [n, gamma] of the `active` rows."""
+        n = len(a)
+        lengths = np.zeros(n, np.int64)
+        rows = np.flatnonzero(active)
+        if not len(rows):
+            return lengths
+        fixed = self.costs.draft_ms(self.head, n)
+        expected, longest = float(len(rows)), 1  # every active slot commits its bonus token
+        best = expected / (fixed + self.costs.verify_ms(n, longest))
+        cand = [(float(a[r, k]), k, r) for r in rows for k in range(self.gamma) if a[r, k] > 0]
+        for value, k, r in sorted(cand, key=lambda c: (-c[0], c[1], c[2])):
+            tokens = max(longest, k + 2)
+            rate = (expected + value) / (fixed + self.costs.verify_ms(n, tokens))
+            if rate <= best:
+                break  # the first non-improvement ends admission
+            best, expected, longest = rate, expected + value, tokens
+            lengths[r] = k + 1
+        return lengths
+
+    def schedule(self, slots: list[SlotView | None], proposal: Proposal, load: Load) -> np.ndarray:
+        active = np.array([s is not None for s in slots])
+        return self.plan(self.survival(proposal), active)
+
+
+class AsyncSPSScheduler(SPSScheduler):
+    """§5.2: this round admits as many drafts as Algorithm 1 chose on the previous round's survivals; the
+    current survivals only choose which (ConfidenceTruncate's budget mode). The first round plans for itself."""
+
+    name = "sps-async"
+
+    def schedule(self, slots: list[SlotView | None], proposal: Proposal, load: Load) -> np.ndarray:
+        active = np.array([s is not None for s in slots])
+        a = self.survival(proposal)
+        budget = self.planned if self.planned is not None else int(self.plan(a, active).sum())
+        self.planned = int(self.plan(a, active).sum())  # the next round's capacity
+        return admit(np.where(active[:, None], a, np.float32(0.0)), budget)  # idle rows: never admitted
+
+
+SCHEDULERS = {s.name: s for s in (FixedScheduler, ThresholdScheduler, SPSScheduler, AsyncSPSScheduler)}
+
+
+def make_scheduler(name: str, *, gamma: int, **kw) -> Scheduler:
+    """A scheduler by name; kw: temperatures (the head's STS temperatures), threshold, costs, head."""
     if name not in SCHEDULERS:
         raise SpecrtError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS)}")
-    return SCHEDULERS[name](gamma)
+    return SCHEDULERS[name](gamma, **kw)

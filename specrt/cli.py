@@ -12,6 +12,9 @@ from specrt.errors import SpecrtError
 
 from specrt.configs.presets import EXPORT_DEFAULTS
 
+SCHEDULER_NAMES = ["fixed", "threshold", "sps", "sps-async"]  # runtime/schedulers.py SCHEDULERS (not imported:
+# the CLI stays quick to start)
+
 DEFAULTS = dict(batch=EXPORT_DEFAULTS.batch, max_seq_len=EXPORT_DEFAULTS.max_seq,
                 prefill_chunk=EXPORT_DEFAULTS.prefill_chunk, verify_len=EXPORT_DEFAULTS.verify_len)
 
@@ -190,8 +193,12 @@ def _engine_options(f):
                           "DSpark head."),
         click.option("--gamma", type=int, default=None, help="Drafts verified per round at most [default: the "
                                                              "artifact's verify length - 1]."),
-        click.option("--scheduler", type=click.Choice(["fixed"]), default="fixed",
-                     help="Verify lengths per round (fixed: every draft, up to gamma)."),
+        click.option("--scheduler", type=click.Choice(SCHEDULER_NAMES), default="fixed",
+                     help="Verify lengths per round: fixed (every draft, up to gamma), threshold (cut where the "
+                          "calibrated prefix survival < --threshold), sps / sps-async (the DSpark paper's "
+                          "cost-aware admission on the artifact's `specrt profile`)."),
+        click.option("--threshold", default=0.3, show_default=True,
+                     help="--scheduler threshold: the prefix survival below which drafts are not verified."),
         click.option("--ngram", default=3, help="--method ngram: longest suffix looked up (n-gram size)."),
         click.option("--backend", type=click.Choice(["ort", "torch"]), default="ort",
                      help="Runtime backend: ONNX Runtime, or the exporter's torch modules (eager)."),
@@ -213,8 +220,8 @@ def _engine_options(f):
 @click.option("--trace", type=click.Path(path_type=Path), default=None,
               help="Write one JSON line per round per request (speculative methods).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, scheduler, ngram, backend, threads,
-        trace, as_json, **sampling) -> None:
+def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, scheduler, threshold, ngram, backend,
+        threads, trace, as_json, **sampling) -> None:
     """Generate with an exported artifact."""
     from specrt.runtime.engine import Engine
 
@@ -225,7 +232,7 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
                 click.echo(f"specrt: warning: {flag} is ignored with --method ar (it does not draft)", err=True)
         trace = None
     with Engine(artifact, method=method, gamma=gamma, scheduler=scheduler, ngram=ngram, backend=backend,
-                threads=threads, trace=trace) as engine:
+                threads=threads, trace=trace, threshold=threshold) as engine:
         requests = _build_requests(engine, prompt, input_ids, prompts, limit, raw, params)
         stream = len(requests) == 1 and not as_json and engine.tokenizer is not None
         on_text = (lambda _id, delta: (sys.stdout.write(delta), sys.stdout.flush())) if stream else None
@@ -251,7 +258,9 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
 @click.option("--max-new-tokens", default=128, help="Tokens to generate per prompt (greedy, batch 1).")
 @click.option("--methods", default="ar", help="Comma-separated specrt methods to run: ar, ngram, mtp, dspark.")
 @click.option("--gamma", type=int, default=None, help="Drafts verified per round [default: the artifact's].")
-@click.option("--scheduler", type=click.Choice(["fixed"]), default="fixed", help="Verify lengths per round.")
+@click.option("--scheduler", type=click.Choice(SCHEDULER_NAMES), default="fixed",
+              help="Verify lengths per round (see `specrt run --help`).")
+@click.option("--threshold", default=0.3, show_default=True, help="--scheduler threshold: the survival cut.")
 @click.option("--ngram", default=3, help="ngram method: longest suffix looked up.")
 @click.option("--backend", type=click.Choice(["ort", "torch"]), default="ort", help="Runtime backend.")
 @click.option("--baseline", "baselines", multiple=True, default=["none"],
@@ -263,8 +272,8 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
               help="Write a PNG: per-position conditional acceptance per method, and tau per prompt set.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens: int, methods: str, gamma,
-          scheduler: str, ngram: int, backend: str, baselines: tuple[str, ...], threads, plot: Path | None,
-          as_json: bool) -> None:
+          scheduler: str, threshold: float, ngram: int, backend: str, baselines: tuple[str, ...], threads,
+          plot: Path | None, as_json: bool) -> None:
     """Benchmark methods and baselines on the same prompts, side by side in one run (greedy, batch 1).
 
     Every method (and the hf baseline) must produce the same greedy tokens as `ar`; if any differs the command
@@ -288,7 +297,7 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
     if "llama.cpp" in baselines:
         b.require_llama_cpp()  # a missing optional extra fails before anything is loaded
     engines = [Engine(artifact, method=m, gamma=gamma if m != "ar" else None, scheduler=scheduler, ngram=ngram,
-                      backend=backend, threads=threads) for m in names]
+                      backend=backend, threads=threads, threshold=threshold) for m in names]
     engine = engines[0]
     sets = {p.stem: [encode_prompt(engine.tokenizer, t) for t in read_prompts_file(p, limit)] for p in prompt_files}
     params = SamplingParams(max_new_tokens=max_new_tokens)

@@ -1,0 +1,210 @@
+"""Schedulers and the ConfidenceTruncate reference: survival, threshold and budget modes, the DSpark paper's
+Algorithm 1 on a cost curve, exactness under every scheduler, and why admission must not look at acceptance."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from specrt.errors import SpecrtError
+from specrt.plugins.confidence_truncate import admit, survival, truncate
+from specrt.runtime.acceptance import accept_sampled
+from specrt.runtime.drafters import Proposal
+from specrt.runtime.engine import Engine, Request
+from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.schedulers import (AcceptanceHistory, AsyncSPSScheduler, Load, SPSScheduler, make_scheduler)
+
+from test_speculative import _exact_pair_probs, _prompts, _pvalue, peaked, tiny_arts  # noqa: F401 (fixtures)
+
+FIXTURE = Path(__file__).parent / "fixtures" / "deepspec_dspark_tiny"
+
+
+# -- the ConfidenceTruncate reference -------------------------------------------------------------------
+
+@pytest.mark.parametrize("gamma", [1, 2, 7, 16])
+@pytest.mark.parametrize("batch", [1, 3, 64])
+def test_truncate_reference(gamma, batch):
+    rng = np.random.default_rng(gamma * 100 + batch)
+    logits = rng.normal(0, 3, (batch, gamma)).astype(np.float32)
+    temps = rng.uniform(0.5, 2.0, gamma).astype(np.float32)
+    a, lengths = truncate(logits, temps, threshold=0.4)
+    expect = np.cumprod(1 / (1 + np.exp(-logits.astype(np.float64) / temps)), axis=1)
+    np.testing.assert_allclose(a, expect, rtol=1e-5)
+    assert (np.diff(a, axis=1) <= 0).all()
+    assert (lengths == (expect >= 0.4).sum(1)).all()
+    for budget in (0, 1, gamma, batch * gamma // 2, batch * gamma, batch * gamma + 5):
+        _, ls = truncate(logits, temps, budget=budget)
+        assert ls.sum() == min(budget, batch * gamma) and (ls <= gamma).all()
+        admitted = np.arange(gamma) < ls[:, None]  # a prefix per row: the admitted pairs are the best ones
+        if admitted.any() and (~admitted).any():
+            assert a[admitted].min() >= a[~admitted].max()
+
+
+def test_truncate_edges():
+    temps = np.ones(4, np.float32)
+    sure, unsure = np.full((2, 4), 30.0, np.float32), np.full((2, 4), -30.0, np.float32)
+    assert truncate(sure, temps, threshold=0.99)[1].tolist() == [4, 4]
+    assert truncate(unsure, temps, threshold=0.01)[1].tolist() == [0, 0]
+    assert truncate(unsure, temps, threshold=0.0)[1].tolist() == [4, 4]  # threshold 0 keeps everything
+    assert truncate(sure, temps, budget=5)[1].tolist() == [3, 2]  # ties: lower position, then lower row
+    assert admit(np.array([[0.9, 0.0], [0.5, 0.2]], np.float32), 4).tolist() == [1, 2]  # survival 0: never
+
+
+# -- scheduler units -----------------------------------------------------------------------------------
+
+class LinearCosts:
+    """A verify call costs `step` + `per_token` per extra token per slot; drafts cost `draft`."""
+
+    def __init__(self, step=10.0, per_token=2.0, draft=2.0):
+        self.step, self.per_token, self.draft = step, per_token, draft
+
+    def verify_ms(self, batch, tokens):
+        return self.step * (1 + 0.1 * (batch - 1)) + self.per_token * batch * (tokens - 1)
+
+    def draft_ms(self, head, batch):
+        return self.draft
+
+
+def _proposal(conf: np.ndarray) -> Proposal:
+    n, g = conf.shape
+    return Proposal(tokens=np.zeros((n, g), np.int64), counts=np.full(n, g), probs=None,
+                    confidence_logits=conf.astype(np.float32))
+
+
+def test_sps_admits_while_the_rate_improves():
+    s = SPSScheduler(4, costs=LinearCosts(), temperatures=np.ones(4), head="dspark")
+    # survival 0.95^k: every draft is worth 2 ms of a 12 ms round; a survival of 0.05 is not
+    strong = np.log(0.95 / 0.05)
+    lengths = s.schedule([object()], _proposal(np.full((1, 4), strong)), Load(1, 1, 0))
+    assert lengths.tolist() == [4]
+    weak = s.schedule([object()], _proposal(np.full((1, 4), np.log(0.05 / 0.95))), Load(1, 1, 0))
+    assert weak.tolist() == [0]
+    # survivals: row 0 .99, .495, .490, .485; row 1 .45, ...; a verify call costs 11 + 3 ms per extra token per
+    # slot. Row 0's first draft pays; its second (.495, one more token for both slots) does not, and admission
+    # stops there, though row 1's first draft (.45, free once T = 2) would have paid: Algorithm 1 stops at the
+    # first non-improvement.
+    sure = np.array([[0.99, 0.5, 0.99, 0.99], [0.45, 0.99, 0.99, 0.99]])
+    conf = np.log(sure / (1 - sure))
+    s = SPSScheduler(4, costs=LinearCosts(step=10.0, per_token=1.5, draft=0.0), temperatures=np.ones(4),
+                     head="dspark")
+    assert s.schedule([object(), object()], _proposal(conf), Load(2, 2, 0)).tolist() == [1, 0]
+    assert s.schedule([object(), None], _proposal(conf), Load(1, 2, 0))[1] == 0  # idle rows never verify
+
+
+def test_async_sps_uses_the_previous_rounds_capacity():
+    s = AsyncSPSScheduler(4, costs=LinearCosts(), temperatures=np.ones(4), head="dspark")
+    strong, weak = _proposal(np.full((1, 4), 5.0)), _proposal(np.full((1, 4), -5.0))
+    assert s.schedule([object()], strong, Load(1, 1, 0)).tolist() == [4]  # first round: plans for itself
+    assert s.schedule([object()], weak, Load(1, 1, 0)).tolist() == [4]  # capacity planned on the strong round
+    assert s.schedule([object()], strong, Load(1, 1, 0)).tolist() == [0]  # ... and now on the weak one
+
+
+def test_history_and_threshold_without_a_confidence_head():
+    h = AcceptanceHistory(3)
+    np.testing.assert_allclose(h.survival(), [0.5, 0.25, 0.125])
+    for _ in range(8):
+        h.observe(3, 3)
+    h.observe(3, 0)
+    assert h.survival()[0] == pytest.approx(9 / 11) and h.tries.tolist() == [11, 10, 10]
+    s = make_scheduler("threshold", gamma=3, threshold=0.5)
+    p = Proposal(tokens=np.zeros((2, 3), np.int64), counts=np.array([3, 1]), probs=None)
+    assert s.schedule([object(), object()], p, Load(2, 2, 0)).tolist() == [1, 1]  # 0.5, then 0.25
+    with pytest.raises(SpecrtError, match="needs a cost profile"):
+        make_scheduler("sps", gamma=3)
+    with pytest.raises(SpecrtError, match="unknown scheduler"):
+        make_scheduler("psychic", gamma=3)
+    with pytest.raises(SpecrtError, match="--threshold"):
+        make_scheduler("threshold", gamma=3, threshold=1.5)
+
+
+# -- exactness ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scheduler", ["threshold", "sps", "sps-async"])
+@pytest.mark.parametrize("method", ["ngram", "mtp", "dspark"])
+def test_greedy_identity_under_every_scheduler(tiny_arts, scheduler, method):
+    art = tiny_arts("llama")
+    prompts = _prompts(256, [5, 19, 11, 3], seed=9)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    reqs = [Request(prompt_ids=p, params=params, id=i) for i, p in enumerate(prompts)]
+    ar, _ = Engine(art, method="ar", threads=1).generate(reqs)
+    spec, stats = Engine(art, method=method, scheduler=scheduler, threads=1, threshold=0.2).generate(reqs)
+    assert [o.output_ids for o in spec] == [o.output_ids for o in ar]
+    assert stats.rounds
+
+
+@pytest.mark.parametrize("scheduler", ["sps", "sps-async"])
+def test_sampled_tokens_follow_the_target_distribution(peaked, scheduler):
+    """(first, second) tokens follow p(x1) p(x2|x1) under the confidence-driven schedulers (a bad DSpark head:
+    many rejections) and under sps on an MTP head (no confidence head: the run's acceptance history)."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=3, seed=31, ignore_eos=True)
+    prompt = [5, 9, 14, 3]
+    probs = _exact_pair_probs(peaked["target"], prompt, params)
+    cases = [("dspark", peaked["bad"])] + ([("mtp", peaked["good"])] if scheduler == "sps" else [])
+    for method, art in cases:
+        engine = Engine(art, method=method, scheduler=scheduler, threads=1)
+        outs, stats = engine.generate([Request(prompt_ids=prompt, params=params, id=i) for i in range(12_000)])
+        pairs = np.array([o.output_ids[:2] for o in outs])
+        assert _pvalue(pairs, probs) > 1e-3, f"{method}/{scheduler}"
+        lengths = {ell for ell, _, _ in stats.rounds}
+        assert len(lengths) > 1 or method == "mtp", lengths  # the schedule varies from round to round
+
+
+def test_admission_that_peeks_at_acceptance_is_not_exact():
+    """Appendix A of the DSpark paper: verify a draft only when the target would surely accept it, and the
+    output follows q restricted to those drafts, not p. A rule that ignores the draft (here: a coin that
+    depends on nothing the round draws, as confidence-driven schedules do) stays exact."""
+    rng = np.random.default_rng(0)
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    q = np.array([0.1, 0.2, 0.3, 0.4])
+    logits = np.log(p)[None].repeat(2, 0)  # the target's logits at both verified positions
+    params = SamplingParams(temperature=1.0)
+
+    def first_tokens(rule, n=40_000):
+        out = np.empty(n, np.int64)
+        for i in range(n):
+            x = rng.choice(4, p=q)
+            if rule(x):
+                v = accept_sampled(np.array([x]), q[None], logits, params, rng)
+                out[i] = x if v.accepted else v.bonus
+            else:  # verify nothing: the bonus comes straight from p
+                out[i] = accept_sampled(np.array([], np.int64), None, logits[:1], params, rng).bonus
+        return np.bincount(out, minlength=4) / n
+
+    peek = first_tokens(lambda x: p[x] >= q[x])  # looks at whether the draft will be accepted
+    blind = first_tokens(lambda x: rng.random() < 0.6)  # independent of the draft and of p
+    assert np.abs(peek - p).max() > 0.05
+    assert np.abs(blind - p).max() < 0.01
+
+
+def test_confidence_of_a_draft_does_not_depend_on_that_draft():
+    """What keeps DSpark's schedules exact: c_k is computed from h_k and the previous token, never from token
+    k itself. Change only the noise that draws token k: confidences up to k stay, later ones may move."""
+    from specrt.exporter.loaders import load_target
+    from specrt.exporter.loaders.deepspec import load_dspark
+    from specrt.exporter.models.dspark import DSparkDraft
+
+    target = load_target(FIXTURE / "target")
+    d = load_dspark(FIXTURE / "draft", target.config)
+    model = DSparkDraft.from_weights(d.config, d.with_target(target.weights))
+    k = d.config.block_size
+    model.setup_caches(1, 32)
+    torch.manual_seed(0)
+    h = torch.randn(1, k, d.config.layers.hidden_size)
+    base = model.lm_head(h)
+    temp = torch.ones(1)
+    noise = torch.rand(1, k)
+    first = model.sample_block(base, h, torch.tensor([5]), temp, noise)
+    for pos in range(k):
+        for trial in range(20):
+            n2 = noise.clone()
+            n2[0, pos] = torch.rand(1).item()
+            second = model.sample_block(base, h, torch.tensor([5]), temp, n2)
+            if second.tokens[0, pos] != first.tokens[0, pos]:
+                break
+        else:
+            continue  # this position's distribution is too peaked to flip: nothing to compare
+        torch.testing.assert_close(second.confidence_logits[:, :pos + 1], first.confidence_logits[:, :pos + 1])
+        if pos + 1 < k:
+            assert not torch.equal(second.confidence_logits[:, pos + 1], first.confidence_logits[:, pos + 1])
