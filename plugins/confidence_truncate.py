@@ -11,9 +11,14 @@ Schema (the op every backend implements; this numpy function is its reference):
 
 threshold mode: lengths[b] = #{k : a[b, k] >= threshold} (a is non-increasing along k, so that is a prefix).
 budget mode:    the `budget` (b, k) pairs of largest survival over the whole batch (pairs with survival 0, which
-                float32 sigmoids reach only for logits below -100, never), ties broken by lower k then lower b;
-                because a is non-increasing along k, the admitted pairs of each row form a prefix, and
-                lengths[b] counts them.
+                float32 sigmoids reach only for logits below -100, never), ties broken by the lower flat index
+                b·γ + k; because a is non-increasing along k, the admitted pairs of each row form a prefix,
+                and lengths[b] counts them.
+
+Implementations: this reference (the torch backend and the schedulers use it); the same-named ONNX local
+function in the exported DSpark graph (`function_proto`, which ONNX Runtime runs: survival as
+exp(cumsum(log sigmoid)), so it agrees with the reference to float32 rounding); and the TensorRT plugin with
+its ahead-of-time OpenAI-Triton kernel (plugins/trt_confidence_truncate.py).
 
 Nothing here looks at whether a draft will be accepted, only at the draft's own confidence, which is what keeps
 speculative decoding exact under any schedule (DSpark paper, Appendix A).
@@ -42,6 +47,53 @@ def admit(a: np.ndarray, budget: int) -> np.ndarray:
     """Budget mode on survivals a [B, γ]: per row, how many of the `budget` best (b, k) pairs fall in it."""
     b, g = a.shape
     flat = a.ravel()
-    order = np.lexsort((np.repeat(np.arange(b), g), np.tile(np.arange(g), b), -flat))
-    taken = order[:max(0, budget)]
+    taken = np.argsort(-flat, kind="stable")[:max(0, budget)]  # stable: ties by lower flat index
     return np.bincount(taken[flat[taken] > 0] // g, minlength=b).astype(np.int64)
+
+
+DOMAIN, OP = "specrt", "ConfidenceTruncate"
+INPUTS = ("logits", "temperatures", "threshold", "budget")
+OUTPUTS = ("survival", "lengths")
+
+
+def function_proto(opset: int) -> "onnx.FunctionProto":
+    """specrt::ConfidenceTruncate as an ONNX local function (standard ops only), for ONNX Runtime.
+
+    TensorRT's parser imports a model's local functions before plugins, so an engine build removes this
+    function from the model first; the node then resolves to the registered plugin (plugin_namespace)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    def const(name, value, dtype):
+        return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, dtype, [len(value)], value))
+
+    n = helper.make_node
+    nodes = [
+        const("axis1", [1], TensorProto.INT64), const("flat_shape", [-1], TensorProto.INT64),
+        const("zero_f", [0.0], TensorProto.FLOAT), const("zero_i", [0], TensorProto.INT64),
+        const("one_i", [1], TensorProto.INT64), const("last_axis", [-1], TensorProto.INT64),
+        n("Div", ["logits", "temperatures"], ["z"]),
+        n("Neg", ["z"], ["neg_z"]), n("Softplus", ["neg_z"], ["sp"]), n("Neg", ["sp"], ["log_sig"]),  # log σ(z)
+        n("CumSum", ["log_sig", "axis1"], ["log_a"]), n("Exp", ["log_a"], ["survival"]),
+        # threshold mode: the length of the prefix with survival >= threshold
+        n("GreaterOrEqual", ["survival", "threshold"], ["kept"]), n("Cast", ["kept"], ["kept_i"], to=TensorProto.INT64),
+        n("ReduceSum", ["kept_i", "axis1"], ["thr_len"], keepdims=0),
+        # budget mode: rank every (b, k) pair (better: larger, or equal at a lower flat index), admit rank < budget
+        n("Reshape", ["survival", "flat_shape"], ["flat"]), n("Shape", ["flat"], ["count"]),
+        n("Squeeze", ["count"], ["count0"]), n("Squeeze", ["zero_i"], ["zero0"]), n("Squeeze", ["one_i"], ["one0"]),
+        n("Range", ["zero0", "count0", "one0"], ["index"]),
+        n("Unsqueeze", ["flat", "last_axis"], ["col"]), n("Unsqueeze", ["index", "last_axis"], ["index_col"]),
+        n("Greater", ["flat", "col"], ["larger"]), n("Equal", ["flat", "col"], ["same"]),
+        n("Less", ["index", "index_col"], ["before"]), n("And", ["same", "before"], ["tie_first"]),
+        n("Or", ["larger", "tie_first"], ["better"]), n("Cast", ["better"], ["better_i"], to=TensorProto.INT64),
+        n("ReduceSum", ["better_i", "last_axis"], ["rank"], keepdims=0),
+        n("Less", ["rank", "budget"], ["in_budget"]), n("Greater", ["flat", "zero_f"], ["positive"]),
+        n("And", ["in_budget", "positive"], ["admitted"]), n("Shape", ["survival"], ["shape"]),
+        n("Reshape", ["admitted", "shape"], ["admitted2"]), n("Cast", ["admitted2"], ["adm_i"], to=TensorProto.INT64),
+        n("ReduceSum", ["adm_i", "axis1"], ["budget_len"], keepdims=0),
+        n("Less", ["budget", "zero_i"], ["use_threshold0"]), n("Squeeze", ["use_threshold0"], ["use_threshold"]),
+        n("Where", ["use_threshold", "thr_len", "budget_len"], ["lengths"]),
+    ]
+    return helper.make_function(DOMAIN, OP, list(INPUTS), list(OUTPUTS), nodes,
+                                [helper.make_opsetid("", opset)],
+                                attributes=["plugin_namespace", "plugin_version"])

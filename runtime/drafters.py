@@ -38,6 +38,7 @@ class Proposal:
     probs: np.ndarray | None  # [n, K, V'] f32: the distribution each draft was drawn from; None = one-hot drafts
     confidence_logits: np.ndarray | None = None  # [n, K] (DSpark's confidence head)
     vocab_ids: np.ndarray | None = None  # [V'] token id of each probs column (a reduced draft vocabulary); None: all
+    survival: np.ndarray | None = None  # [n, K] calibrated prefix survival (the graph's ConfidenceTruncate)
 
     def draft_probs(self, i: int, n: int, vocab_size: int) -> np.ndarray | None:
         """Slot i's first n draft distributions over the whole vocabulary (zero outside a draft vocabulary)."""
@@ -103,6 +104,8 @@ class _GraphDrafter:
             feeds = self.runner.inputs(slot, bucket)
             feeds[io.TEMPERATURE][:] = 0.0
             feeds[io.NOISE][:] = 0.0
+            if io.TRUNCATE_BUDGET in feeds:
+                feeds[io.TRUNCATE_THRESHOLD][...], feeds[io.TRUNCATE_BUDGET][...] = 0.0, -1
             self._fill(feeds, [piece], [0])
             self.runner.run(slot, bucket)
         return Context(ctx.pos + r - 1, ctx.features[r - 1:], ctx.next_tokens[r - 1:])
@@ -116,6 +119,8 @@ class _GraphDrafter:
         padded = [*slots, *[None] * (bucket["B"] - n)]
         temps, noise = feeds[io.TEMPERATURE], feeds[io.NOISE]
         temps[:], noise[:] = 0.0, 0.0
+        if io.TRUNCATE_BUDGET in feeds:  # the host scheduler cuts the drafts; the op reports survival
+            feeds[io.TRUNCATE_THRESHOLD][...], feeds[io.TRUNCATE_BUDGET][...] = 0.0, -1
         for i, s in enumerate(padded):
             if s is not None and s.temperature > 0:
                 temps[i] = s.temperature
@@ -124,9 +129,10 @@ class _GraphDrafter:
                    [s.pending if s is not None else 0 for s in padded])
         out = self.runner.run(0, bucket)
         counts = np.array([self.steps if s is not None else 0 for s in slots], np.int64)
-        conf = out.get(io.CONFIDENCE_LOGITS)
+        conf, surv = out.get(io.CONFIDENCE_LOGITS), out.get(io.SURVIVAL)
         return Proposal(tokens=out[io.DRAFT_TOKENS][:n], counts=counts, probs=out[io.DRAFT_PROBS][:n],
-                        confidence_logits=conf[:n] if conf is not None else None, vocab_ids=self.vocab_ids)
+                        confidence_logits=conf[:n] if conf is not None else None, vocab_ids=self.vocab_ids,
+                        survival=surv[:n] if surv is not None else None)
 
     def _fill(self, feeds: dict[str, np.ndarray], ctxs: list[Context | None], anchors: list[int]) -> None:
         """Write the context rows (padded) and anchors into the bound input buffers."""

@@ -88,7 +88,9 @@ class _Base:
         """[n, gamma] prefix survival of every slot's drafts; 0 past the drafts a slot has."""
         n = len(proposal.counts)
         conf = proposal.confidence_logits
-        if conf is not None and len(self.temperatures) >= self.gamma:
+        if proposal.survival is not None:  # computed in the draft graph (specrt::ConfidenceTruncate)
+            a = proposal.survival[:, :self.gamma]
+        elif conf is not None and len(self.temperatures) >= self.gamma:
             a = survival(conf[:, :self.gamma], self.temperatures[:self.gamma])
         else:
             a = np.broadcast_to(self.history.survival()[:self.gamma], (n, self.gamma)).astype(np.float32)

@@ -351,6 +351,9 @@ def check_graph_io(graph: GraphSpec, declared: dict[str, tuple[Dim, ...]], file:
 #   outputs  draft_tokens[B,K] i64, draft_logits[B,K,V] (Markov-corrected), draft_probs[B,K,V] f32
 #            (the distribution each token was drawn from: softmax(draft_logits / T), T=1 where T=0),
 #            confidence_logits[B,K] (only with a confidence head), present.{i}.*
+#   with a confidence head, also specrt::ConfidenceTruncate (plugins/confidence_truncate.py) on it:
+#   inputs   truncate_threshold[] f32, truncate_budget[] i64 (-1: threshold mode)
+#   outputs  survival[B,K] f32 (calibrated prefix survival), verify_lengths[B] i64
 #
 # MTP (family "mtp"): one call writes C rows (token x_{t+1}, target hidden h_t at position t) through
 # the MTP block into its cache, then chains G draft steps from row last_row.
@@ -369,6 +372,10 @@ DRAFT_TOKENS = "draft_tokens"
 DRAFT_LOGITS = "draft_logits"
 DRAFT_PROBS = "draft_probs"
 CONFIDENCE_LOGITS = "confidence_logits"
+TRUNCATE_THRESHOLD = "truncate_threshold"
+TRUNCATE_BUDGET = "truncate_budget"
+SURVIVAL = "survival"
+VERIFY_LENGTHS = "verify_lengths"
 MTP_TOKENS = "tokens"
 MTP_HIDDEN = "hidden"
 MTP_POSITIONS = "positions"
@@ -392,7 +399,9 @@ def dspark_signature(*, num_layers: int, num_kv_heads: int, head_dim: int, hidde
                TensorSpec(DRAFT_LOGITS, dtype, ("B", block, vocab_size)),
                TensorSpec(DRAFT_PROBS, "float32", ("B", block, vocab_size))]
     if confidence:
-        outputs.append(TensorSpec(CONFIDENCE_LOGITS, dtype, ("B", block)))
+        inputs += [TensorSpec(TRUNCATE_THRESHOLD, "float32", ()), TensorSpec(TRUNCATE_BUDGET, "int64", ())]
+        outputs += [TensorSpec(CONFIDENCE_LOGITS, dtype, ("B", block)), TensorSpec(SURVIVAL, "float32", ("B", block)),
+                    TensorSpec(VERIFY_LENGTHS, "int64", ("B",))]
     return cache_signature(inputs, outputs, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                            max_seq=max_seq, dtype=dtype)
 

@@ -22,6 +22,7 @@ from specrt.exporter.loaders.deepspec import (DSparkConfig, load_dspark, random_
 from specrt.exporter.models.dspark import DSparkDraft
 from specrt.exporter.models.llama import Transformer
 from specrt.exporter.onnx.builder import GraphBuilder, WeightStore
+from specrt.plugins.confidence_truncate import truncate
 from specrt.exporter.onnx.dspark import build_dspark_graph, dspark_signature, dspark_weights
 from specrt.runtime.backends import bucket_of, infer, load_runner
 from test_export import TRT_CONSTANT_INPUTS, TRT_OPS
@@ -62,6 +63,9 @@ class OnnxDraft:
     def __call__(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         feeds = dict(feeds, **self.cache)
         feeds[io.CTX_FEATURES] = feeds[io.CTX_FEATURES].astype(self.dtype)
+        if any(i.name == io.TRUNCATE_BUDGET for i in self.sess.get_inputs()):  # ConfidenceTruncate: keep all
+            feeds.setdefault(io.TRUNCATE_THRESHOLD, np.array(0.0, np.float32))
+            feeds.setdefault(io.TRUNCATE_BUDGET, np.array(-1, np.int64))
         names = [o.name for o in self.sess.get_outputs()]
         out = dict(zip(names, self.sess.run(names, feeds)))
         for name in self.cache:
@@ -75,6 +79,7 @@ class TorchDraft:
     def __init__(self, cfg: DSparkConfig, weights: dict[str, np.ndarray], batch: int, max_seq: int) -> None:
         self.model = DSparkDraft.from_weights(cfg, weights)
         self.model.setup_caches(batch, max_seq)
+        self.temperatures = np.asarray(cfg.confidence_temperatures or [1.0] * cfg.block_size, np.float32)
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         t = {k: torch.from_numpy(np.asarray(v)) for k, v in feeds.items()}
@@ -82,8 +87,10 @@ class TorchDraft:
             o = self.model(t[io.CTX_FEATURES], t[io.CTX_POSITIONS], t[io.CTX_WRITE_INDEX], t[io.CTX_LEN],
                            t[io.ANCHOR_IDS], t[io.TEMPERATURE], t[io.NOISE])
         out = {io.DRAFT_TOKENS: o.tokens, io.DRAFT_LOGITS: o.logits, io.DRAFT_PROBS: o.probs}
-        if o.confidence_logits is not None:
+        if o.confidence_logits is not None:  # and specrt::ConfidenceTruncate's reference, keeping every draft
             out[io.CONFIDENCE_LOGITS] = o.confidence_logits
+            a, lengths = truncate(o.confidence_logits.numpy(), self.temperatures, 0.0, -1)
+            out[io.SURVIVAL], out[io.VERIFY_LENGTHS] = torch.from_numpy(a), torch.from_numpy(lengths)
         for i, layer in enumerate(self.model.layers):
             c = layer.self_attn.kv_cache
             out.update(zip(io.present_names(i), (c.k_cache, c.v_cache)))
@@ -240,6 +247,7 @@ def test_fixture_through_exported_artifact(deepspec, tmp_path):
         split = (anchor + 1) // 2
         for rows in ((0, split), (split, anchor)):  # the context in two calls through the draft's cache
             feeds = make_feeds([feats], [rows], bucket["C"], [ids[rows[1]]], K)
+            feeds.update({io.TRUNCATE_THRESHOLD: np.array(0.0, np.float32), io.TRUNCATE_BUDGET: np.array(-1)})
             assert bucket_of(m.graphs["dspark"], feeds) == bucket
             out = infer(drafter, j, feeds)
         np.testing.assert_allclose(out[io.DRAFT_LOGITS][0], z[f"anchor{j}_corrected_logits"], atol=ATOL)
@@ -348,8 +356,15 @@ def test_graph_signature_and_ops(tiny_model_dir, tmp_path, head):
     names = [n.name for n in model.graph.node]
     assert all(n.startswith("/dspark/") for n in names) and len(set(names)) == len(names)
     assert any(n.startswith("/dspark/layers.1/attn/ctx/") for n in names)  # the context rows' k/v projection
-    assert [(o.domain, o.version) for o in model.opset_import] == [("", 23)]
-    used = {n.op_type for n in model.graph.node}
+    plugin = [n for n in model.graph.node if n.domain == "specrt"]  # a TensorRT plugin; ORT runs its function
+    if cfg.enable_confidence_head:
+        assert [(o.domain, o.version) for o in model.opset_import] == [("", 23), ("specrt", 1)]
+        assert [n.op_type for n in plugin] == ["ConfidenceTruncate"]
+        assert [(f.domain, f.name) for f in model.functions] == [("specrt", "ConfidenceTruncate")]
+        assert {a.name: a.s for a in plugin[0].attribute} == {"plugin_namespace": b"specrt", "plugin_version": b"1"}
+    else:
+        assert [(o.domain, o.version) for o in model.opset_import] == [("", 23)] and not plugin
+    used = {n.op_type for n in model.graph.node if n.domain != "specrt"}
     assert used <= TRT_OPS, f"ops outside the TensorRT parser allowlist: {sorted(used - TRT_OPS)}"
     constants = {i.name for i in model.graph.initializer}
     for n in model.graph.node:

@@ -455,10 +455,12 @@ def test_golden_io_signatures():
         ("ctx_features", "float32", ("B", "C", 192)), ("ctx_positions", "int64", ("B", "C")),
         ("ctx_write_index", "int64", ("B",)), ("ctx_len", "int64", ("B",)), ("anchor_ids", "int64", ("B",)),
         ("temperature", "float32", ("B",)), ("noise", "float32", ("B", 4)),
+        ("truncate_threshold", "float32", ()), ("truncate_budget", "int64", ()),
         ("past.0.key", *cache), ("past.0.value", *cache)]
     assert rows(outs) == [
         ("draft_tokens", "int64", ("B", 4)), ("draft_logits", "float32", ("B", 4, 256)),
         ("draft_probs", "float32", ("B", 4, 256)), ("confidence_logits", "float32", ("B", 4)),
+        ("survival", "float32", ("B", 4)), ("verify_lengths", "int64", ("B",)),
         ("present.0.key", *cache), ("present.0.value", *cache)]
 
     ins, outs = io.mtp_signature(num_kv_heads=2, head_dim=16, hidden_size=64, vocab_size=256, steps=3, max_seq=128,
@@ -537,10 +539,14 @@ def test_standard_graphs_use_only_tensorrt_parser_ops(tiny, case):
     assert t.manifest.export.attention == "standard"
     for g in t.manifest.graphs.values():
         model = onnx.load(str(t.art / g.file), load_external_data=False)
-        assert [(o.domain, o.version) for o in model.opset_import] == [("", 23)]
-        assert not model.functions
-        assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}
-        used = {n.op_type for n in model.graph.node}
+        # the one non-standard node: specrt::ConfidenceTruncate, a TensorRT plugin (its ONNX function is for ORT)
+        plugins = [n.op_type for n in model.graph.node if n.domain == "specrt"]
+        assert plugins == (["ConfidenceTruncate"] if g.name == "dspark" and t.manifest.heads["dspark"].confidence
+                           else [])
+        assert [f.name for f in model.functions] == plugins
+        assert [(o.domain, o.version) for o in model.opset_import] == [("", 23)] + [("specrt", 1)] * bool(plugins)
+        assert {n.domain for n in model.graph.node} <= {"", "ai.onnx", "specrt"}
+        used = {n.op_type for n in model.graph.node if n.domain != "specrt"}
         assert used <= TRT_OPS, f"{g.file}: ops outside the TensorRT parser allowlist: {sorted(used - TRT_OPS)}"
 
 

@@ -48,7 +48,7 @@ def test_truncate_edges():
     assert truncate(sure, temps, threshold=0.99)[1].tolist() == [4, 4]
     assert truncate(unsure, temps, threshold=0.01)[1].tolist() == [0, 0]
     assert truncate(unsure, temps, threshold=0.0)[1].tolist() == [4, 4]  # threshold 0 keeps everything
-    assert truncate(sure, temps, budget=5)[1].tolist() == [3, 2]  # ties: lower position, then lower row
+    assert truncate(sure, temps, budget=5)[1].tolist() == [4, 1]  # ties: the lower flat index b·γ + k
     assert admit(np.array([[0.9, 0.0], [0.5, 0.2]], np.float32), 4).tolist() == [1, 2]  # survival 0: never
 
 

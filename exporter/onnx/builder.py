@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 OPSET = 23
 ALIGN = 4096  # page-aligned offsets let ONNX Runtime memory-map the weights
 
+PLUGIN_DOMAIN = "specrt"  # specrt's ops (plugins/): an ONNX local function for ORT, a TensorRT plugin for engines
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits, GatherBlockQuantized): quantized weights
 
 _ONNX_DTYPE = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int64": TensorProto.INT64,
@@ -156,6 +157,12 @@ class GraphBuilder:
         opsets = [helper.make_opsetid("", OPSET)]
         if any(n.domain == MS_DOMAIN for n in self.nodes):  # only graphs with quantized weights need ORT's ops
             opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
-        model = helper.make_model(graph, opset_imports=opsets, producer_name="specrt")
+        functions = []
+        if any(n.domain == PLUGIN_DOMAIN for n in self.nodes):  # specrt's own ops: a local function each
+            from specrt.plugins.confidence_truncate import function_proto
+
+            opsets.append(helper.make_opsetid(PLUGIN_DOMAIN, 1))
+            functions.append(function_proto(OPSET))
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="specrt", functions=functions)
         model.ir_version = 11
         return model

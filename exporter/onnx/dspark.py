@@ -11,7 +11,7 @@ from onnx import numpy_helper
 from specrt import artifact as io
 from specrt.exporter.config import ModelConfig
 from specrt.exporter.loaders.deepspec import DSparkConfig
-from specrt.exporter.onnx.builder import GraphBuilder, onnx_dtype
+from specrt.exporter.onnx.builder import PLUGIN_DOMAIN, GraphBuilder, onnx_dtype
 from specrt.exporter.onnx.attention import (KeyBlock, Rope, attend, cache_block, check_lowering, project_heads,
                                             write_cache)
 from specrt.exporter.onnx.layers import add_rms_norm, embedding, linear, mlp, rms_norm, rope_tables, rotate_half_matrix
@@ -133,6 +133,9 @@ def build_dspark_graph(g: GraphBuilder, cfg: DSparkConfig, target_cfg: ModelConf
                                                    len(vocab_ids) if vocab_ids is not None else lc.vocab_size)
 
     named = {io.DRAFT_TOKENS: tokens, io.DRAFT_LOGITS: logits, io.DRAFT_PROBS: probs, io.CONFIDENCE_LOGITS: conf}
+    if conf is not None:
+        with g.scope("dspark"):
+            named[io.SURVIVAL], named[io.VERIFY_LENGTHS] = _truncate(g, cfg, conf, dtype)
     named.update({n: v for i, kv in enumerate(presents) for n, v in zip(io.present_names(i), kv)})
     for t in outputs:
         g.output(named[t.name], t.name, t.dtype, t.shape)
@@ -268,6 +271,18 @@ def _draft_heads(g: GraphBuilder, cfg: DSparkConfig, base: str, h: str, anchor: 
                            g.weight(P + "confidence_head.proj.bias"), name="proj")
                 conf = g.op("Reshape", c, g.const([-1, K], "bk", "int64"))
     return tokens, logits, probs, conf
+
+
+def _truncate(g: GraphBuilder, cfg: DSparkConfig, conf: str, dtype: str) -> tuple[str, str]:
+    """specrt::ConfidenceTruncate on the confidence logits with the head's STS temperatures (1 if uncalibrated)."""
+    from specrt.plugins.confidence_truncate import OP
+
+    temps = np.asarray(cfg.confidence_temperatures or [1.0] * cfg.block_size, np.float32)
+    logits = g.op("Cast", conf, to=F32) if dtype != "float32" else conf
+    survival, lengths = g.op(OP, logits, g.const(temps, "sts_temperatures"), io.TRUNCATE_THRESHOLD,
+                             io.TRUNCATE_BUDGET, name="confidence_truncate", domain=PLUGIN_DOMAIN, outputs=2,
+                             plugin_namespace=PLUGIN_DOMAIN, plugin_version="1")
+    return survival, lengths
 
 
 def _markov_step(g: GraphBuilder, cfg: DSparkConfig, u: str, e: str, hk: str, state: str | None, dtype: str

@@ -26,6 +26,7 @@ from specrt.exporter.config import ModelConfig
 from specrt.exporter.loaders.deepspec import DSparkConfig
 from specrt.exporter.loaders.mtp import EMBED, HEAD, MTPConfig
 from specrt.exporter.models.dspark import DSparkDraft
+from specrt.plugins.confidence_truncate import truncate
 from specrt.exporter.models.llama import KVCache, Transformer, cache_mask, rope_cos_sin
 from specrt.exporter.models.mtp import MTP, SlotKVCache
 from specrt.exporter.onnx.quant import dequantize_tensors
@@ -143,6 +144,7 @@ class _DSparkFamily:
             _unstack_layer(own, f"layers.{i}", cfg.layers, q_apart=True)
         _shared(own, w, m.model, embed="embed_tokens.weight", head="lm_head.weight")  # the target's when equal
         self.model = model = DSparkDraft.from_weights(cfg, own, dtype, vocab_ids)
+        self.temperatures = np.asarray(cfg.confidence_temperatures or [1.0] * cfg.block_size, np.float32)
         _fp32_rope(model)
         if dtype != torch.float32:
             model.fc = nn.Sequential(_Cast(torch.float32), model.fc.float())
@@ -153,8 +155,13 @@ class _DSparkFamily:
     def forward(self, x: dict[str, Tensor]) -> dict[str, Tensor]:
         d = self.model(x[io.CTX_FEATURES], x[io.CTX_POSITIONS], x[io.CTX_WRITE_INDEX], x[io.CTX_LEN],
                        x[io.ANCHOR_IDS], x[io.TEMPERATURE], x[io.NOISE])
-        return {io.DRAFT_TOKENS: d.tokens, io.DRAFT_LOGITS: d.logits, io.DRAFT_PROBS: d.probs,
-                io.CONFIDENCE_LOGITS: d.confidence_logits}
+        out = {io.DRAFT_TOKENS: d.tokens, io.DRAFT_LOGITS: d.logits, io.DRAFT_PROBS: d.probs,
+               io.CONFIDENCE_LOGITS: d.confidence_logits}
+        if d.confidence_logits is not None:  # specrt::ConfidenceTruncate: the reference
+            a, lengths = truncate(d.confidence_logits.float().cpu().numpy(), self.temperatures,
+                                  float(x[io.TRUNCATE_THRESHOLD]), int(x[io.TRUNCATE_BUDGET]))
+            out[io.SURVIVAL], out[io.VERIFY_LENGTHS] = torch.from_numpy(a), torch.from_numpy(lengths)
+        return out
 
 
 class _MTPFamily:
