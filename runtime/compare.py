@@ -76,6 +76,10 @@ def random_feeds(manifest: io.Manifest, family: str, bucket: io.Bucket, call: in
     spec, vocab, b = manifest.graphs[family], manifest.model.vocab_size, bucket["B"]
     feeds = {t.name: (rng.integers(0, vocab, t.resolve(bucket)) if t.dtype == "int64"
                       else rng.standard_normal(t.resolve(bucket)).astype(t.dtype)) for t in spec.host_inputs()}
+    if io.TRUNCATE_BUDGET in feeds:  # ConfidenceTruncate: threshold mode and budget mode in turn
+        k = feeds[io.NOISE].shape[1]
+        feeds[io.TRUNCATE_THRESHOLD] = np.array(rng.uniform(0.2, 0.8), np.float32)
+        feeds[io.TRUNCATE_BUDGET] = np.array(-1 if call % 2 else rng.integers(0, b * k + 1), np.int64)
     if io.TEMPERATURE in feeds:  # greedy and sampled slots alternate, and swap on the next call
         feeds[io.TEMPERATURE] = (((np.arange(b) + call) % 2) * 0.8).astype(np.float32)
         feeds[io.NOISE] = rng.random(feeds[io.NOISE].shape, dtype=np.float32)
@@ -124,8 +128,10 @@ def compare_outputs(ref: dict[str, np.ndarray], out: dict[str, np.ndarray], feed
         if name == io.DRAFT_TOKENS:
             continue
         diff = np.abs(a.astype(np.float64) - out[name].astype(np.float64))
-        if skip is not None:  # [B,K,...] outputs: only the positions up to each block's first flip
+        if skip is not None and diff.ndim >= 2:  # [B,K,...] outputs: the positions up to each block's first flip
             diff = diff[~skip]
+        elif skip is not None:  # [B] (verify lengths): the blocks without a flip
+            diff = diff[~skip.any(axis=1)]
         worst = float(diff.max(initial=0.0))
         result[name] = (worst, 0, 0, worst <= atol)  # NaN fails
     return result

@@ -35,6 +35,7 @@ TokenCallback = Callable[[int, int], None]  # (request id, number of new tokens)
 FinishCallback = Callable[["RequestOutput"], None]  # a request's output, the moment it finishes
 
 METHODS = ("ar", "ngram", "mtp", "dspark")
+_MEASURED: dict[tuple, object] = {}  # quick cost profiles measured in this process, for artifacts without one
 
 
 @dataclass
@@ -114,7 +115,7 @@ class Engine:
             raise SpecrtError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.art_dir = Path(art_dir)
         self.manifest = io.load_manifest(self.art_dir)
-        self.method, self.backend = method, backend
+        self.method, self.backend, self.scheduler_name = method, backend, scheduler
         self.vocab_size = self.manifest.model.vocab_size
         self.eos_ids = self.manifest.eos_ids
         self.tokenizer = (Tokenizer.from_dir(self.art_dir / io.TOKENIZER_DIR, self.manifest.tokenizer)
@@ -157,12 +158,13 @@ class Engine:
         from specrt.runtime.profile import load_profile, measure
 
         prof = load_profile(self.art_dir, backend=backend, threads=threads)
-        if prof is None:
+        key = (str(self.art_dir.resolve()), backend, threads)
+        if prof is None and key not in _MEASURED:
             print(f"specrt: warning: {self.art_dir} has no {backend} cost profile; measuring a quick one "
                   f"(run `specrt profile {self.art_dir}` once to store a careful one)", file=sys.stderr)
-            prof = measure(self.art_dir, backend=backend, threads=threads, repeats=1, calls=2, progress=False,
-                           position=min(128, self.manifest.export.max_seq // 2))
-        return prof
+            _MEASURED[key] = measure(self.art_dir, backend=backend, threads=threads, repeats=1, calls=2,
+                                     progress=False, position=min(128, self.manifest.export.max_seq // 2))
+        return prof or _MEASURED[key]
 
     # -- the online API ---------------------------------------------------------------------------
 

@@ -261,6 +261,12 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
 @click.option("--scheduler", type=click.Choice(SCHEDULER_NAMES), default="fixed",
               help="Verify lengths per round (see `specrt run --help`).")
 @click.option("--threshold", default=0.3, show_default=True, help="--scheduler threshold: the survival cut.")
+@click.option("--concurrency", default=None,
+              help="Comma-separated request counts kept in flight (e.g. 1,2,4,8,16): serve all prompts through the "
+                   "online engine at each level, per method and --schedulers entry, beside batched AR.")
+@click.option("--schedulers", default=None,
+              help="With --concurrency: comma-separated schedulers to run every speculative method under "
+                   "[default: --scheduler].")
 @click.option("--ngram", default=3, help="ngram method: longest suffix looked up.")
 @click.option("--backend", type=click.Choice(["ort", "torch"]), default="ort", help="Runtime backend.")
 @click.option("--baseline", "baselines", multiple=True, default=["none"],
@@ -272,8 +278,8 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
               help="Write a PNG: per-position conditional acceptance per method, and tau per prompt set.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens: int, methods: str, gamma,
-          scheduler: str, threshold: float, ngram: int, backend: str, baselines: tuple[str, ...], threads,
-          plot: Path | None, as_json: bool) -> None:
+          scheduler: str, threshold: float, concurrency: str | None, schedulers: str | None, ngram: int,
+          backend: str, baselines: tuple[str, ...], threads, plot: Path | None, as_json: bool) -> None:
     """Benchmark methods and baselines on the same prompts, side by side in one run (greedy, batch 1).
 
     Every method (and the hf baseline) must produce the same greedy tokens as `ar`; if any differs the command
@@ -294,6 +300,11 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
     if plot is not None and plot.suffix.lower() != ".png":
         raise SpecrtError(f"--plot writes a PNG; got {plot}")
     baselines = b.parse_baselines(baselines)
+    if concurrency is not None:
+        return _bench_concurrency(artifact, prompt_files, limit, max_new_tokens, names, gamma, scheduler, schedulers,
+                                  threshold, concurrency, backend, threads, baselines, plot, as_json)
+    if schedulers is not None:
+        raise SpecrtError("--schedulers goes with --concurrency; for one scheduler at batch 1 use --scheduler")
     if "llama.cpp" in baselines:
         b.require_llama_cpp()  # a missing optional extra fails before anything is loaded
     engines = [Engine(artifact, method=m, gamma=gamma if m != "ar" else None, scheduler=scheduler, ngram=ngram,
@@ -392,6 +403,45 @@ def profile(artifact: Path, backend: str, threads: int | None, position: int, re
         click.echo(f"{head} draft call ms: " + ", ".join(f"B={b} {ms:.2f}" for b, ms in sorted(row.items()))
                    + f"  ({prof.draft_ms(head, 1) / step:.2f} decoding steps at B=1)")
     click.echo(f"wrote {path}" + (f" and {report['plot']}" if plot is not None else ""))
+
+
+def _bench_concurrency(artifact, prompt_files, limit, max_new_tokens, names, gamma, scheduler, schedulers, threshold,
+                       concurrency, backend, threads, baselines, plot, as_json) -> None:
+    """`specrt bench --concurrency`: runtime/concurrency.py."""
+    from specrt import artifact as io
+    from specrt.runtime import concurrency as cc
+    from specrt.runtime.prompts import encode_prompt, read_prompts_file
+    from specrt.runtime.tokenizer import Tokenizer
+
+    if baselines:
+        raise SpecrtError("--baseline runs at batch 1; drop --concurrency to compare with it")
+    chosen = [x.strip() for x in (schedulers or scheduler).split(",") if x.strip()]
+    bad = [x for x in chosen if x not in SCHEDULER_NAMES]
+    if bad or not chosen:
+        raise SpecrtError(f"--schedulers: unknown scheduler {bad[0] if bad else '(none)'}; choose from "
+                          f"{', '.join(SCHEDULER_NAMES)}")
+    manifest = io.load_manifest(artifact)
+    levels = cc.parse_levels(concurrency, manifest.export.batch)
+    tok = Tokenizer.from_dir(artifact / io.TOKENIZER_DIR, manifest.tokenizer) if manifest.tokenizer else None
+    prompts = [encode_prompt(tok, t) for p in prompt_files for t in read_prompts_file(p, limit)]
+    report = cc.run(artifact, prompts, levels=levels, methods=names, schedulers=chosen, max_new_tokens=max_new_tokens,
+                    gamma=gamma, backend=backend, threads=threads, threshold=threshold, progress=not as_json)
+    if plot is not None:
+        report["plot"] = str(cc.plot(report, plot))
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        click.echo(f"{'conc':>4s} {'method':18s} {'tok/s':>9s} {'per req':>8s} {'vs best':>8s} {'verify':>7s} "
+                   f"{'tau':>6s}")
+        for r in report["rows"]:
+            label = r["method"] if r["method"] == "ar" else f"{r['method']}/{r['scheduler']}"
+            click.echo(f"{r['concurrency']:4d} {label:18s} {r['tokens_per_s']:9.2f} "
+                       f"{r['per_request_tokens_per_s']:8.2f} {r['vs_best_of_ar_and_fixed']:8.3f} "
+                       f"{r['mean_verify_len']:7.2f} {r['tau']:6.2f}")
+        click.echo(f"identical greedy outputs: {report['identical']}")
+    if not report["identical"]:
+        click.echo("specrt: error: methods produced different greedy tokens", err=True)
+        sys.exit(1)
 
 
 def _layer_list(ctx, param, value: str | None) -> tuple[int, ...] | None:

@@ -1,0 +1,127 @@
+"""`specrt bench --concurrency`: R requests in flight through the online engine, per method and scheduler.
+
+Each configuration serves every prompt with at most R requests active at once (a finished request's slot takes
+the next prompt at the following step, the way a server runs), greedy, and reports:
+
+    tokens_per_s              all generated tokens over the wall time from the first step to the last token
+    per_request_tokens_per_s  mean over requests of its tokens over its own time from admission to finish
+    mean_verify_len, tau      drafts verified per slot-round and tokens committed per slot-round
+
+Rows: batched AR ("ar", scheduler "-") and every speculative method under every scheduler. The greedy tokens of
+every row must equal AR's for every prompt (exactness), or the command fails.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+
+from tqdm import tqdm
+
+from specrt.errors import SpecrtError
+from specrt.runtime.engine import Engine
+from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.stats import RunStats
+
+
+def parse_levels(text: str, max_batch: int) -> list[int]:
+    """`1,2,4` -> [1, 2, 4]; each level must fit the artifact's request slots."""
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecrtError(f"--concurrency takes comma-separated integers, got {text!r}") from None
+    bad = [c for c in levels if not 1 <= c <= max_batch]
+    if not levels or bad:
+        raise SpecrtError(f"--concurrency levels must be between 1 and the artifact's {max_batch} request slots "
+                          f"(re-export with a larger --batch), got {text!r}")
+    return sorted(set(levels))
+
+
+def serve(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int, *,
+          progress: bool = False, desc: str = "") -> tuple[dict, list[list[int]]]:
+    """Run every prompt with `concurrency` in flight; (row, outputs in prompt order)."""
+    queue = deque(enumerate(prompts))
+    started: dict[int, float] = {}
+    done: dict[int, tuple[list[int], float]] = {}
+    engine.stats = RunStats(method=engine.method, gamma=engine.gamma)  # this run's rounds only
+    t0 = time.perf_counter()
+    with tqdm(total=len(prompts), desc=desc, unit="req", disable=not progress) as bar:
+        while queue or engine.has_unfinished():
+            while queue and len(started) - len(done) < concurrency:
+                i, ids = queue.popleft()
+                engine.add_request(ids, params, request_id=i)
+                started[i] = time.perf_counter()
+            for d in engine.step():
+                if d.finished is not None:
+                    done[d.id] = (d.finished.output_ids, time.perf_counter())
+                    bar.update(1)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(out) for out, _ in done.values())
+    per_request = [len(out) / (end - started[i]) for i, (out, end) in done.items() if end > started[i]]
+    s = engine.stats.to_dict()
+    row = {"method": engine.method, "scheduler": engine.scheduler_name if engine.method != "ar" else "-",
+           "concurrency": concurrency, "tokens_per_s": round(tokens / wall, 3) if wall else 0.0,
+           "per_request_tokens_per_s": round(sum(per_request) / len(per_request), 3) if per_request else 0.0,
+           "mean_verify_len": s.get("mean_verify_len", 0.0), "tau": s.get("tau", 1.0),
+           "generated_tokens": tokens, "wall_s": round(wall, 3)}
+    if engine.method != "ar":
+        row.update(draft_s=s["draft_s"], verify_s=s["verify_s"])
+    return row, [done[i][0] for i in range(len(prompts))]
+
+
+def run(art: str | Path, prompts: list[list[int]], *, levels: list[int], methods: list[str], schedulers: list[str],
+        max_new_tokens: int, gamma: int | None, backend: str, threads: int | None, threshold: float,
+        progress: bool) -> dict:
+    """Every (method, scheduler) at every concurrency level; AR first, whose outputs the others must equal."""
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    rows, identical = [], True
+    configs = [("ar", "fixed")] + [(m, s) for m in methods if m != "ar" for s in schedulers]
+    for c in levels:
+        reference = None
+        for method, sched in configs:
+            engine = Engine(art, method=method, gamma=gamma if method != "ar" else None, scheduler=sched,
+                            backend=backend, threads=threads, slots=c, threshold=threshold)
+            label = method if method == "ar" else f"{method}/{sched}"
+            row, outputs = serve(engine, prompts, params, c, progress=progress, desc=f"c={c} {label}")
+            reference = reference if reference is not None else outputs
+            row["identical"] = outputs == reference
+            identical &= row["identical"]
+            rows.append(row)
+    best = {c: max(r["tokens_per_s"] for r in rows if r["concurrency"] == c and
+                   (r["method"] == "ar" or r["scheduler"] == "fixed")) for c in levels}
+    for r in rows:
+        r["vs_best_of_ar_and_fixed"] = round(r["tokens_per_s"] / best[r["concurrency"]], 3) if best[r["concurrency"]] \
+            else None
+    return {"identical": identical, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "levels": levels,
+            "rows": rows}
+
+
+def plot(report: dict, path: str | Path) -> Path:
+    """Aggregate throughput against concurrency, and the throughput / per-request speed frontier."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    series: dict[str, list[dict]] = {}
+    for r in report["rows"]:
+        series.setdefault(r["method"] if r["method"] == "ar" else f"{r['method']} / {r['scheduler']}", []).append(r)
+    for label, rs in series.items():
+        rs = sorted(rs, key=lambda r: r["concurrency"])
+        style = dict(marker="o", linestyle="--" if label == "ar" else "-", label=label)
+        left.plot([r["concurrency"] for r in rs], [r["tokens_per_s"] for r in rs], **style)
+        right.plot([r["per_request_tokens_per_s"] for r in rs], [r["tokens_per_s"] for r in rs], **style)
+    left.set(xlabel="requests in flight", ylabel="aggregate tokens/s", xscale="log", title="Throughput")
+    left.set_xticks(report["levels"], [str(c) for c in report["levels"]])
+    right.set(xlabel="tokens/s per request", ylabel="aggregate tokens/s", title="Throughput / per-user frontier")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    right.legend(fontsize=7)
+    fig.suptitle(f"greedy, {report['prompts']} prompts, {report['max_new_tokens']} new tokens", fontsize=9)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

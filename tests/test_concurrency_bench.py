@@ -1,0 +1,62 @@
+"""`specrt bench --concurrency`: requests in flight through the online engine, per method and scheduler."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from specrt.artifact import ExportSettings
+from specrt.cli import main
+from specrt.exporter.export import export_artifact
+from specrt.exporter.loaders.deepspec import random_dspark_checkpoint
+
+from test_distill_cli import target  # noqa: F401 (a fixture: a tiny llama with a word-level tokenizer)
+
+
+@pytest.fixture(scope="module")
+def art(target, tmp_path_factory):  # noqa: F811
+    root = tmp_path_factory.mktemp("conc")
+    draft = random_dspark_checkpoint(root / "draft", target, layers=1, block_size=4, markov_rank=8)
+    return export_artifact(target, root / "art", ExportSettings(batch=4, max_seq=96, prefill_chunk=16, verify_len=5),
+                           draft=draft, progress=False)
+
+
+def _prompts(tmp_path):
+    """Prompts as text: the tiny models have a word-level tokenizer when built with one (see conftest)."""
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"turns": [f"{w} " * (3 + i)]}) + "\n"
+                         for i, w in enumerate("the a cat dog sat ran".split())))
+    return f
+
+
+def test_rows_for_every_level_method_and_scheduler(art, tmp_path):
+    r = CliRunner().invoke(main, ["bench", str(art), "--prompts", str(_prompts(tmp_path)), "--max-new-tokens", "12",
+                                  "--methods", "ar,dspark,ngram", "--concurrency", "1,4", "--schedulers", "fixed,sps",
+                                  "--threads", "1", "--json", "--plot", str(tmp_path / "c.png")])
+    assert r.exit_code == 0, r.output
+    report = json.loads(next(line for line in r.output.splitlines() if line.startswith("{")))
+    assert r.output.count("no ort cost profile") == 1  # measured once, then reused in the process
+    assert report["identical"] and report["levels"] == [1, 4] and report["prompts"] == 6
+    keys = {(row["method"], row["scheduler"], row["concurrency"]) for row in report["rows"]}
+    assert keys == {(m, s, c) for c in (1, 4) for m, s in
+                    [("ar", "-"), ("dspark", "fixed"), ("dspark", "sps"), ("ngram", "fixed"), ("ngram", "sps")]}
+    for row in report["rows"]:
+        assert row["tokens_per_s"] > 0 and row["per_request_tokens_per_s"] > 0 and row["identical"]
+        assert row["generated_tokens"] == 6 * 12
+        assert row["tau"] >= 1.0 and (row["method"] != "ar" or row["mean_verify_len"] == 0.0)
+    at4 = [row for row in report["rows"] if row["concurrency"] == 4]
+    assert max(row["vs_best_of_ar_and_fixed"] for row in at4 if row["scheduler"] in ("-", "fixed")) == 1.0
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_bad_concurrency_requests(art, tmp_path):
+    art, prompts = str(art), str(_prompts(tmp_path))
+    for extra, message in ((["--concurrency", "8"], "between 1 and the artifact's 4 request slots"),
+                           (["--concurrency", "1,x"], "comma-separated integers"),
+                           (["--concurrency", "1", "--schedulers", "fixed,nope"], "unknown scheduler nope"),
+                           (["--schedulers", "sps"], "--schedulers goes with --concurrency"),
+                           (["--concurrency", "1", "--baseline", "hf"], "--baseline runs at batch 1")):
+        r = CliRunner().invoke(main, ["bench", art, "--prompts", prompts, "--methods", "ar,ngram", *extra])
+        assert r.exit_code != 0 and message in r.output, (extra, r.output)
+        assert "Traceback" not in r.output
