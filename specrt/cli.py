@@ -531,6 +531,8 @@ def inspect(artifact: Path, as_json: bool) -> None:
     click.echo(f"tokenizer {'yes' if m.tokenizer else 'none (use --input-ids)'}")
     for h in m.heads.values():
         extra = f", STS temperatures {list(h.temperatures)}" if h.temperatures else ""
+        if h.vocab_ids:
+            extra += f", draft vocabulary of {len(h.vocab_ids)} tokens (--draft-vocab)"
         click.echo(f"head     {h.name}: {h.kind}, {h.steps} drafts per call"
                    f"{', confidence head' if h.confidence else ''}{extra}")
     for g in m.graphs.values():

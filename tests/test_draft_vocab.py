@@ -90,6 +90,8 @@ def test_manifest_records_the_vocabulary(arts):
     probs = next(t for t in m.graphs["dspark"].outputs if t.name == io.DRAFT_PROBS)
     assert probs.shape[-1] == 64
     assert not io.load_manifest(arts["full"]).heads["dspark"].vocab_ids
+    shown = CliRunner().invoke(main, ["inspect", str(arts["small"])])
+    assert shown.exit_code == 0 and "draft vocabulary of 64 tokens" in shown.output
 
 
 def _draft_call(art: Path, backend: str = "ort") -> dict[str, np.ndarray]:
