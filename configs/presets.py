@@ -24,8 +24,10 @@ def preset_heads(name: str) -> dict[str, Path]:
 
 def _heads_key(heads: dict[str, Path]) -> list[str]:
     """Content hashes of the head files, so a retrained head gets a new cached artifact."""
-    return [f"{k}:{hashlib.sha256(f.read_bytes()).hexdigest()[:16]}"
-            for k, d in sorted(heads.items()) for f in sorted(d.iterdir()) if f.suffix in (".json", ".safetensors")]
+    files = [(k, f) for k, d in sorted(heads.items()) for f in sorted(d.iterdir()) if f.suffix in (".json", ".safetensors")]
+    files += [("counts", d.parent / "token_counts.npy") for k, d in sorted(heads.items())
+              if k == "draft" and (d.parent / "token_counts.npy").is_file()]
+    return [f"{k}:{hashlib.sha256(f.read_bytes()).hexdigest()[:16]}" for k, f in files]
 
 
 def resolve_model(name_or_path: str, *, progress: bool = True) -> Path:
@@ -52,6 +54,9 @@ EXPORT_DEFAULTS = io.ExportSettings(batch=4, max_seq=1024, prefill_chunk=64, ver
 # are, through the cpu lowering (4-bit MatMulNBits, a runtime-sized cache). A TensorRT build wants
 # `--weights float --attention standard`.
 PRESET_FORMAT = {"weights": "gguf", "attention": "cpu"}
+# With its shipped DSpark head, a preset's draft scores the 2048 tokens most frequent in the head's distillation
+# data (FR-Spec; README "A smaller draft vocabulary": the draft call 0.22 instead of 1.09 decoding steps, same τ).
+PRESET_DRAFT_VOCAB = 2048
 
 
 def preset_format(name: str) -> dict[str, str]:
@@ -60,8 +65,8 @@ def preset_format(name: str) -> dict[str, str]:
 
 
 def default_settings() -> io.ExportSettings:
-    """The demo's artifact: the export defaults in the preset's format."""
-    return dataclasses.replace(EXPORT_DEFAULTS, **PRESET_FORMAT)
+    """The demo's artifact: the export defaults in the preset's format, with its shipped heads."""
+    return dataclasses.replace(EXPORT_DEFAULTS, **PRESET_FORMAT, draft_vocab=PRESET_DRAFT_VOCAB)
 
 
 def default_artifact(*, progress: bool = True) -> Path:

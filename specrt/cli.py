@@ -95,35 +95,40 @@ def _settings(batch: int, max_seq_len: int, prefill_chunk: int, verify_len: int 
                    "[default: gguf for a preset, else float]")
 @click.option("--accuracy-level", type=click.Choice(["0", "4"]), default="4",
               help="Quantized weights: activations of MatMulNBits in fp32 (0, exact numerics) or int8 (4, faster).")
-@click.option("--draft-vocab", type=int, default=0, show_default=True,
+@click.option("--draft-vocab", type=int, default=None,
               help="DSpark: score only the N most frequent target tokens of the head's distillation data in its LM "
-                   "and Markov heads (FR-Spec; output stays exact). 0: the whole vocabulary.")
+                   "and Markov heads (FR-Spec; output stays exact). 0: the whole vocabulary. [default: 2048 for a "
+                   "preset's shipped DSpark head, else 0]")
 @click.option("--token-counts", type=click.Path(path_type=Path), default=None,
               help="Token counts (.npy, from `specrt distill`) for --draft-vocab [default: token_counts.npy beside "
                    "the DSpark head]")
 @click.option("--force", is_flag=True, help="Replace an existing artifact directory.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feedback: str, no_heads: bool,
-           weights: str, accuracy_level: str, draft_vocab: int, token_counts: Path | None, force: bool, quiet: bool,
-           **opts) -> None:
+           weights: str, accuracy_level: str, draft_vocab: int | None, token_counts: Path | None, force: bool,
+           quiet: bool, **opts) -> None:
     """Export MODEL (HF directory, .gguf file, or preset name `smollm2`) into an artifact directory.
 
     A preset comes with the draft heads specrt ships for it (DSpark and MTP) unless --draft/--mtp or
     --no-heads say otherwise, and is exported for ONNX Runtime on CPU (--weights gguf --attention cpu)
     unless --weights/--attention say otherwise."""
     from specrt.exporter.export import export_artifact
-    from specrt.configs.presets import preset_format, preset_heads, resolve_model
+    from specrt.configs.presets import PRESET_DRAFT_VOCAB, preset_format, preset_heads, resolve_model
 
     fmt = preset_format(model)
     weights = weights or fmt["weights"]
     opts["attention"] = opts["attention"] or fmt["attention"]
 
+    shipped_draft = None
     if not no_heads and draft is None and mtp is None:
         shipped = preset_heads(model)
         draft, mtp = shipped.get("draft"), shipped.get("mtp")
+        shipped_draft = draft
         if shipped and not quiet:
             click.echo("with the shipped heads: " + ", ".join(f"--{'draft' if k == 'draft' else 'mtp'} {v}"
                                                              for k, v in shipped.items()), err=True)
+    if draft_vocab is None:
+        draft_vocab = PRESET_DRAFT_VOCAB if draft is not None and draft == shipped_draft else 0
     block = None
     if draft is not None:
         from specrt.exporter.heads import dspark_block_size

@@ -172,6 +172,9 @@ def test_preset_export_carries_the_shipped_heads(shipped_art):
     assert set(m.heads) == {"dspark", "mtp"} and m.gamma == 7
     cfg = json.loads((HEADS_DIR / "smollm2" / "dspark" / "config.json").read_text())
     assert list(m.heads["dspark"].temperatures) == cfg["confidence_temperatures"]
+    # the shipped token counts pick the draft vocabulary (FR-Spec): the preset default, 2048 tokens with EOS
+    assert m.export.draft_vocab == 2048 and len(m.heads["dspark"].vocab_ids) == 2048
+    assert set(m.eos_ids) <= set(m.heads["dspark"].vocab_ids)
     size = sum(f.stat().st_size for d in ("dspark", "mtp") for f in (HEADS_DIR / "smollm2" / d).iterdir())
     assert size <= 40e6  # the committed heads stay small: bf16, embedding and head shared with the target
 
