@@ -141,6 +141,13 @@ def plot_report(report: dict, path: str | Path) -> Path:
     right.grid(axis="y", alpha=0.3)
     right.legend()
     fig.suptitle(f"greedy, batch 1, {report['max_new_tokens']} new tokens", fontsize=9)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Lay out, write as PNG (folders made) and close a matplotlib figure; the path written."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -103,6 +103,8 @@ def plot(report: dict, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from specrt.runtime.bench import save_figure
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     series: dict[str, list[dict]] = {}
     for r in report["rows"]:
@@ -119,9 +121,4 @@ def plot(report: dict, path: str | Path) -> Path:
         ax.grid(alpha=0.3)
     right.legend(fontsize=7)
     fig.suptitle(f"greedy, {report['prompts']} prompts, {report['max_new_tokens']} new tokens", fontsize=9)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)

@@ -230,6 +230,8 @@ def plot_profile(profile: Profile, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from specrt.runtime.bench import save_figure
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for b, row in sorted(profile.verify.items()):
         ts = sorted(row)
@@ -247,9 +249,4 @@ def plot_profile(profile: Profile, path: str | Path) -> Path:
     right.legend()
     fig.suptitle(f"{profile.backend}, {profile.threads} threads, cache position {profile.position}, "
                  f"{profile.machine}", fontsize=9)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)
