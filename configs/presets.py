@@ -78,5 +78,9 @@ def default_artifact(*, progress: bool = True) -> Path:
     if (art / io.MANIFEST).is_file():
         return art
     from specrt.exporter.export import export_artifact
+    from specrt.runtime.profile import measure, save_profile
 
-    return export_artifact(resolve_model("smollm2", progress=progress), art, settings, progress=progress, **heads)
+    export_artifact(resolve_model("smollm2", progress=progress), art, settings, progress=progress, **heads)
+    # the cost table the default scheduler (sps) reads, measured once on this machine (a few seconds)
+    save_profile(art, measure(art, repeats=2, calls=2, progress=progress))
+    return art

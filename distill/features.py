@@ -84,6 +84,7 @@ class _FeatureReader:
         self.chunk = self.bucket["T"]
         self.feeds = self.runner.inputs(0, self.bucket)  # bound buffers, filled in place per chunk
         self.feeds[io.LOGIT_ROWS][:] = 0
+        self.feeds[io.TOKEN_ROWS][:] = io.dense_rows(self.bucket)
         s = columns[0]  # the usual case (sources stored contiguously) slices instead of gathering
         self.columns = slice(s, s + len(columns)) if np.array_equal(columns, np.arange(s, s + len(columns))) \
             else columns

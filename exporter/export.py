@@ -76,15 +76,16 @@ def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSett
                     progress: bool = True, force: bool = False) -> Path:
     """Export `source` (HF dir, GGUF file or preset name) into the artifact directory `out`.
 
-    `token_counts`: the file a `settings.draft_vocab` is chosen from (default: beside the DSpark head).
+    `token_counts`: the file a `settings.draft_vocab` is chosen from (default: beside each head).
 
     Everything is written to a temporary sibling directory that is renamed into place at the end, so
     an interrupted export never leaves a directory that looks like a finished artifact.
     """
     out = Path(out)
     check_out(out, sources=[source, draft, mtp], force=force)  # before anything is touched
-    if settings.draft_vocab and draft is None:
-        raise SpecrtError("--draft-vocab reduces a DSpark head's vocabulary; give --draft (or a preset with heads)")
+    if settings.draft_vocab and draft is None and mtp is None:
+        raise SpecrtError("--draft-vocab reduces a draft head's vocabulary; give --draft or --mtp (or a preset "
+                          "with heads)")
     dtype = np.dtype(settings.dtype)
     with staged(out) as tmp:  # written beside `out`, swapped in at the end; removed on any failure or SIGTERM
         n_graphs = 1 + (draft is not None) + (mtp is not None)
@@ -102,7 +103,7 @@ def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSett
                                       f"{heads[-1].info['steps']}")
             if mtp is not None:
                 heads.append(mtp_plan(mtp, cfg, loaded.weights, settings, steps=settings.verify_len - 1,
-                                      feedback=mtp_feedback))
+                                      feedback=mtp_feedback, token_counts=token_counts))
             # the target outputs what the heads read, plus any extra sources asked for (distillation)
             features = feature_layout(heads, cfg.hidden_size)
             for f in extra_features:

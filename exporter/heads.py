@@ -57,25 +57,34 @@ def token_counts_path(draft: str | Path, given: str | Path | None = None) -> Pat
                       f"in {draft} or its parent (`specrt distill` writes it); give --token-counts FILE")
 
 
+def _vocabulary(kind: str, path: str | Path, target: ModelConfig, s: io.ExportSettings,
+                token_counts: str | Path | None, source_files: list[Path]) -> tuple[np.ndarray | None, dict]:
+    """A head's draft vocabulary (FR-Spec) when `s.draft_vocab` asks for one: (ids, HeadSpec fields); the counts
+    file joins `source_files`."""
+    from specrt.distill.vocab import coverage, draft_vocab, read_counts
+
+    if not s.draft_vocab:
+        return None, {}
+    counts_file = token_counts_path(path, token_counts)
+    counts = read_counts(counts_file, target.vocab_size)
+    ids = draft_vocab(counts, s.draft_vocab, keep=target.eos_token_ids)
+    source_files.append(counts_file)
+    print(f"specrt: {kind} draft vocabulary: the {len(ids)} most frequent tokens of {counts_file} "
+          f"({coverage(counts, ids):.1%} of its tokens)", file=sys.stderr)
+    return ids, {"vocab_ids": tuple(int(t) for t in ids)}
+
+
 def dspark_plan(path: str | Path, target: ModelConfig, target_weights: dict[str, np.ndarray],
                 s: io.ExportSettings, token_counts: str | Path | None = None) -> HeadPlan:
     """A DeepSpec DSpark (or DFlash) checkpoint as a head; γ is the block size. With `s.draft_vocab`, its LM and
     Markov heads keep the `s.draft_vocab` most frequent tokens of `token_counts` (and the target's EOS)."""
-    from specrt.distill.vocab import coverage, draft_vocab, read_counts
     from specrt.exporter.loaders.deepspec import load_dspark
     from specrt.exporter.onnx.dspark import build_dspark_graph, dspark_signature, dspark_weights, vocab_head_source
 
     loaded = load_dspark(path, target)
     cfg = loaded.config
-    ids, info_vocab, source_files = None, {}, list(loaded.source_files)
-    if s.draft_vocab:
-        counts_file = token_counts_path(path, token_counts)
-        counts = read_counts(counts_file, target.vocab_size)
-        ids = draft_vocab(counts, s.draft_vocab, keep=target.eos_token_ids)
-        info_vocab = {"vocab_ids": tuple(int(t) for t in ids)}
-        source_files.append(counts_file)
-        print(f"specrt: draft vocabulary: the {len(ids)} most frequent tokens of {counts_file} "
-              f"({coverage(counts, ids):.1%} of its tokens)", file=sys.stderr)
+    source_files = list(loaded.source_files)
+    ids, info_vocab = _vocabulary("DSpark", path, target, s, token_counts, source_files)
 
     def build(g: GraphBuilder) -> None:
         build_dspark_graph(g, cfg, target, max_seq=s.max_seq, dtype=s.dtype, attention=s.attention, vocab_ids=ids)
@@ -94,24 +103,35 @@ def dspark_plan(path: str | Path, target: ModelConfig, target_weights: dict[str,
 
 
 def mtp_plan(path: str | Path, target: ModelConfig, target_weights: dict[str, np.ndarray],
-             s: io.ExportSettings, steps: int, feedback: str = "post") -> HeadPlan:
-    """A DeepSeek-style MTP checkpoint as a head, chained `steps` times per proposal."""
+             s: io.ExportSettings, steps: int, feedback: str = "post",
+             token_counts: str | Path | None = None) -> HeadPlan:
+    """A DeepSeek-style MTP checkpoint as a head, chained `steps` times per proposal. With `s.draft_vocab`, its
+    head keeps the `s.draft_vocab` most frequent tokens of `token_counts` (and the target's EOS)."""
     from specrt.exporter.loaders.mtp import load_mtp
-    from specrt.exporter.onnx.mtp import build_mtp_graph, mtp_weights
+    from specrt.exporter.onnx.mtp import OWN_HEAD, build_mtp_graph, mtp_weights, target_head
 
     loaded = load_mtp(path, target)
     cfg = loaded.config
+    source_files = list(loaded.source_files)
+    ids, info_vocab = _vocabulary("MTP", path, target, s, token_counts, source_files)
 
     def build(g: GraphBuilder) -> None:
         build_mtp_graph(g, cfg, target, steps=steps, max_seq=s.max_seq, dtype=s.dtype, feedback=feedback,
-                        attention=s.attention)
+                        attention=s.attention, vocab_ids=ids)
 
     signature = io.mtp_signature(num_kv_heads=cfg.layer.num_kv_heads, head_dim=cfg.layer.head_dim,
                                  hidden_size=target.hidden_size, vocab_size=target.vocab_size, steps=steps,
-                                 max_seq=s.max_seq, dtype=s.dtype)
-    info = {"kind": "mtp", "steps": steps, "feedback": feedback, "config": _config_dict(cfg)}
-    return HeadPlan(name="mtp", features=[FINAL], tensors=mtp_weights(cfg, loaded.weights, target_weights),
-                    build=build, signature=signature, info=info, source_files=list(loaded.source_files))
+                                 max_seq=s.max_seq, dtype=s.dtype, draft_vocab=len(ids) if ids is not None else 0)
+    info = {"kind": "mtp", "steps": steps, "feedback": feedback, "config": _config_dict(cfg), **info_vocab}
+    tensors = mtp_weights(cfg, loaded.weights, target_weights)
+    subsets = {}
+    if ids is not None:  # the graph reads its head as OWN_HEAD: the own head's rows, or the target head's
+        if OWN_HEAD in tensors:
+            tensors[OWN_HEAD] = tensors[OWN_HEAD][ids]
+        else:
+            subsets[OWN_HEAD] = (target_head(target), ids)
+    return HeadPlan(name="mtp", features=[FINAL], tensors=tensors, build=build, signature=signature, info=info,
+                    source_files=source_files, row_subsets=subsets)
 
 
 def feature_layout(heads: list[HeadPlan], hidden: int) -> list[int | str]:

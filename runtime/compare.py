@@ -83,11 +83,16 @@ def random_feeds(manifest: io.Manifest, family: str, bucket: io.Bucket, call: in
     if io.TEMPERATURE in feeds:  # greedy and sampled slots alternate, and swap on the next call
         feeds[io.TEMPERATURE] = (((np.arange(b) + call) % 2) * 0.8).astype(np.float32)
         feeds[io.NOISE] = rng.random(feeds[io.NOISE].shape, dtype=np.float32)
-    if io.INPUT_IDS in feeds:  # target: T tokens at start..start+T-1, logits of every row (verify) or one
-        t, r = bucket["T"], bucket["R"]
-        rows = np.tile(np.arange(r), (b, 1)) if r == t else rng.integers(0, t, (b, r))
-        feeds.update({io.POSITION_IDS: start[:, None] + np.arange(t), io.WRITE_INDEX: start, io.LOGIT_ROWS: rows})
-        return feeds, start + t
+    if io.INPUT_IDS in feeds:  # target: T tokens at start..start+T-1; P of the cells computed, R of them logits
+        t, p, r = bucket["T"], bucket["P"], bucket["R"]
+        computed = np.full(b, t)  # packed: each slot computes a prefix of its row, as a verify round does
+        while computed.sum() > p:
+            computed[rng.choice(np.flatnonzero(computed))] -= 1
+        cells = np.concatenate([i * t + np.arange(c) for i, c in enumerate(computed)]).astype(np.int64)
+        rows = np.arange(r) if r == p else rng.integers(0, p, r)
+        feeds.update({io.POSITION_IDS: start[:, None] + np.arange(t), io.WRITE_INDEX: start,
+                      io.TOKEN_ROWS: cells, io.LOGIT_ROWS: rows})
+        return feeds, start + computed  # the next call overwrites the cells not computed
     c = bucket["C"]
     if io.MTP_TOKENS in feeds:  # MTP: rows up to last_row are real, the rest padding; the next call continues
         last = rng.integers(0, c, b)
@@ -137,6 +142,18 @@ def compare_outputs(ref: dict[str, np.ndarray], out: dict[str, np.ndarray], feed
     return result
 
 
+def _compared_buckets(spec: io.GraphSpec) -> list[tuple[str, io.Bucket]]:
+    """Each use's largest bucket, and for packed uses also the largest grid at its smallest token budget."""
+    out = []
+    for use, buckets in spec.buckets.items():
+        big = max(buckets, key=lambda b: (math.prod(b.values()), tuple(b.values())))
+        out.append((use, big))
+        if "P" in big:
+            out.append((use, min((b for b in buckets if (b["B"], b["T"]) == (big["B"], big["T"])),
+                                 key=lambda b: b["P"])))
+    return [(u, b) for i, (u, b) in enumerate(out) if (u, b) not in out[:i]]
+
+
 def compare_artifact(art_dir: str | Path, backends: tuple[str, ...], *, seed: int = 0, atol: float | None = None,
                      threads: int | None = None) -> Comparison:
     """Run each family's largest bucket of every use twice on every backend; diff against the first backend."""
@@ -148,8 +165,7 @@ def compare_artifact(art_dir: str | Path, backends: tuple[str, ...], *, seed: in
         runners = {name: load_runner(name, art_dir, manifest, family, threads=threads) for name in backends}
         for runner in runners.values():
             runner.allocate(slots)
-        for ui, (use, buckets) in enumerate(spec.buckets.items()):
-            bucket = max(buckets, key=lambda b: (math.prod(b.values()), tuple(b.values())))
+        for ui, (use, bucket) in enumerate(_compared_buckets(spec)):
             n = max(bucket.get("T", 0), bucket.get("C", 0))
             steps = manifest.heads[family].steps if family in manifest.heads else 0
             rng = np.random.default_rng([seed, fi, ui])

@@ -113,6 +113,8 @@ class Engine:
             raise SpecrtError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         if backend not in BACKENDS:
             raise SpecrtError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if trace is not None:
+            TraceWriter.check(trace)  # before the graphs load (and a cost profile is measured)
         self.art_dir = Path(art_dir)
         self.manifest = io.load_manifest(self.art_dir)
         self.method, self.backend, self.scheduler_name = method, backend, scheduler
@@ -304,6 +306,7 @@ class Engine:
         bucket = self.target.spec.bucket("prefill")
         c = bucket["T"]
         feeds = self.target.inputs(index, bucket)  # bound buffers: filled in place
+        feeds[io.TOKEN_ROWS][:] = io.dense_rows(bucket)
         keep = self.drafter is not None and self.drafter.needs_features
         features = []
         out = None
@@ -318,7 +321,7 @@ class Engine:
             if keep:
                 features.append(out[io.FEATURES][0, :len(piece)].copy())
         slot.length = len(ids)
-        self._emit(slot, [next_token(out[io.LOGITS][0, 0], request.params, slot.rng)], deltas)
+        self._emit(slot, [next_token(out[io.LOGITS][0], request.params, slot.rng)], deltas)
         if self.drafter is not None and slot.finish_reason is None:
             ctx = Context(pos=0, features=np.concatenate(features) if keep else np.zeros((len(ids), 0), np.float32),
                           next_tokens=np.asarray([*ids[1:], slot.pending], np.int64))
@@ -338,13 +341,13 @@ class Engine:
             if s is not None:
                 ids[i, 0], pos[i, 0] = s.pending, s.length
         feeds[io.WRITE_INDEX][:] = pos[:, 0]
-        feeds[io.LOGIT_ROWS][:] = 0
+        feeds[io.TOKEN_ROWS][:] = feeds[io.LOGIT_ROWS][:] = io.dense_rows(bucket)
         logits = self.target.run(0, bucket)[io.LOGITS]
         self.stats.steps += 1
         for i, s in enumerate(self.slots[:n]):
             if s is not None:
                 s.length += 1
-                self._emit(s, [next_token(logits[i, 0], s.params, s.rng)], deltas)
+                self._emit(s, [next_token(logits[i], s.params, s.rng)], deltas)
                 self.stats.generated_tokens += 1
                 self.stats.decode_tokens += 1
 

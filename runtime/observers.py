@@ -30,10 +30,18 @@ class RoundObserver(Protocol):
 class TraceWriter:
     """`--trace FILE.jsonl`: one JSON line per round per request, flushed as it goes."""
 
-    def __init__(self, path: str | Path) -> None:
+    @staticmethod
+    def check(path: str | Path) -> None:
+        """Refuse a path that cannot be a trace file, before anything expensive happens (nothing is created)."""
         path = Path(path)
         if path.is_dir():
             raise SpecrtError(f"--trace {path} is a directory; give a file path")
+        if not path.parent.is_dir():
+            raise SpecrtError(f"cannot write --trace {path}: No such file or directory")
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        self.check(path)
         try:
             self._file = open(path, "w")
         except OSError as e:

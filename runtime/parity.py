@@ -41,8 +41,8 @@ def _specrt_logits(engine: Engine, ids: list[int]) -> np.ndarray:
         feeds = {io.INPUT_IDS: np.asarray([ids[start:start + n]], np.int64),
                  io.POSITION_IDS: np.arange(start, start + n, dtype=np.int64)[None],
                  io.WRITE_INDEX: np.array([start], np.int64),
-                 io.LOGIT_ROWS: np.arange(n, dtype=np.int64)[None]}
-        out[start:start + n] = infer(runner, 0, feeds)[io.LOGITS][0]
+                 io.TOKEN_ROWS: np.arange(n, dtype=np.int64), io.LOGIT_ROWS: np.arange(n, dtype=np.int64)}
+        out[start:start + n] = infer(runner, 0, feeds)[io.LOGITS]
     return out
 
 

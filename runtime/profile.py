@@ -4,9 +4,9 @@ A round pays when the tokens it commits (τ) are worth more than its cost in pla
     cost = draft call + verify call over (anchor + ℓ drafts) per slot
 so the schedulers need two measured curves, taken here at one cache position with every slot busy:
 
-    verify   the target call for B slots × T tokens (T = 1 is the plain decoding step), for each exported
-             batch size B and T = 1..verify_len: cost against the total verified tokens B·T (the DSpark
-             paper's SPS cost curve)
+    verify   the packed target call for B slots verifying P tokens in all (P = B: the plain decoding step),
+             for each exported batch size B and each token budget P of its verify buckets, on the densest
+             grid that holds them: cost against the total verified tokens (the DSpark paper's SPS curve)
     draft    each head's propose call for B slots (one and verify_len new context rows, averaged)
 
 Calls are interleaved (every configuration once per repetition; medians over repetitions), because the speed
@@ -30,7 +30,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.backends import load_runner
 
 PROFILE_FILE = "profile.json"
-VERSION = 1
+VERSION = 2  # 2: verify costs keyed by total tokens P (packed verification)
 
 
 @dataclass
@@ -42,15 +42,16 @@ class Profile:
     position: int  # the cache position the calls ran at
     machine: str
     created: str
-    verify: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> tokens per slot T -> ms
+    verify: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> tokens verified in all P -> ms
     draft: dict[str, dict[int, float]] = field(default_factory=dict)  # head -> batch -> ms
 
     def step_ms(self, batch: int) -> float:
-        """The plain decoding step (T = 1) at the smallest profiled batch holding `batch` slots."""
-        return self.verify_ms(batch, 1)
+        """The plain decoding step (one token per slot) at the smallest profiled batch holding `batch` slots."""
+        b = _ceil_key(self.verify, batch)
+        return self.verify[b][min(self.verify[b])]
 
     def verify_ms(self, batch: int, tokens: int) -> float:
-        """A verify call of `batch` slots × `tokens` tokens (rounded up to profiled sizes)."""
+        """A verify call of `batch` slots verifying `tokens` tokens in all (rounded up to profiled sizes)."""
         b = _ceil_key(self.verify, batch)
         return self.verify[b][_ceil_key(self.verify[b], tokens)]
 
@@ -108,7 +109,8 @@ def _fill_target(feeds: dict[str, np.ndarray], position: int, token: int) -> Non
     feeds[io.INPUT_IDS][:] = token
     feeds[io.WRITE_INDEX][:] = position
     feeds[io.POSITION_IDS][:] = position + np.arange(t)
-    feeds[io.LOGIT_ROWS][:] = np.arange(feeds[io.LOGIT_ROWS].shape[1])
+    feeds[io.TOKEN_ROWS][:] = np.arange(len(feeds[io.TOKEN_ROWS]))  # the first P cells: the grid's rows in turn
+    feeds[io.LOGIT_ROWS][:] = np.arange(len(feeds[io.LOGIT_ROWS]))
 
 
 def _fill_draft(feeds: dict[str, np.ndarray], position: int, rows: int, token: int) -> None:
@@ -125,6 +127,13 @@ def _fill_draft(feeds: dict[str, np.ndarray], position: int, rows: int, token: i
         feeds[io.MTP_HIDDEN][:] = 0.1
         feeds[io.MTP_POSITIONS][:] = position - rows + np.arange(feeds[io.MTP_POSITIONS].shape[1])
         feeds[io.MTP_LAST_ROW][:] = rows - 1
+
+
+def verify_tokens(spec: io.GraphSpec, batch: int) -> list[int]:
+    """The total verified token counts profiled at `batch` slots: one per slot (decode), and every token
+    budget of the batch's verify buckets above that."""
+    budgets = {b["P"] for b in spec.buckets["verify"] if b["B"] == batch and b["P"] > batch}
+    return [batch, *sorted(budgets)]
 
 
 def measure(art: str | Path, *, backend: str = "ort", threads: int | None = None, position: int = 128,
@@ -146,8 +155,9 @@ def measure(art: str | Path, *, backend: str = "ort", threads: int | None = None
         r.allocate(max(batches))
     jobs: list[tuple[tuple, object]] = []  # (key, a call)
 
-    def target_call(b: int, t: int):
-        bucket = target.spec.bucket("decode", B=b) if t == 1 else target.spec.bucket("verify", B=b, T=t)
+    def target_call(b: int, p: int):
+        t = -(-p // b)  # the densest grid holding p tokens
+        bucket = target.spec.bucket("decode", B=b) if t == 1 else target.spec.bucket("verify", B=b, T=t, P=p)
         _fill_target(target.inputs(0, bucket), position, token)
         return lambda: target.run(0, bucket)
 
@@ -157,8 +167,8 @@ def measure(art: str | Path, *, backend: str = "ort", threads: int | None = None
         return lambda: r.run(0, bucket)
 
     for b in batches:
-        for t in range(1, s.verify_len + 1):
-            jobs.append((("verify", b, t), target_call(b, t)))
+        for p in verify_tokens(target.spec, b):
+            jobs.append((("verify", b, p), target_call(b, p)))
         for name, r in heads.items():
             for rows in sorted({1, s.verify_len}):
                 jobs.append((("draft", name, b, rows), draft_call(r, b, rows)))
@@ -234,10 +244,10 @@ def plot_profile(profile: Profile, path: str | Path) -> Path:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for b, row in sorted(profile.verify.items()):
-        ts = sorted(row)
-        left.plot([b * t for t in ts], [row[t] for t in ts], marker="o", label=f"B = {b} (T = 1..{ts[-1]})")
-    left.set(xlabel="verified tokens per call (B·T)", ylabel="ms per target call",
-             title="Verify cost (T = 1: a plain decoding step)")
+        ps = sorted(row)
+        left.plot(ps, [row[p] for p in ps], marker="o", label=f"B = {b}")
+    left.set(xlabel="verified tokens per call (packed, all slots)", ylabel="ms per target call",
+             title="Verify cost (first point: a plain decoding step)")
     left.grid(alpha=0.3)
     left.legend()
     batches = sorted(profile.verify)

@@ -141,15 +141,16 @@ class SPSScheduler(_Base):
         if not len(rows):
             return lengths
         fixed = self.costs.draft_ms(self.head, n)
-        expected, longest = float(len(rows)), 1  # every active slot commits its bonus token
-        best = expected / (fixed + self.costs.verify_ms(n, longest))
+        # every active slot verifies its anchor and commits a bonus token; verification is packed, so each
+        # admitted draft adds one token to the call
+        expected, tokens = float(len(rows)), len(rows)
+        best = expected / (fixed + self.costs.verify_ms(n, tokens))
         cand = [(float(a[r, k]), k, r) for r in rows for k in range(self.gamma) if a[r, k] > 0]
         for value, k, r in sorted(cand, key=lambda c: (-c[0], c[1], c[2])):
-            tokens = max(longest, k + 2)
-            rate = (expected + value) / (fixed + self.costs.verify_ms(n, tokens))
+            rate = (expected + value) / (fixed + self.costs.verify_ms(n, tokens + 1))
             if rate <= best:
                 break  # the first non-improvement ends admission
-            best, expected, longest = rate, expected + value, tokens
+            best, expected, tokens = rate, expected + value, tokens + 1
             lengths[r] = k + 1
         return lengths
 

@@ -5,7 +5,8 @@
               pending context rows into its own cache)
     schedule  verify length l per slot: the scheduler's choice, capped by the drafts proposed and
               by the request's remaining token budget (l = 0 is a plain decode step)
-    verify    one target call over [anchor, d_1..d_l] at positions L..L+l, rounded up to a bucket
+    verify    one target call over [anchor, d_1..d_l] at positions L..L+l for every slot, packed: only
+              the slots' tokens are computed, in a token budget rounded up to a bucket
     accept    greedy prefix match or rejection sampling -> a accepted drafts + one bonus token
     commit    (engine) L += a + 1; rejected drafts' K/V stay beyond L and are overwritten later, so
               rollback is free; the verified rows L..L+a become the draft's next context rows
@@ -83,24 +84,41 @@ class Speculator:
         return lengths
 
     def verify(self, slots: list[SlotState | None], proposal: Proposal, lengths: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray | None]:
-        """One target call over [anchor, drafts] of every slot; logits [n,T,V], features [n,T,F] (or None)."""
+               ) -> tuple[list[np.ndarray | None], np.ndarray | None]:
+        """One packed target call over [anchor, drafts] of every active slot: per slot its logits [l+1, V]
+        (None for idle slots), and features [n,T,F] (or None).
+
+        The slots' tokens fill a [n, T] grid (T = the longest verify + 1), and only they are computed: they are
+        packed into the smallest exported token budget P that holds them (`artifact.token_budgets`), so a
+        short verify costs its own tokens, not the longest slot's. Budget padding computes unused grid cells."""
         n, t = len(slots), int(lengths.max()) + 1
         spec = self.target.spec
-        bucket = spec.bucket("verify", B=n, T=t) if t > 1 else spec.bucket("decode", B=n)
+        active = [i for i, s in enumerate(slots) if s is not None]
+        count = sum(int(lengths[i]) + 1 for i in active)
+        bucket = spec.bucket("verify", B=n, T=t, P=count) if t > 1 else spec.bucket("decode", B=n)
         feeds = self.target.inputs(0, bucket)  # bound buffers: filled in place
-        ids, start = feeds[io.INPUT_IDS], feeds[io.WRITE_INDEX]
+        ids, start, rows = feeds[io.INPUT_IDS], feeds[io.WRITE_INDEX], feeds[io.TOKEN_ROWS]
+        T, P = bucket["T"], bucket["P"]
         ids[:] = 0
         start[:] = 0  # idle slots (and bucket padding) write a dummy row at position 0 of their own row
-        for i, s in enumerate(slots):
-            if s is not None:
-                start[i] = s.length
-                ids[i, 0] = s.pending
-                ids[i, 1:lengths[i] + 1] = proposal.tokens[i, :lengths[i]]
-        np.add(start[:, None], np.arange(bucket["T"]), out=feeds[io.POSITION_IDS])
+        cells = np.zeros(bucket["B"] * T, bool)
+        offsets, k = {}, 0
+        for i in active:
+            s, ell = slots[i], int(lengths[i])
+            start[i] = s.length
+            ids[i, 0] = s.pending
+            ids[i, 1:ell + 1] = proposal.tokens[i, :ell]
+            rows[k:k + ell + 1] = i * T + np.arange(ell + 1)
+            cells[i * T:i * T + ell + 1] = True
+            offsets[i] = k
+            k += ell + 1
+        rows[k:] = np.flatnonzero(~cells)[:P - k]  # budget padding: distinct cells no real token uses
+        np.add(start[:, None], np.arange(T), out=feeds[io.POSITION_IDS])
         feeds[io.LOGIT_ROWS][:] = np.arange(bucket["R"])
         out = self.target.run(0, bucket)
-        return out[io.LOGITS], out.get(io.FEATURES)
+        logits = out[io.LOGITS]
+        per_slot = [logits[offsets[i]:offsets[i] + int(lengths[i]) + 1] if i in offsets else None for i in range(n)]
+        return per_slot, out.get(io.FEATURES)
 
     @staticmethod
     def accept(slot: SlotState, proposal: Proposal, i: int, ell: int, logits: np.ndarray,

@@ -114,6 +114,7 @@ def _step(r, pos: int) -> None:
     f["position_ids"][:] = pos
     f["write_index"][:] = pos
     f["logit_rows"][:] = 0
+    f["token_rows"][:] = 0
     r.run(0, b)
 
 

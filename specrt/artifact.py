@@ -11,13 +11,20 @@ Every graph family (the target; one per draft head) is one ONNX file over named 
 per slot, R logit rows per slot, C context rows); the manifest lists the fixed shapes ("buckets") each
 family is run at. Target graph contract (S = S_MAX cache positions):
 
-    inputs   input_ids[B,T] i64, position_ids[B,T] i64, write_index[B] i64 (cache length per slot),
-             logit_rows[B,R] i64 (which of the T rows get logits), past.{i}.key / past.{i}.value [B,Hkv,S,D]
-    outputs  logits[B,R,V], features[B,T,F] (only when a draft head needs them),
+    inputs   input_ids[B,T] i64, position_ids[B,T] i64 (a grid: T tokens per slot),
+             write_index[B] i64 (cache length per slot),
+             token_rows[P] i64 (the grid cells b*T+t the call computes, distinct: packed verification),
+             logit_rows[R] i64 (which of the P computed tokens get logits),
+             past.{i}.key / past.{i}.value [B,Hkv,S,D]
+    outputs  logits[R,V], features[B,T,F] (only when a draft head needs them; zero at cells not computed),
              present.{i}.key / present.{i}.value with the same shape as past, so one buffer is bound as both
 
 The attention mask is built inside the graph from write_index: query t of slot b sees cache position s
 iff s <= write_index[b] + t. Rollback is only a smaller write_index on the next call.
+Linear layers and the MLP run on the P packed tokens; only attention works on the grid, per slot against
+that slot's cache. A grid cell not in token_rows writes zero K/V at its position, which no query of the call
+sees (it lies past every computed token of its slot) and a later call overwrites. A dense call (prefill,
+decode) lists every cell: token_rows = arange(B*T) (`dense_rows`).
 """
 from __future__ import annotations
 
@@ -27,10 +34,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from specrt.errors import SpecrtError
 from specrt.exporter.config import ModelConfig
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.bin"
 TOKENIZER_DIR = "tokenizer"
@@ -38,6 +47,7 @@ TOKENIZER_DIR = "tokenizer"
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
 WRITE_INDEX = "write_index"
+TOKEN_ROWS = "token_rows"
 LOGIT_ROWS = "logit_rows"
 LOGITS = "logits"
 FEATURES = "features"
@@ -45,7 +55,8 @@ FEATURES = "features"
 DTYPES = ("float32", "float16")
 TARGET = "target"  # the target's graph family; draft families are named after their head ("dspark", "mtp")
 
-Dim = int | str  # a fixed size, or a named axis: B slots, T tokens, R logit rows, C context rows,
+Dim = int | str  # a fixed size, or a named axis: B slots, T tokens per slot, P tokens computed (packed), R logit
+#                  rows, C context rows,
 #                  S cache positions (cpu lowering's target: the runtime sizes it, up to GraphSpec.max_seq)
 CACHE_LEN = "S"
 Bucket = dict[str, int]  # sizes of a family's named axes for one fixed shape it is run at
@@ -93,12 +104,13 @@ class GraphSpec:
     buckets: dict[str, tuple[Bucket, ...]]
 
     def bucket(self, use: str, **need: int) -> Bucket:
-        """The smallest bucket of `use` whose named sizes are all >= `need`."""
+        """The smallest bucket of `use` whose named sizes are all >= `need`: fewest slots, then fewest tokens
+        per slot, then the smallest token budget (axes `need` leaves out take their smallest size)."""
         fits = [b for b in self.buckets.get(use, ()) if all(b[k] >= v for k, v in need.items())]
         if not fits:
             raise SpecrtError(f"graph {self.name}: no {use} bucket holds {need} "
                               f"(exported: {list(self.buckets.get(use, ()))})")
-        return min(fits, key=lambda b: (math.prod(b.values()), tuple(b.values())))
+        return min(fits, key=lambda b: tuple(b.values()))
 
     def cache_inputs(self) -> tuple[TensorSpec, ...]:
         return tuple(t for t in self.inputs if t.name.startswith("past."))
@@ -132,12 +144,28 @@ def batch_sizes(batch: int) -> list[int]:
     return [*sizes, batch]
 
 
+def token_budgets(slots: int, tokens: int) -> list[int]:
+    """Packed verify budgets P for a B x T grid: the powers of two from B up to B*T, and B*T itself (one slot:
+    just T, the grid is the packing)."""
+    grid = slots * tokens
+    if slots == 1:
+        return [grid]
+    return sorted({*(1 << i for i in range(grid.bit_length()) if slots <= 1 << i < grid), grid})
+
+
 def target_buckets(s: "ExportSettings") -> dict[str, tuple[Bucket, ...]]:
-    """Prefill one slot a chunk at a time; decode 1 token for 1..B slots; verify 2..verify_len tokens."""
+    """Prefill one slot a chunk at a time (logits of its last token); decode 1 token for 1..B slots; verify
+    2..verify_len tokens per slot, packed into a token budget P (`token_budgets`), logits of every one."""
     bs = batch_sizes(s.batch)
-    return {"prefill": ({"B": 1, "T": s.prefill_chunk, "R": 1},),
-            "decode": tuple({"B": b, "T": 1, "R": 1} for b in bs),
-            "verify": tuple({"B": b, "T": t, "R": t} for b in bs for t in range(2, s.verify_len + 1))}
+    return {"prefill": ({"B": 1, "T": s.prefill_chunk, "P": s.prefill_chunk, "R": 1},),
+            "decode": tuple({"B": b, "T": 1, "P": b, "R": b} for b in bs),
+            "verify": tuple({"B": b, "T": t, "P": p, "R": p} for b in bs for t in range(2, s.verify_len + 1)
+                            for p in token_budgets(b, t))}
+
+
+def dense_rows(bucket: Bucket) -> np.ndarray:
+    """token_rows of a call that computes every cell of its B x T grid."""
+    return np.arange(bucket["B"] * bucket["T"], dtype=np.int64)
 
 
 def head_buckets(s: "ExportSettings") -> dict[str, tuple[Bucket, ...]]:
@@ -149,13 +177,14 @@ def head_buckets(s: "ExportSettings") -> dict[str, tuple[Bucket, ...]]:
 def target_signature(*, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int, max_seq: int,
                      dtype: str, feature_dim: int = 0, cache_len: Dim | None = None
                      ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """The target graph's inputs and outputs over named axes B/T/R (see the module docstring); the cache
+    """The target graph's inputs and outputs over named axes B/T/P/R (see the module docstring); the cache
     length is `max_seq`, or the axis S (`CACHE_LEN`) when the runtime sizes it."""
     inputs = [TensorSpec(INPUT_IDS, "int64", ("B", "T")),
               TensorSpec(POSITION_IDS, "int64", ("B", "T")),
               TensorSpec(WRITE_INDEX, "int64", ("B",)),
-              TensorSpec(LOGIT_ROWS, "int64", ("B", "R"))]
-    outputs = [TensorSpec(LOGITS, dtype, ("B", "R", vocab_size))]
+              TensorSpec(TOKEN_ROWS, "int64", ("P",)),
+              TensorSpec(LOGIT_ROWS, "int64", ("R",))]
+    outputs = [TensorSpec(LOGITS, dtype, ("R", vocab_size))]
     if feature_dim:
         outputs.append(TensorSpec(FEATURES, dtype, ("B", "T", feature_dim)))
     return cache_signature(inputs, outputs, num_layers=num_layers, num_kv_heads=num_kv_heads,
@@ -185,7 +214,7 @@ class ExportSettings:
     # Q4_1 / Q8_0 blocks. Quantized graphs use com.microsoft ops (MatMulNBits, GatherBlockQuantized): ORT only.
     weights: str = "float"
     accuracy_level: int = 4  # quantized weights: MatMulNBits activations, 0 = fp32 (exact numerics), 4 = int8
-    draft_vocab: int = 0  # DSpark: its LM / Markov heads score only this many target tokens (0: all; FR-Spec)
+    draft_vocab: int = 0  # draft heads (DSpark LM / Markov heads, MTP head) score only this many tokens (0: all)
 
     def __post_init__(self) -> None:
         for name in ("batch", "max_seq", "prefill_chunk", "verify_len"):
@@ -407,8 +436,10 @@ def dspark_signature(*, num_layers: int, num_kv_heads: int, head_dim: int, hidde
 
 
 def mtp_signature(*, num_kv_heads: int, head_dim: int, hidden_size: int, vocab_size: int, steps: int,
-                  max_seq: int, dtype: str) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """The MTP draft graph's inputs and outputs over named axes B/C (see the comment above)."""
+                  max_seq: int, dtype: str, draft_vocab: int = 0) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The MTP draft graph's inputs and outputs over named axes B/C (see the comment above); with a reduced
+    draft vocabulary its logits and probs have `draft_vocab` columns (HeadSpec.vocab_ids)."""
+    vocab_size = draft_vocab or vocab_size
     inputs = [TensorSpec(MTP_TOKENS, "int64", ("B", "C")),
               TensorSpec(MTP_HIDDEN, dtype, ("B", "C", hidden_size)),
               TensorSpec(MTP_POSITIONS, "int64", ("B", "C")),

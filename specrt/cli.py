@@ -14,6 +14,9 @@ from specrt.configs.presets import EXPORT_DEFAULTS
 
 SCHEDULER_NAMES = ["fixed", "threshold", "sps", "sps-async"]  # runtime/schedulers.py SCHEDULERS (not imported:
 # the CLI stays quick to start)
+# sps: the fastest exact scheduler measured for every method on the CPU here (README, "Cheaper drafts"); it
+# reads the artifact's `specrt profile` table (measured quickly, with a warning, when there is none)
+DEFAULT_SCHEDULER = "sps"
 
 DEFAULTS = dict(batch=EXPORT_DEFAULTS.batch, max_seq_len=EXPORT_DEFAULTS.max_seq,
                 prefill_chunk=EXPORT_DEFAULTS.prefill_chunk, verify_len=EXPORT_DEFAULTS.verify_len)
@@ -96,12 +99,12 @@ def _settings(batch: int, max_seq_len: int, prefill_chunk: int, verify_len: int 
 @click.option("--accuracy-level", type=click.Choice(["0", "4"]), default="4",
               help="Quantized weights: activations of MatMulNBits in fp32 (0, exact numerics) or int8 (4, faster).")
 @click.option("--draft-vocab", type=int, default=None,
-              help="DSpark: score only the N most frequent target tokens of the head's distillation data in its LM "
-                   "and Markov heads (FR-Spec; output stays exact). 0: the whole vocabulary. [default: 2048 for a "
-                   "preset's shipped DSpark head, else 0]")
+              help="Draft heads score only the N most frequent target tokens of their distillation data (FR-Spec: "
+                   "DSpark's LM and Markov heads, MTP's head; output stays exact). 0: the whole vocabulary. "
+                   "[default: 2048 for a preset's shipped heads, else 0]")
 @click.option("--token-counts", type=click.Path(path_type=Path), default=None,
               help="Token counts (.npy, from `specrt distill`) for --draft-vocab [default: token_counts.npy beside "
-                   "the DSpark head]")
+                   "each head or in its parent directory]")
 @click.option("--force", is_flag=True, help="Replace an existing artifact directory.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feedback: str, no_heads: bool,
@@ -119,16 +122,15 @@ def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feed
     weights = weights or fmt["weights"]
     opts["attention"] = opts["attention"] or fmt["attention"]
 
-    shipped_draft = None
+    shipped = {}
     if not no_heads and draft is None and mtp is None:
         shipped = preset_heads(model)
         draft, mtp = shipped.get("draft"), shipped.get("mtp")
-        shipped_draft = draft
         if shipped and not quiet:
             click.echo("with the shipped heads: " + ", ".join(f"--{'draft' if k == 'draft' else 'mtp'} {v}"
                                                              for k, v in shipped.items()), err=True)
     if draft_vocab is None:
-        draft_vocab = PRESET_DRAFT_VOCAB if draft is not None and draft == shipped_draft else 0
+        draft_vocab = PRESET_DRAFT_VOCAB if shipped else 0
     block = None
     if draft is not None:
         from specrt.exporter.heads import dspark_block_size
@@ -198,10 +200,11 @@ def _engine_options(f):
                           "DSpark head."),
         click.option("--gamma", type=int, default=None, help="Drafts verified per round at most [default: the "
                                                              "artifact's verify length - 1]."),
-        click.option("--scheduler", type=click.Choice(SCHEDULER_NAMES), default="fixed",
+        click.option("--scheduler", type=click.Choice(SCHEDULER_NAMES), default=DEFAULT_SCHEDULER,
+                     show_default=True,
                      help="Verify lengths per round: fixed (every draft, up to gamma), threshold (cut where the "
                           "calibrated prefix survival < --threshold), sps / sps-async (the DSpark paper's "
-                          "cost-aware admission on the artifact's `specrt profile`)."),
+                          "cost-aware admission on the artifact's `specrt profile`; the fastest measured here)."),
         click.option("--threshold", default=0.3, show_default=True,
                      help="--scheduler threshold: the prefix survival below which drafts are not verified."),
         click.option("--ngram", default=3, help="--method ngram: longest suffix looked up (n-gram size)."),
@@ -263,7 +266,7 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
 @click.option("--max-new-tokens", default=128, help="Tokens to generate per prompt (greedy, batch 1).")
 @click.option("--methods", default="ar", help="Comma-separated specrt methods to run: ar, ngram, mtp, dspark.")
 @click.option("--gamma", type=int, default=None, help="Drafts verified per round [default: the artifact's].")
-@click.option("--scheduler", type=click.Choice(SCHEDULER_NAMES), default="fixed",
+@click.option("--scheduler", type=click.Choice(SCHEDULER_NAMES), default=DEFAULT_SCHEDULER, show_default=True,
               help="Verify lengths per round (see `specrt run --help`).")
 @click.option("--threshold", default=0.3, show_default=True, help="--scheduler threshold: the survival cut.")
 @click.option("--concurrency", default=None,
@@ -604,7 +607,7 @@ def demo(prompt: str, max_new_tokens: int, method: str) -> None:
     from specrt.runtime.sampling import SamplingParams
 
     art = default_artifact(progress=True)
-    with Engine(art, method=method) as engine:
+    with Engine(art, method=method, scheduler=DEFAULT_SCHEDULER) as engine:
         ids = encode_prompt(engine.tokenizer, prompt)
         request = Request(prompt_ids=ids, params=SamplingParams(max_new_tokens=max_new_tokens))
         with tqdm(total=max_new_tokens, desc="generate", unit="tok") as bar:

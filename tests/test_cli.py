@@ -107,8 +107,8 @@ def test_inspect(art):
     assert "llama: 2 layers, d=64, heads 4/2 kv, vocab 256" in out
     assert "B=4 S_MAX=128 prefill_chunk=16 verify_len=5 dtype=float32 attention=standard" in out
     assert "none (use --input-ids)" in out
-    assert "target.onnx" in out and "logits['B', 'R', 256]" in out
-    assert "bucket verify   (B=1,T=2,R=2)" in out and "(B=4,T=5,R=5)" in out
+    assert "target.onnx" in out and "logits['R', 256]" in out
+    assert "bucket verify   (B=1,T=2,P=2,R=2)" in out and "(B=4,T=5,P=8,R=8)" in out
 
 
 def test_inspect_json(art):
@@ -117,7 +117,7 @@ def test_inspect_json(art):
     d = json.loads(result.stdout)
     assert d["format_version"] == io.FORMAT_VERSION
     assert d["export"]["max_seq"] == 128 and set(d["graphs"]) == {"target"}
-    assert d["graphs"]["target"]["buckets"]["decode"] == [{"B": b, "T": 1, "R": 1} for b in (1, 2, 4)]
+    assert d["graphs"]["target"]["buckets"]["decode"] == [{"B": b, "T": 1, "P": b, "R": b} for b in (1, 2, 4)]
 
 
 def test_run_json(art):

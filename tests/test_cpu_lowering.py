@@ -114,11 +114,20 @@ def _calls(spec: io.GraphSpec, slots: int, max_seq: int) -> list[tuple[str, int,
     its smallest size, and last a call whose padding rows run past the end of the cache."""
     calls = [("prefill", s, spec.bucket("prefill"), None) for s in range(slots) for _ in range(1 + s % 2)]
     for use in [u for u in spec.buckets if u != "prefill"]:
-        sizes = [{a: n for a, n in b.items() if a != "B"} for b in spec.buckets[use]]
+        packed = "P" in spec.buckets[use][0]  # the target: a token budget per B and T
+
+        def dense(b: int, z: dict) -> dict:  # every cell of the B x T grid computed
+            return {**z, "P": b * z["T"]} if packed else z
+
+        sizes = [{a: n for a, n in b.items() if a in ("T", "C")} for b in spec.buckets[use]]
         big, small = max(sizes, key=lambda z: sum(z.values())), min(sizes, key=lambda z: sum(z.values()))
-        calls += [(use, 0, spec.bucket(use, B=slots, **big), None), (use, 1, spec.bucket(use, B=2, **big), None),
+        calls += [(use, 0, spec.bucket(use, B=slots, **dense(slots, big)), None),
+                  (use, 1, spec.bucket(use, B=2, **dense(2, big)), None),
                   (use, 0, spec.bucket(use, B=slots, **small), None)]
-    calls.append((use, 0, spec.bucket(use, B=slots, **big), np.array([max_seq - 3, 7, max_seq - 2, 0])[:slots]))
+        if packed:  # the smallest token budget of the largest grid
+            calls.append((use, 0, spec.bucket(use, B=slots, **big), None))
+    calls.append((use, 0, spec.bucket(use, B=slots, **dense(slots, big)),
+                  np.array([max_seq - 3, 7, max_seq - 2, 0])[:slots]))
     return calls
 
 

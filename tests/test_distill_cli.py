@@ -125,7 +125,7 @@ def test_distilled_heads_export_and_bench_identically(target, distilled, tmp_pat
     b = prompts_file(tmp_path / "set_b.jsonl", 2, seed=6)
     plot = tmp_path / "plot.png"
     r = invoke("bench", art, "--prompts", a, "--prompts", b, "--methods", "dspark,mtp", "--max-new-tokens", 16,
-               "--plot", plot, "--json")
+               "--scheduler", "fixed", "--plot", plot, "--json")
     assert r.exit_code == 0, r.output
     report = json.loads(r.output)
     assert report["identical"] and report["prompts"] == 5

@@ -1,5 +1,6 @@
 """FR-Spec draft vocabularies (`specrt export --draft-vocab N`): token counts, the chosen subset, the reduced
-DSpark graph against the full one, and exactness (greedy identity, the target distribution under sampling)."""
+DSpark and MTP graphs against the full ones, and exactness (greedy identity, the target distribution under
+sampling)."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,7 @@ from specrt.distill.vocab import count_tokens, coverage, draft_vocab, read_count
 from specrt.errors import SpecrtError
 from specrt.exporter.export import export_artifact
 from specrt.exporter.loaders.deepspec import random_dspark_checkpoint
+from specrt.exporter.loaders.mtp import random_mtp_checkpoint
 from specrt.runtime.backends import infer, load_runner
 from specrt.runtime.engine import Engine, Request
 from specrt.runtime.sampling import SamplingParams
@@ -73,22 +75,25 @@ def _ar_counts(art: Path, out: Path) -> Path:
 def arts(tmp_path_factory):
     root = tmp_path_factory.mktemp("fr")
     s = ExportSettings(batch=4, max_seq=256, prefill_chunk=16, verify_len=5)
-    full = export_artifact(FIXTURE / "target", root / "full", s, draft=FIXTURE / "draft", progress=False)
+    mtp = random_mtp_checkpoint(root / "mtp", FIXTURE / "target", seed=5)  # shares the target's head
+    full = export_artifact(FIXTURE / "target", root / "full", s, draft=FIXTURE / "draft", mtp=mtp, progress=False)
     counts = _ar_counts(full, root / "counts.npy")
     small = export_artifact(FIXTURE / "target", root / "small", dataclasses.replace(s, draft_vocab=64),
-                            draft=FIXTURE / "draft", token_counts=counts, progress=False)
+                            draft=FIXTURE / "draft", mtp=mtp, token_counts=counts, progress=False)
     return {"full": full, "small": small, "counts": counts}
 
 
 def test_manifest_records_the_vocabulary(arts):
     m = io.load_manifest(arts["small"])
     ids = np.asarray(m.heads["dspark"].vocab_ids)
+    assert m.heads["mtp"].vocab_ids == m.heads["dspark"].vocab_ids  # one vocabulary per export
     assert m.export.draft_vocab == 64 and len(ids) == 64 and (np.diff(ids) > 0).all()
     counts = read_counts(arts["counts"], VOCAB)
     assert set(m.eos_ids) <= set(ids.tolist())
     assert counts[ids].min() >= np.sort(counts)[-64 + len(m.eos_ids)]  # the most frequent ones
-    probs = next(t for t in m.graphs["dspark"].outputs if t.name == io.DRAFT_PROBS)
-    assert probs.shape[-1] == 64
+    for head in ("dspark", "mtp"):
+        probs = next(t for t in m.graphs[head].outputs if t.name == io.DRAFT_PROBS)
+        assert probs.shape[-1] == 64
     assert not io.load_manifest(arts["full"]).heads["dspark"].vocab_ids
     shown = CliRunner().invoke(main, ["inspect", str(arts["small"])])
     assert shown.exit_code == 0 and "draft vocabulary of 64 tokens" in shown.output
@@ -121,14 +126,42 @@ def test_reduced_graph_scores_the_same_columns(arts, backend):
     np.testing.assert_allclose(small[io.CONFIDENCE_LOGITS][:, 0], full[io.CONFIDENCE_LOGITS][:, 0], atol=1e-5)
 
 
+def _mtp_call(art: Path, backend: str = "ort") -> dict[str, np.ndarray]:
+    m = io.load_manifest(art)
+    r = load_runner(backend, art, m, "mtp", threads=1)
+    r.allocate(1)
+    rng = np.random.default_rng(4)
+    c = 3
+    feeds = {t.name: np.zeros(t.resolve({"B": 1, "C": c}), t.dtype) for t in r.spec.host_inputs()}
+    feeds[io.MTP_TOKENS][0] = [17, 40, 3]
+    feeds[io.MTP_HIDDEN][:] = rng.standard_normal(feeds[io.MTP_HIDDEN].shape)
+    feeds[io.MTP_POSITIONS][0] = np.arange(c)
+    feeds[io.MTP_LAST_ROW][:] = c - 1
+    return {k: v.copy() for k, v in infer(r, 0, feeds).items()}
+
+
 @pytest.mark.parametrize("backend", ["ort", "torch"])
-def test_greedy_output_unchanged(arts, backend):
+def test_reduced_mtp_head_scores_the_same_columns(arts, backend):
+    """MTP's first chained step sees the same input in both graphs: its logits over the draft vocabulary are
+    the full head's in those columns; every draft is a vocabulary token, fed back by its token id."""
+    full, small = _mtp_call(arts["full"], backend), _mtp_call(arts["small"], backend)
+    ids = np.asarray(io.load_manifest(arts["small"]).heads["mtp"].vocab_ids)
+    np.testing.assert_allclose(small[io.DRAFT_LOGITS][:, 0], full[io.DRAFT_LOGITS][:, 0, ids], atol=1e-4)
+    assert small[io.DRAFT_TOKENS][0, 0] == ids[np.argmax(full[io.DRAFT_LOGITS][0, 0, ids])]
+    assert np.isin(small[io.DRAFT_TOKENS], ids).all()
+    np.testing.assert_allclose(small[io.DRAFT_PROBS].sum(-1), 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["dspark", "mtp"])
+@pytest.mark.parametrize("backend", ["ort", "torch"])
+def test_greedy_output_unchanged(arts, backend, method):
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     reqs = [Request(prompt_ids=p, params=params, id=i) for i, p in enumerate(_prompts())]
     ar, _ = Engine(arts["full"], method="ar", threads=1).generate(reqs)
-    spec, stats = Engine(arts["small"], method="dspark", threads=1, backend=backend).generate(reqs)
+    spec, stats = Engine(arts["small"], method=method, threads=1, backend=backend).generate(reqs)
     assert [o.output_ids for o in spec] == [o.output_ids for o in ar]
-    assert sum(a for _, a, _ in stats.rounds) > 0  # the reduced head still gets drafts accepted
+    if method == "dspark":  # the fixture's trained head; the random MTP head rarely guesses right
+        assert sum(a for _, a, _ in stats.rounds) > 0  # the reduced head still gets drafts accepted
 
 
 def test_sampling_keeps_the_target_distribution(peaked, tmp_path):  # noqa: F811
@@ -152,7 +185,7 @@ def test_sampling_keeps_the_target_distribution(peaked, tmp_path):  # noqa: F811
 def test_cli_errors(tmp_path):
     r = CliRunner().invoke(main, ["export", str(FIXTURE / "target"), "--out", str(tmp_path / "a"), "--draft-vocab",
                                   "8", "--quiet"])
-    assert r.exit_code != 0 and "give --draft" in r.output and not (tmp_path / "a").exists()
+    assert r.exit_code != 0 and "give --draft or --mtp" in r.output and not (tmp_path / "a").exists()
     r = CliRunner().invoke(main, ["export", str(FIXTURE / "target"), "--out", str(tmp_path / "b"), "--draft",
                                   str(FIXTURE / "draft"), "--draft-vocab", "8", "--quiet"])
     assert r.exit_code != 0 and "give --token-counts" in r.output and not (tmp_path / "b").exists()

@@ -236,7 +236,8 @@ def test_fixture_through_exported_artifact(deepspec, tmp_path):
     C = m.graphs[io.TARGET].bucket("prefill")["T"]
     feats = np.concatenate([infer(target, 0, {
         io.INPUT_IDS: ids[None, s:s + C], io.POSITION_IDS: np.arange(s, s + C)[None], io.WRITE_INDEX: np.array([s]),
-        io.LOGIT_ROWS: np.array([[C - 1]])})[io.FEATURES][0].copy() for s in range(0, len(ids), C)])
+        io.TOKEN_ROWS: np.arange(C), io.LOGIT_ROWS: np.array([C - 1])})[io.FEATURES][0].copy()
+        for s in range(0, len(ids), C)])
     for j in range(2):
         n = int(z[f"anchor{j}_position"])
         np.testing.assert_allclose(feats[:n], z[f"anchor{j}_context_features"], atol=ATOL)

@@ -134,15 +134,17 @@ def _zero_cache(spec: io.GraphSpec, slots: int) -> dict[str, np.ndarray]:
 
 def _run_plain(sess: ort.InferenceSession, spec: io.GraphSpec, cache: dict[str, np.ndarray], ids: np.ndarray,
                start: int, rows: np.ndarray) -> np.ndarray:
-    """One call of target.onnx through plain onnxruntime at the shape of `ids`; updates `cache` from present.*."""
+    """One dense call of target.onnx through plain onnxruntime at the shape of `ids`, logits of the rows [B,R]
+    of each slot as [B,R,V]; updates `cache` from present.*."""
     b, t = ids.shape
     feeds = {io.INPUT_IDS: ids, io.POSITION_IDS: np.broadcast_to(np.arange(start, start + t), (b, t)).copy(),
-             io.WRITE_INDEX: np.full((b,), start, np.int64), io.LOGIT_ROWS: rows, **cache}
+             io.WRITE_INDEX: np.full((b,), start, np.int64), io.TOKEN_ROWS: np.arange(b * t),
+             io.LOGIT_ROWS: (np.arange(b)[:, None] * t + rows).ravel(), **cache}
     names = [o.name for o in spec.outputs]
     out = dict(zip(names, sess.run(names, feeds)))
     for name in cache:
         cache[name] = out[name.replace("past.", "present.", 1)]
-    return out[io.LOGITS]
+    return out[io.LOGITS].reshape(*rows.shape, -1)
 
 
 def _hf_logits(model, ids: np.ndarray) -> np.ndarray:
@@ -216,9 +218,9 @@ def test_ort_runner_serves_every_bucket_from_one_session(tiny, case):
     def run(use: str, slot: int, start: int, tokens: np.ndarray, rows: list[int]) -> np.ndarray:
         n = len(tokens)
         feeds = {io.INPUT_IDS: tokens[None], io.POSITION_IDS: np.arange(start, start + n)[None],
-                 io.WRITE_INDEX: np.array([start]), io.LOGIT_ROWS: np.array([rows])}
+                 io.WRITE_INDEX: np.array([start]), io.TOKEN_ROWS: np.arange(n), io.LOGIT_ROWS: np.array(rows)}
         assert bucket_of(spec, feeds) == spec.bucket(use, T=n)  # each call is exactly an exported bucket
-        return infer(runner, slot, feeds)[io.LOGITS][0].copy()
+        return infer(runner, slot, feeds)[io.LOGITS].copy()
 
     for slot in (1, 0):  # the second slot first: the call must touch only its own cache rows
         np.testing.assert_allclose(run("prefill", slot, 0, ids[0, :16], [15])[0], want[15], rtol=0, atol=ATOL)
@@ -227,6 +229,52 @@ def test_ort_runner_serves_every_bucket_from_one_session(tiny, case):
         np.testing.assert_allclose(got, want[17:20], rtol=0, atol=ATOL)
     bucket = spec.bucket("decode")  # host buffers are allocated once per bucket and reused
     assert all(a is b for a, b in zip(runner.inputs(0, bucket).values(), runner.inputs(0, bucket).values()))
+
+
+@pytest.mark.parametrize("case", ["llama_tied", "qwen2"])
+def test_packed_verify_equals_per_request_verify(tiny, case):
+    """Slots verifying different lengths in one packed call (only their tokens computed, in a token budget
+    smaller than the grid, one slot idle) get the logits each gets verifying alone, and transformers' logits;
+    the cells not computed leave nothing a later call sees."""
+    t = tiny(case)
+    spec = t.manifest.graphs[io.TARGET]
+    B, T = SETTINGS.batch, SETTINGS.verify_len
+    ids = _random_ids(t.vocab, (B, SEQ), seed=4)
+    want = _hf_logits(t.hf, ids)
+    packed, alone = OrtRunner(t.art, spec, threads=1), OrtRunner(t.art, spec, threads=1)
+    packed.allocate(B)
+    alone.allocate(B)
+    prompt = 8
+    for runner in (packed, alone):
+        for b in range(B):
+            infer(runner, b, {io.INPUT_IDS: ids[b:b + 1, :prompt], io.POSITION_IDS: np.arange(prompt)[None],
+                              io.WRITE_INDEX: np.array([0]), io.TOKEN_ROWS: np.arange(prompt),
+                              io.LOGIT_ROWS: np.array([prompt - 1])})
+    lengths = {0: 2, 1: 5, 3: 2}  # tokens verified per slot (anchor + drafts); slot 2 idle
+    starts = np.full(B, prompt)
+    for call in range(2):
+        grid = np.zeros((B, T), np.int64)
+        cells = []
+        for b, n in lengths.items():
+            grid[b, :n] = ids[b, starts[b]:starts[b] + n]
+            cells += [b * T + i for i in range(n)]
+        p = next(bb["P"] for bb in spec.buckets["verify"] if (bb["B"], bb["T"]) == (B, T) and bb["P"] >= len(cells))
+        assert len(cells) <= p < B * T  # a budget between the tokens and the grid: padding cells are computed
+        rows = np.array(cells + sorted(set(range(B * T)) - set(cells))[:p - len(cells)])
+        out = infer(packed, 0, {io.INPUT_IDS: grid, io.POSITION_IDS: starts[:, None] + np.arange(T),
+                                io.WRITE_INDEX: starts, io.TOKEN_ROWS: rows, io.LOGIT_ROWS: np.arange(p)})
+        got = out[io.LOGITS].copy()
+        k = 0
+        for b, n in lengths.items():
+            s = int(starts[b])
+            single = infer(alone, b, {io.INPUT_IDS: ids[b:b + 1, s:s + n], io.POSITION_IDS: np.arange(s, s + n)[None],
+                                      io.WRITE_INDEX: np.array([s]), io.TOKEN_ROWS: np.arange(n),
+                                      io.LOGIT_ROWS: np.arange(n)})[io.LOGITS]
+            np.testing.assert_allclose(got[k:k + n], single, rtol=0, atol=ATOL)
+            np.testing.assert_allclose(got[k:k + n], want[b, s:s + n], rtol=0, atol=ATOL)
+            k += n
+            starts[b] += n - 1  # as after a round that accepted n - 2 drafts: the last row is rewritten next
+        lengths = {0: 3, 1: 1, 3: 2}
 
 
 # -- generation ----------------------------------------------------------------------------------------
@@ -336,8 +384,9 @@ def test_manifest_fields(tiny):
     spec = m.graphs[io.TARGET]
     assert (spec.name, spec.file, spec.max_seq) == ("target", "target.onnx", 128)
     assert spec.buckets == io.target_buckets(SETTINGS)
-    assert d["graphs"]["target"]["buckets"]["decode"] == [{"B": 1, "T": 1, "R": 1}, {"B": 2, "T": 1, "R": 1},
-                                                          {"B": 4, "T": 1, "R": 1}]
+    assert d["graphs"]["target"]["buckets"]["decode"] == [{"B": 1, "T": 1, "P": 1, "R": 1},
+                                                          {"B": 2, "T": 1, "P": 2, "R": 2},
+                                                          {"B": 4, "T": 1, "P": 4, "R": 4}]
     assert m.weights.file == io.WEIGHTS_FILE and m.weights.bytes == (t.art / io.WEIGHTS_FILE).stat().st_size
     assert m.tokenizer is None  # the tiny directories ship no tokenizer
     assert len(m.sources) >= 1 and all(len(s.sha256) == 64 and s.size > 0 for s in m.sources)
@@ -361,11 +410,13 @@ def test_bucket_rounds_up(tiny):
     """A call is rounded up to the smallest exported bucket that holds it; an impossible one is an error."""
     m = tiny(HEADED).manifest
     target, dspark = m.graphs["target"], m.graphs["dspark"]
-    assert target.bucket("verify", T=3) == {"B": 1, "T": 3, "R": 3}
-    assert target.bucket("verify", B=3, T=3) == {"B": 4, "T": 3, "R": 3}
-    assert target.bucket("decode", B=3) == {"B": 4, "T": 1, "R": 1}
-    assert target.bucket("decode", B=2) == {"B": 2, "T": 1, "R": 1}
-    assert target.bucket("prefill", T=5) == {"B": 1, "T": 16, "R": 1}
+    assert target.bucket("verify", T=3) == {"B": 1, "T": 3, "P": 3, "R": 3}
+    assert target.bucket("verify", B=3, T=3) == {"B": 4, "T": 3, "P": 4, "R": 4}  # packed: the smallest budget
+    assert target.bucket("verify", B=3, T=3, P=5) == {"B": 4, "T": 3, "P": 8, "R": 8}
+    assert target.bucket("verify", B=3, T=3, P=9) == {"B": 4, "T": 3, "P": 12, "R": 12}
+    assert target.bucket("decode", B=3) == {"B": 4, "T": 1, "P": 4, "R": 4}
+    assert target.bucket("decode", B=2) == {"B": 2, "T": 1, "P": 2, "R": 2}
+    assert target.bucket("prefill", T=5) == {"B": 1, "T": 16, "P": 16, "R": 1}
     assert dspark.bucket("propose", B=3, C=2) == {"B": 4, "C": 2}
     assert dspark.bucket("prefill") == {"B": 1, "C": 16}
     for spec, use, need in ((target, "verify", {"T": 6}), (target, "decode", {"B": 5}), (target, "prefill", {"B": 2}),
@@ -428,7 +479,7 @@ def test_graph_io_matches_contract(tiny, case):
         ins, outs = _declared_io(onnx.load(str(t.art / g.file), load_external_data=False))
         assert (tuple(ins), tuple(outs)) == want, family
         axes = {a for spec in (*ins, *outs) for a in spec.axes}
-        assert axes == ({"B", "T", "R"} if family == io.TARGET else {"B", "C"}), family
+        assert axes == ({"B", "T", "P", "R"} if family == io.TARGET else {"B", "C"}), family
         assert all(set(b) == axes for bs in g.buckets.values() for b in bs), family
 
 
@@ -442,10 +493,10 @@ def test_golden_io_signatures():
     cache = ("float32", ("B", 2, 128, 16))
     assert rows(ins) == [
         ("input_ids", "int64", ("B", "T")), ("position_ids", "int64", ("B", "T")), ("write_index", "int64", ("B",)),
-        ("logit_rows", "int64", ("B", "R")),
+        ("token_rows", "int64", ("P",)), ("logit_rows", "int64", ("R",)),
         ("past.0.key", *cache), ("past.0.value", *cache), ("past.1.key", *cache), ("past.1.value", *cache)]
     assert rows(outs) == [
-        ("logits", "float32", ("B", "R", 256)), ("features", "float32", ("B", "T", 128)),
+        ("logits", "float32", ("R", 256)), ("features", "float32", ("B", "T", 128)),
         ("present.0.key", *cache), ("present.0.value", *cache), ("present.1.key", *cache),
         ("present.1.value", *cache)]
 
@@ -480,10 +531,14 @@ def test_golden_buckets():
     s = io.ExportSettings(batch=4, max_seq=128, prefill_chunk=16, verify_len=3)
     assert io.batch_sizes(1) == [1] and io.batch_sizes(4) == [1, 2, 4] and io.batch_sizes(6) == [1, 2, 4, 6]
     assert io.target_buckets(s) == {
-        "prefill": ({"B": 1, "T": 16, "R": 1},),
-        "decode": ({"B": 1, "T": 1, "R": 1}, {"B": 2, "T": 1, "R": 1}, {"B": 4, "T": 1, "R": 1}),
-        "verify": ({"B": 1, "T": 2, "R": 2}, {"B": 1, "T": 3, "R": 3}, {"B": 2, "T": 2, "R": 2},
-                   {"B": 2, "T": 3, "R": 3}, {"B": 4, "T": 2, "R": 2}, {"B": 4, "T": 3, "R": 3})}
+        "prefill": ({"B": 1, "T": 16, "P": 16, "R": 1},),
+        "decode": ({"B": 1, "T": 1, "P": 1, "R": 1}, {"B": 2, "T": 1, "P": 2, "R": 2}, {"B": 4, "T": 1, "P": 4, "R": 4}),
+        "verify": ({"B": 1, "T": 2, "P": 2, "R": 2}, {"B": 1, "T": 3, "P": 3, "R": 3},
+                   {"B": 2, "T": 2, "P": 2, "R": 2}, {"B": 2, "T": 2, "P": 4, "R": 4},
+                   {"B": 2, "T": 3, "P": 2, "R": 2}, {"B": 2, "T": 3, "P": 4, "R": 4}, {"B": 2, "T": 3, "P": 6, "R": 6},
+                   {"B": 4, "T": 2, "P": 4, "R": 4}, {"B": 4, "T": 2, "P": 8, "R": 8},
+                   {"B": 4, "T": 3, "P": 4, "R": 4}, {"B": 4, "T": 3, "P": 8, "R": 8},
+                   {"B": 4, "T": 3, "P": 12, "R": 12})}
     assert io.head_buckets(s) == {
         "prefill": ({"B": 1, "C": 16},),
         "propose": ({"B": 1, "C": 1}, {"B": 1, "C": 2}, {"B": 1, "C": 3}, {"B": 2, "C": 1}, {"B": 2, "C": 2},

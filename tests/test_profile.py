@@ -26,11 +26,13 @@ def art(tmp_path_factory):
 
 def test_measure_covers_every_bucket(art):
     p = measure(art, threads=1, position=20, repeats=1, calls=1, progress=False)
-    assert sorted(p.verify) == [1, 2] and all(sorted(row) == [1, 2, 3] for row in p.verify.values())
+    # total verified tokens: one slot 1..verify_len; two slots a decode step (2) and the packed budgets above it
+    assert sorted(p.verify) == [1, 2] and sorted(p.verify[1]) == [1, 2, 3] and sorted(p.verify[2]) == [2, 4, 6]
     assert sorted(p.draft) == ["dspark"] and sorted(p.draft["dspark"]) == [1, 2]
     assert all(ms > 0 for row in p.verify.values() for ms in row.values())
-    assert p.step_ms(1) == p.verify[1][1] and p.verify_ms(2, 3) == p.verify[2][3]
-    assert p.verify_ms(2, 9) == p.verify[2][3]  # beyond the table: its last column
+    assert p.step_ms(1) == p.verify[1][1] and p.step_ms(2) == p.verify[2][2]
+    assert p.verify_ms(2, 3) == p.verify[2][4]  # rounded up to the next profiled budget
+    assert p.verify_ms(2, 9) == p.verify[2][6]  # beyond the table: its last column
     assert p.draft_ms("ngram", 1) == 0.0  # no graph
     s = p.summary()
     assert s["verify_steps"][1] == 1.0 and s["draft_steps"]["dspark"] > 0

@@ -84,7 +84,7 @@ def test_fixture_trace_is_reproduced_round_by_round(fixture_art, tmp_path):
     for i, sample in enumerate(expected["samples"]):
         trace = tmp_path / f"trace{i}.jsonl"
         res = runner.invoke(main, ["run", str(fixture_art), "--input-ids", ",".join(map(str, sample["prompt_ids"])),
-                                   "--method", "dspark", "--temperature", "0", "--ignore-eos",
+                                   "--method", "dspark", "--scheduler", "fixed", "--temperature", "0", "--ignore-eos",
                                    "--max-new-tokens", str(expected["max_new_tokens"]), "--trace", str(trace),
                                    "--json"])
         assert res.exit_code == 0, res.output

@@ -113,8 +113,8 @@ def _logits(art: Path, ids: np.ndarray) -> np.ndarray:
     runner.allocate(1)
     t = ids.shape[1]
     feeds = {io.INPUT_IDS: ids, io.POSITION_IDS: np.arange(t)[None], io.WRITE_INDEX: np.zeros(1, np.int64),
-             io.LOGIT_ROWS: np.arange(t)[None]}
-    return infer(runner, 0, feeds)[io.LOGITS][0].copy()
+             io.TOKEN_ROWS: np.arange(t), io.LOGIT_ROWS: np.arange(t)}
+    return infer(runner, 0, feeds)[io.LOGITS].copy()
 
 
 # ---- the blocks themselves -------------------------------------------------------------------------

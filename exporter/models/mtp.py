@@ -55,7 +55,9 @@ class MTP(DecoderLayer):
     Subclassing keeps the checkpoint's names (`self_attn.q_proj.weight`, `enorm.weight`, ...) as is.
     """
 
-    def __init__(self, cfg: MTPConfig, *, feedback: str = "post") -> None:
+    def __init__(self, cfg: MTPConfig, *, feedback: str = "post", vocab_ids: np.ndarray | None = None) -> None:
+        """`vocab_ids`: a reduced draft vocabulary (FR-Spec): the head scores only those tokens, and a sampled
+        column is mapped back to its token id."""
         super().__init__(cfg.layer)
         if feedback not in FEEDBACK:
             raise SpecrtError(f"MTP feedback must be one of {', '.join(FEEDBACK)}, got {feedback!r}")
@@ -64,22 +66,27 @@ class MTP(DecoderLayer):
         self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
-        self.shared_head = SharedHead(c.hidden_size, c.vocab_size, c.rms_norm_eps)
+        self.shared_head = SharedHead(c.hidden_size, len(vocab_ids) if vocab_ids is not None else c.vocab_size,
+                                      c.rms_norm_eps)
+        self.register_buffer("vocab_ids", None if vocab_ids is None else torch.as_tensor(vocab_ids, dtype=torch.long),
+                             persistent=False)
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.register_buffer("inv_freq", torch.tensor(c.inv_freq(), dtype=torch.float32), persistent=False)
         self.max_seq = 0
 
     @classmethod
     def from_weights(cls, cfg: MTPConfig, weights: dict[str, np.ndarray], target_weights: dict[str, np.ndarray],
-                     *, feedback: str = "post", dtype: torch.dtype = torch.float32) -> "MTP":
-        """Build from `load_mtp` weights; embedding / head come from the target's HF tensors when not own."""
+                     *, feedback: str = "post", dtype: torch.dtype = torch.float32,
+                     vocab_ids: np.ndarray | None = None) -> "MTP":
+        """Build from `load_mtp` weights; embedding / head come from the target's HF tensors when not own (a head
+        with `vocab_ids` takes the weights' head as those rows already)."""
         t_head = "model.embed_tokens.weight" if cfg.layer.tie_word_embeddings else "lm_head.weight"
         state = dict(weights)
         if not cfg.has_own_embed:
             state[EMBED] = target_weights["model.embed_tokens.weight"]
         if not cfg.has_own_head:
             state[HEAD] = target_weights[t_head]
-        model = cls(cfg, feedback=feedback)
+        model = cls(cfg, feedback=feedback, vocab_ids=vocab_ids)
         model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()})
         return model.to(dtype).eval()
 
@@ -121,6 +128,8 @@ class MTP(DecoderLayer):
             normed = self.shared_head.norm(h)
             logits = self.shared_head.head(normed)
             tok, probs = sample_draft(logits, temperature, noise[:, k])
+            if self.vocab_ids is not None:
+                tok = self.vocab_ids[tok]
             fed = normed if self.feedback == "post" else h
             out_tokens.append(tok)
             out_logits.append(logits)

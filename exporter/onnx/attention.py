@@ -48,6 +48,27 @@ class KeyBlock:
     length: int | str  # L: fixed at export, or a [1] i64 tensor (the cpu lowering's cache window)
 
 
+@dataclass(frozen=True, slots=True)
+class Packing:
+    """The P tokens a call computes among the cells of its [B, T] grid (the target's `token_rows`).
+
+    Projections run on the packed [P, w] rows; attention runs on the grid: `unpack` scatters packed rows into
+    a zero [B*T, w] grid, `pack` gathers the computed cells back."""
+
+    rows: str  # [P] i64 flat grid indices b*T+t
+    grid: str  # [1] i64: B*T
+
+    def unpack(self, g: GraphBuilder, x: str, width: int, dtype: str) -> str:
+        with g.scope("unpack"):
+            zeros = g.op("Expand", g.const(np.zeros((1, 1), dtype), "zero"),
+                         g.op("Concat", self.grid, g.const([width], "width", "int64"), axis=0), name="grid")
+            index = g.op("Unsqueeze", self.rows, g.const([1], "axis1", "int64"), name="cells")
+            return g.op("ScatterND", zeros, index, x, name="scatter")
+
+    def pack(self, g: GraphBuilder, x: str) -> str:
+        return g.op("Gather", x, self.rows, axis=0, name="pack")
+
+
 def cache_block(g: GraphBuilder, present_k: str, present_v: str, window: int | str) -> KeyBlock:
     """The cache as a key block: all S positions (`window` = S, no node), or its first `window` positions.
 
@@ -66,17 +87,20 @@ def cache_block(g: GraphBuilder, present_k: str, present_v: str, window: int | s
 
 
 def project_heads(g: GraphBuilder, x: str, p: str, parts: str, shape: str, cfg: ModelConfig, rope: Rope,
-                  dtype: str, *, lowering: str = "standard") -> list[str]:
+                  dtype: str, *, lowering: str = "standard", packing: Packing | None = None) -> list[str]:
     """Project x [N,d] with the stacked weight `{p}.{parts}_proj` (`parts`: "qkv", "q" or "kv") into heads.
 
-    `shape` is the [B,T,n,D] reshape target. Returns q as [B,T,H,D] (unscaled) and k, v as [B,Hkv,T,D]; q and
-    k get the family's q/k norm (`{p}.q_norm`, `{p}.k_norm`), then rope.
+    `shape` is the [B,T,n,D] reshape target (with `packing`, x holds the P packed rows, unpacked to the grid
+    after the projection). Returns q as [B,T,H,D] (unscaled) and k, v as [B,Hkv,T,D]; q and k get the
+    family's q/k norm (`{p}.q_norm`, `{p}.k_norm`), then rope.
     """
     heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads, "v": cfg.num_kv_heads}
     w = g.weight
     bias = w(f"{p}.{parts}_proj.bias") if cfg.attention_bias else None
-    y = g.op("Reshape", linear(g, x, w(f"{p}.{parts}_proj.weight"), bias, name=f"{parts}_proj"), shape,
-             name=f"{parts}_heads")
+    y = linear(g, x, w(f"{p}.{parts}_proj.weight"), bias, name=f"{parts}_proj")
+    if packing is not None:
+        y = packing.unpack(g, y, sum(heads[c] for c in parts) * cfg.head_dim, dtype)
+    y = g.op("Reshape", y, shape, name=f"{parts}_heads")
     roped = parts.replace("v", "")  # q and k rotate, v does not
     if cfg.qk_norm:  # Qwen3: per-head RMSNorm on q and k before rope
         out = _split(g, y, [heads[c] for c in parts], f"{parts}_sizes")
@@ -112,8 +136,9 @@ def write_cache(g: GraphBuilder, cache: tuple[str, str], scatter_idx: str, k: st
 
 
 def attend(g: GraphBuilder, q: str, blocks: Sequence[KeyBlock], bias: str, o_proj: str, cfg: ModelConfig,
-           dtype: str) -> str:
-    """o_proj(softmax(q·kᵀ/√D + bias)·v) over the key blocks side by side, as [N, d].
+           dtype: str, *, packing: Packing | None = None) -> str:
+    """o_proj(softmax(q·kᵀ/√D + bias)·v) over the key blocks side by side, as [N, d] (with `packing`: the
+    P computed cells, packed before o_proj).
 
     q [B,T,H,D]; `bias` [B,1,1,T or 1,L] (0 or a large negative, f32) with L the blocks' total length.
     """
@@ -154,5 +179,7 @@ def attend(g: GraphBuilder, q: str, blocks: Sequence[KeyBlock], bias: str, o_pro
         out = pv if out is None else g.op("Add", out, pv, name="pv_sum")  # [B,Hkv,G*T,D]
     out = g.op("Transpose", g.op("Reshape", out, g.const([0, H, -1, D], "heads", "int64")), perm=[0, 2, 1, 3])
     out = g.op("Reshape", out, g.const([-1, H * D], "flat", "int64"))
+    if packing is not None:
+        out = packing.pack(g, out)
     return linear(g, out, g.weight(f"{o_proj}.weight"), g.weight(f"{o_proj}.bias") if cfg.o_proj_bias else None,
                   name="o_proj")

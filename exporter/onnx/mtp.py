@@ -23,7 +23,7 @@ OWN_EMBED, OWN_HEAD = f"{PREFIX}.{EMBED}", f"{PREFIX}.{HEAD}"
 TARGET_EMBED = "model.embed_tokens.weight"
 
 
-def _target_head(target: ModelConfig) -> str:
+def target_head(target: ModelConfig) -> str:
     return TARGET_EMBED if target.tie_word_embeddings else "lm_head.weight"
 
 
@@ -33,7 +33,7 @@ def mtp_weights(cfg: MTPConfig, weights: dict[str, np.ndarray], target_weights: 
     out = {f"{PREFIX}.{k}": v for k, v in weights.items() if k not in (EMBED, HEAD)}
     stack_layer_weights(out, PREFIX, cfg.layer)
     for own, name, target_name in ((cfg.has_own_embed, EMBED, TARGET_EMBED),
-                                   (cfg.has_own_head, HEAD, _target_head(cfg.layer))):
+                                   (cfg.has_own_head, HEAD, target_head(cfg.layer))):
         t = target_weights[target_name]
         if own and not (weights[name].shape == t.shape and np.array_equal(weights[name], t)):
             out[f"{PREFIX}.{name}"] = weights[name]
@@ -66,11 +66,14 @@ def _head(g: GraphBuilder, h: str, head_w: str, cfg: ModelConfig, dtype: str, lo
 # step k:  (tok_{k-1}, h'_{k-1} pre|post norm) at position P+k-1 ─ same block over the updated cache ─ ...
 # outputs: Concat over k ─ draft_tokens[B,G], draft_logits[B,G,V], draft_probs[B,G,V]; present.0.*
 def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *, steps: int, max_seq: int,
-                    dtype: str, feedback: str = "post", attention: str = "standard") -> None:
+                    dtype: str, feedback: str = "post", attention: str = "standard",
+                    vocab_ids: np.ndarray | None = None) -> None:
     """Emit the MTP draft graph into `g` with exactly `io.mtp_signature`'s inputs and outputs (axes B/C).
 
     Add `mtp_weights(...)` to `g.store` first: which embedding / head tensor names exist there picks them.
-    `attention` is the target's lowering (`attention.LOWERINGS`)."""
+    `attention` is the target's lowering (`attention.LOWERINGS`). `vocab_ids`: a reduced draft vocabulary
+    (FR-Spec); the head (stored as OWN_HEAD: those rows) scores len(vocab_ids) columns, and each sampled
+    column is mapped back to its target token id before it is fed to the next step."""
     check_lowering(attention)
     if feedback not in ("post", "pre"):
         raise SpecrtError(f"MTP feedback must be 'post' or 'pre', got {feedback!r}")
@@ -79,9 +82,12 @@ def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *,
     c, d, V = cfg.layer, target_cfg.hidden_size, target_cfg.vocab_size
     stored = lambda name: name in g.store or is_quantized(g.store, name)  # noqa: E731
     embed_w = OWN_EMBED if stored(OWN_EMBED) else TARGET_EMBED  # mtp_weights decided the names
-    head_w = OWN_HEAD if stored(OWN_HEAD) else _target_head(target_cfg)
+    head_w = OWN_HEAD if stored(OWN_HEAD) else target_head(target_cfg)
+    n_vocab = len(vocab_ids) if vocab_ids is not None else 0
+    if n_vocab and head_w != OWN_HEAD:
+        raise SpecrtError("an MTP draft vocabulary needs its head rows stored as " + OWN_HEAD)
     inputs, outputs = io.mtp_signature(num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=d,
-                                       vocab_size=V, steps=steps, max_seq=max_seq, dtype=dtype)
+                                       vocab_size=V, steps=steps, max_seq=max_seq, dtype=dtype, draft_vocab=n_vocab)
     for t in inputs:
         g.input(t.name, t.dtype, t.shape)
     tokens, hidden, positions = io.MTP_TOKENS, io.MTP_HIDDEN, io.MTP_POSITIONS
@@ -117,6 +123,7 @@ def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *,
         one_row = Shapes(batch=shapes.batch, tokens=g.const([1], "one_token", "int64"),
                          qkv=g.op("Concat", shapes.batch, g.const([1, c.num_heads + 2 * c.num_kv_heads, c.head_dim],
                                                                   "qkv_1", "int64"), axis=0, name="qkv_shape_1"))
+        ids = g.const(np.asarray(vocab_ids, np.int64), "vocab_ids") if n_vocab else None
         toks, logits_all, probs_all = [], [], []
         for k in range(1, steps + 1):
             with g.scope(f"step.{k}"):
@@ -126,7 +133,9 @@ def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *,
                 normed, logits = _head(g, h, head_w, c, dtype, attention)
                 noise_k = g.op("Slice", noise, g.const([k - 1], "start", "int64"), g.const([k], "stop", "int64"),
                                g.const([1], "axes", "int64"), name="noise_k")  # [B,1]
-                tok, probs = sample_draft(g, logits, t_col, noise_k, V, dtype)
+                tok, probs = sample_draft(g, logits, t_col, noise_k, n_vocab or V, dtype)
+                if ids is not None:  # a draft-vocabulary column -> its target token id
+                    tok = g.op("Gather", ids, tok, axis=0, name="token_id")
                 fed = normed if feedback == "post" else h
                 toks.append(g.op("Unsqueeze", tok, g.const([1], "axis1", "int64")))
                 logits_all.append(g.op("Unsqueeze", logits, g.const([1], "axis1", "int64")))

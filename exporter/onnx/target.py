@@ -1,8 +1,11 @@
 """The target graph: embedding, decoder layers over a fixed-size KV cache, final norm, head.
 
-    input_ids[B,T] -> Gather(embed) -> x[N=B*T, d]
-        for each layer:  x += o_proj(attention(norm(x), cache))  ;  x += mlp(norm(x))
-    norm(x) -> features[B,T,F] (optional) ; rows picked by logit_rows[B,R] -> Gemm(head) -> logits[B,R,V]
+    input_ids[B,T] -> the P cells token_rows lists -> Gather(embed) -> x[P, d]       (packed tokens)
+        for each layer:  x += o_proj(pack(attention(unpack(qkv(norm(x))), cache)))  ;  x += mlp(norm(x))
+    norm(x) -> unpack -> features[B,T,F] (optional) ; rows picked by logit_rows[R] -> Gemm(head) -> logits[R,V]
+
+Projections, MLPs and the head see only the P computed tokens (a short verify costs only its tokens);
+attention works on the [B, T] grid, each slot against its own cache (`attention.Packing`).
 
 Every Reshape takes its sizes from Shape(input_ids) or 0/-1, so one graph body serves every B/T/R: the
 file declares them as named axes and the manifest lists the fixed shapes (buckets) the runtime uses.
@@ -16,8 +19,8 @@ import numpy as np
 from specrt import artifact as io
 from specrt.exporter.config import ModelConfig
 from specrt.exporter.onnx.builder import GraphBuilder
-from specrt.exporter.onnx.attention import (KeyBlock, Rope, attend, cache_block, check_lowering, project_heads,
-                                            write_cache)
+from specrt.exporter.onnx.attention import (KeyBlock, Packing, Rope, attend, cache_block, check_lowering,
+                                            project_heads, write_cache)
 from specrt.exporter.onnx.layers import (Shapes, add_rms_norm, embedding, linear, mlp, rms_norm, rope_tables,
                                          rotate_half_matrix)
 from specrt.exporter.onnx.quant import concat_rows
@@ -97,31 +100,33 @@ def slot_io(g: GraphBuilder, shapes: Shapes, slots: str, cfg: ModelConfig, max_s
 
 def _attention(g: GraphBuilder, x: str, p: str, cache: tuple[str, str], cfg: ModelConfig, shapes: Shapes,
                rope: Rope, scatter_idx: str, bias: str, dtype: str, window: int | str, lowering: str,
-               sized_cache: bool) -> tuple[str, str, str]:
+               sized_cache: bool, packing: Packing | None) -> tuple[str, str, str]:
     """Self-attention of T new tokens over the cache they are first written into; returns (o, present_k, present_v)."""
     with g.scope("attn"):
-        q, k, v = project_heads(g, x, p, "qkv", shapes.qkv, cfg, rope, dtype, lowering=lowering)
+        q, k, v = project_heads(g, x, p, "qkv", shapes.qkv, cfg, rope, dtype, lowering=lowering, packing=packing)
         present_k, present_v = write_cache(g, cache, scatter_idx, k, v, rows=lowering == "cpu")
         keys = KeyBlock("cache", present_k, present_v, window) if sized_cache else \
             cache_block(g, present_k, present_v, window)
-        o = attend(g, q, [keys], bias, f"{p}.o_proj", cfg, dtype)
+        o = attend(g, q, [keys], bias, f"{p}.o_proj", cfg, dtype, packing=packing)
     return o, present_k, present_v
 
 
 def decoder_layer(g: GraphBuilder, x: str, prefix: str, cache: tuple[str, str], cfg: ModelConfig, shapes: Shapes,
                   rope: Rope, scatter_idx: str, bias: str, dtype: str, window: int | str, *,
-                  lowering: str = "standard", sized_cache: bool = False) -> tuple[str, str, str]:
+                  lowering: str = "standard", sized_cache: bool = False,
+                  packing: Packing | None = None) -> tuple[str, str, str]:
     """One pre-norm decoder layer over its KV cache; returns (x, present_k, present_v).
 
     `prefix` names the layer's weights (`model.layers.3`), `cache` its past K/V graph inputs; `window` is the
     cache length attention reads (S, or the cpu lowering's window tensor from `slot_io`); `sized_cache`: the
-    cache is as long as the window (the runtime sized it), so attention reads it whole.
+    cache is as long as the window (the runtime sized it), so attention reads it whole; `packing`: x holds the
+    call's packed tokens (`attention.Packing`), not the whole grid.
     """
     eps = cfg.rms_norm_eps
     a = rms_norm(g, x, g.weight(f"{prefix}.input_layernorm.weight"), eps, dtype, name="input_layernorm",
                  lowering=lowering)
     o, pk, pv = _attention(g, a, f"{prefix}.self_attn", cache, cfg, shapes, rope, scatter_idx, bias, dtype, window,
-                           lowering, sized_cache)
+                           lowering, sized_cache, packing)
     x, m = add_rms_norm(g, x, o, g.weight(f"{prefix}.post_attention_layernorm.weight"), eps, dtype,
                         name="post_attention_layernorm", residual="attn_residual", lowering=lowering)
     x = g.op("Add", x, mlp(g, m, f"{prefix}.mlp", cfg.intermediate_size), name="mlp_residual")
@@ -185,8 +190,9 @@ def build_target_graph(g: GraphBuilder, cfg: ModelConfig, *, max_seq: int, dtype
 
     with g.scope("target"):
         shapes = input_shapes(g, input_ids, cfg)
-        x = embedding(g, g.weight("model.embed_tokens.weight"), input_ids)
-        x = g.op("Reshape", x, g.const([-1, d], "flat", "int64"))  # [N, d]
+        packing = Packing(io.TOKEN_ROWS, g.op("Mul", shapes.batch, shapes.tokens, name="grid_cells"))
+        flat_ids = g.op("Reshape", input_ids, g.const([-1], "flat_ids", "int64"))
+        x = embedding(g, g.weight("model.embed_tokens.weight"), packing.pack(g, flat_ids))  # [P, d]
         rope = rope_inputs(g, position_ids, cfg, dtype)
         scatter_idx, bias, window = cache_io(g, shapes, write_index, cfg, max_seq, dtype, lowering=attention)
         captured: dict[int | str, str] = {-1: x}
@@ -195,28 +201,22 @@ def build_target_graph(g: GraphBuilder, cfg: ModelConfig, *, max_seq: int, dtype
             with g.scope(f"layers.{i}"):
                 x, pk, pv = decoder_layer(g, x, f"model.layers.{i}", io.past_names(i), cfg, shapes, rope,
                                           scatter_idx, bias, dtype, window, lowering=attention,
-                                          sized_cache=attention == "cpu")
+                                          sized_cache=attention == "cpu", packing=packing)
             captured[i] = x
             presents.append((pk, pv))
         h = rms_norm(g, x, g.weight("model.norm.weight"), cfg.rms_norm_eps, dtype, name="norm", lowering=attention)
         captured[FINAL] = h
 
         with g.scope("head"):
-            h3 = g.op("Reshape", h, g.op("Concat", shapes.batch, shapes.tokens, g.const([d], "d", "int64"), axis=0))
-            rows_shape = g.op("Shape", logit_rows)
-            idx = g.op("Expand", g.op("Unsqueeze", logit_rows, g.const([2], "axis2", "int64")),
-                       g.op("Concat", rows_shape, g.const([d], "d", "int64"), axis=0))
-            picked = g.op("GatherElements", h3, idx, axis=1, name="pick_rows")  # [B,R,d]
+            picked = g.op("Gather", h, logit_rows, axis=0, name="pick_rows")  # [R,d]
             head_w = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-            logits = linear(g, g.op("Reshape", picked, g.const([-1, d], "flat", "int64")), g.weight(head_w),
-                            name="lm_head")
-            logits = g.op("Reshape", logits, g.op("Concat", rows_shape,
-                                                  g.const([cfg.vocab_size], "vocab", "int64"), axis=0))
+            logits = linear(g, picked, g.weight(head_w), name="lm_head")  # [R,V]
         g.output(logits, io.LOGITS, dtype, shape[io.LOGITS])
         if features:
             with g.scope("features"):
                 feats = g.op("Concat", *[captured[s] for s in features], axis=-1) if len(features) > 1 \
                     else g.op("Identity", captured[features[0]])
+                feats = packing.unpack(g, feats, d * len(features), dtype)  # zero at cells not computed
                 feats = g.op("Reshape", feats, g.op("Concat", shapes.batch, shapes.tokens,
                                                     g.const([d * len(features)], "f", "int64"), axis=0))
             g.output(feats, io.FEATURES, dtype, shape[io.FEATURES])

@@ -125,11 +125,15 @@ class _TargetFamily:
         for i, layer in enumerate(m.layers):
             h = captured[i] = layer(h, cos, sin, mask, write_index)
         h = captured["final"] = m.norm(h)
-        rows = x[io.LOGIT_ROWS]
-        picked = h.gather(1, rows.unsqueeze(-1).expand(*rows.shape, h.shape[-1]))
-        out = {io.LOGITS: self.model.lm_head(picked)}
+        # The graph computes only the token_rows cells; here the whole grid runs, and a cell not computed
+        # there is invisible to every computed one (it lies past them in its slot), so their results agree.
+        cells = x[io.TOKEN_ROWS]
+        out = {io.LOGITS: self.model.lm_head(h.flatten(0, 1)[cells][x[io.LOGIT_ROWS]])}
         if self.features:
-            out[io.FEATURES] = torch.cat([captured[f] for f in self.features], dim=-1)
+            f = torch.cat([captured[f] for f in self.features], dim=-1)
+            computed = torch.zeros(f.shape[0] * f.shape[1], dtype=torch.bool)
+            computed[cells] = True
+            out[io.FEATURES] = f.masked_fill(~computed.view(*f.shape[:2], 1), 0)  # zero, as the graph's
         return out
 
 
@@ -174,7 +178,9 @@ class _MTPFamily:
         own = _own(w, "mtp.")
         _shared(own, w, m.model, embed=EMBED, head=HEAD)
         cfg = dataclasses.replace(cfg, has_own_embed=True, has_own_head=True)  # both are in `own` now
-        self.model = model = MTP.from_weights(cfg, own, {}, feedback=head.feedback or "post", dtype=dtype)
+        vocab_ids = np.asarray(head.vocab_ids, np.int64) if head.vocab_ids else None
+        self.model = model = MTP.from_weights(cfg, own, {}, feedback=head.feedback or "post", dtype=dtype,
+                                              vocab_ids=vocab_ids)
         _fp32_rope(model)
         model.max_seq = m.graphs[name].max_seq
         self.attention = [model.self_attn]
