@@ -99,17 +99,23 @@ def test_manifest_records_the_vocabulary(arts):
     assert shown.exit_code == 0 and "draft vocabulary of 64 tokens" in shown.output
 
 
-def _draft_call(art: Path, backend: str = "ort") -> dict[str, np.ndarray]:
-    m = io.load_manifest(art)
-    r = load_runner(backend, art, m, "dspark", threads=1)
+def _head_call(art: Path, head: str, backend: str = "ort") -> dict[str, np.ndarray]:
+    """One propose call of `head` on one slot with fixed inputs (DSpark: 5 context rows, MTP: 3)."""
+    r = load_runner(backend, art, io.load_manifest(art), head, threads=1)
     r.allocate(1)
-    rng = np.random.default_rng(3)
-    c = 5
+    c = 5 if head == "dspark" else 3
+    rng = np.random.default_rng(3 if head == "dspark" else 4)
     feeds = {t.name: np.zeros(t.resolve({"B": 1, "C": c}), t.dtype) for t in r.spec.host_inputs()}
-    feeds[io.CTX_FEATURES][:] = rng.standard_normal(feeds[io.CTX_FEATURES].shape)
-    feeds[io.CTX_POSITIONS][0] = np.arange(c)
-    feeds[io.CTX_LEN][:] = c
-    feeds[io.ANCHOR_IDS][:] = 17
+    if head == "dspark":
+        feeds[io.CTX_FEATURES][:] = rng.standard_normal(feeds[io.CTX_FEATURES].shape)
+        feeds[io.CTX_POSITIONS][0] = np.arange(c)
+        feeds[io.CTX_LEN][:] = c
+        feeds[io.ANCHOR_IDS][:] = 17
+    else:
+        feeds[io.MTP_TOKENS][0] = [17, 40, 3]
+        feeds[io.MTP_HIDDEN][:] = rng.standard_normal(feeds[io.MTP_HIDDEN].shape)
+        feeds[io.MTP_POSITIONS][0] = np.arange(c)
+        feeds[io.MTP_LAST_ROW][:] = c - 1
     return {k: v.copy() for k, v in infer(r, 0, feeds).items()}
 
 
@@ -117,7 +123,7 @@ def _draft_call(art: Path, backend: str = "ort") -> dict[str, np.ndarray]:
 def test_reduced_graph_scores_the_same_columns(arts, backend):
     """The first draft position sees the same Markov input (the anchor) in both graphs: its logits over the
     draft vocabulary are the full graph's logits in those columns, and its token is their argmax's id."""
-    full, small = _draft_call(arts["full"], backend), _draft_call(arts["small"], backend)
+    full, small = _head_call(arts["full"], "dspark", backend), _head_call(arts["small"], "dspark", backend)
     ids = np.asarray(io.load_manifest(arts["small"]).heads["dspark"].vocab_ids)
     np.testing.assert_allclose(small[io.DRAFT_LOGITS][:, 0], full[io.DRAFT_LOGITS][:, 0, ids], atol=1e-4)
     assert small[io.DRAFT_TOKENS][0, 0] == ids[np.argmax(full[io.DRAFT_LOGITS][0, 0, ids])]
@@ -126,25 +132,11 @@ def test_reduced_graph_scores_the_same_columns(arts, backend):
     np.testing.assert_allclose(small[io.CONFIDENCE_LOGITS][:, 0], full[io.CONFIDENCE_LOGITS][:, 0], atol=1e-5)
 
 
-def _mtp_call(art: Path, backend: str = "ort") -> dict[str, np.ndarray]:
-    m = io.load_manifest(art)
-    r = load_runner(backend, art, m, "mtp", threads=1)
-    r.allocate(1)
-    rng = np.random.default_rng(4)
-    c = 3
-    feeds = {t.name: np.zeros(t.resolve({"B": 1, "C": c}), t.dtype) for t in r.spec.host_inputs()}
-    feeds[io.MTP_TOKENS][0] = [17, 40, 3]
-    feeds[io.MTP_HIDDEN][:] = rng.standard_normal(feeds[io.MTP_HIDDEN].shape)
-    feeds[io.MTP_POSITIONS][0] = np.arange(c)
-    feeds[io.MTP_LAST_ROW][:] = c - 1
-    return {k: v.copy() for k, v in infer(r, 0, feeds).items()}
-
-
 @pytest.mark.parametrize("backend", ["ort", "torch"])
 def test_reduced_mtp_head_scores_the_same_columns(arts, backend):
     """MTP's first chained step sees the same input in both graphs: its logits over the draft vocabulary are
     the full head's in those columns; every draft is a vocabulary token, fed back by its token id."""
-    full, small = _mtp_call(arts["full"], backend), _mtp_call(arts["small"], backend)
+    full, small = _head_call(arts["full"], "mtp", backend), _head_call(arts["small"], "mtp", backend)
     ids = np.asarray(io.load_manifest(arts["small"]).heads["mtp"].vocab_ids)
     np.testing.assert_allclose(small[io.DRAFT_LOGITS][:, 0], full[io.DRAFT_LOGITS][:, 0, ids], atol=1e-4)
     assert small[io.DRAFT_TOKENS][0, 0] == ids[np.argmax(full[io.DRAFT_LOGITS][0, 0, ids])]
