@@ -1,6 +1,7 @@
 """`specrt export`: model source -> artifact directory (manifest, shared weights, fixed-shape graphs)."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from pathlib import Path
@@ -51,9 +52,16 @@ def _write_target(art: Path, store: WeightStore, cfg: ModelConfig, s: io.ExportS
 
 
 def _write_head(art: Path, store: WeightStore, head: HeadPlan, s: io.ExportSettings, bar: tqdm) -> io.GraphSpec:
+    """The head's graph family and its greedy variant (`{name}.greedy.onnx`, the same weights)."""
     g = GraphBuilder(store, accuracy_level=s.accuracy_level)
-    head.build(g)
-    return _write_graph(art, g, head.name, head.signature, s, io.head_buckets(s), bar)
+    head.build(g, False)
+    spec = _write_graph(art, g, head.name, head.signature, s, io.head_buckets(s), bar)
+    greedy = GraphBuilder(store, accuracy_level=s.accuracy_level)
+    head.build(greedy, True)
+    file = f"{head.name}.greedy.onnx"
+    onnx.save(greedy.model(f"{head.name}.greedy"), art / file)
+    bar.update(1)
+    return dataclasses.replace(spec, greedy_file=file)
 
 
 def _bytes_per_token(store: WeightStore, cfg: ModelConfig, tensors: dict[str, "np.ndarray | Blocks"]) -> int:
@@ -66,8 +74,9 @@ def _bytes_per_token(store: WeightStore, cfg: ModelConfig, tensors: dict[str, "n
 
 def _check_graphs(art: Path, graphs: dict[str, io.GraphSpec], bar: tqdm) -> None:
     for g in graphs.values():
-        onnx.checker.check_model(str(art / g.file), full_check=True)
-        bar.update(1)
+        for file in filter(None, (g.file, g.greedy_file)):
+            onnx.checker.check_model(str(art / file), full_check=True)
+            bar.update(1)
 
 
 def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSettings, *,
@@ -88,7 +97,7 @@ def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSett
                           "with heads)")
     dtype = np.dtype(settings.dtype)
     with staged(out) as tmp:  # written beside `out`, swapped in at the end; removed on any failure or SIGTERM
-        n_graphs = 1 + (draft is not None) + (mtp is not None)
+        n_graphs = 1 + 2 * (draft is not None) + 2 * (mtp is not None)  # a head: its graph and greedy variant
         steps = 2 + 2 * n_graphs + 1
         with tqdm(total=steps, desc=f"export {Path(source).name}", unit="step", disable=not progress) as bar:
             loaded: LoadedTarget = load_target(source)

@@ -19,7 +19,7 @@ from specrt.exporter.config import ModelConfig
 from specrt.exporter.onnx.builder import GraphBuilder
 from specrt.exporter.onnx.target import FINAL
 
-Builder = Callable[[GraphBuilder], None]  # emits the head's graph (named axes B/C) into the builder
+Builder = Callable[[GraphBuilder, bool], None]  # emits the head's graph (named axes B/C; greedy variant or not)
 Signature = tuple[tuple[io.TensorSpec, ...], tuple[io.TensorSpec, ...]]
 
 
@@ -86,8 +86,9 @@ def dspark_plan(path: str | Path, target: ModelConfig, target_weights: dict[str,
     source_files = list(loaded.source_files)
     ids, info_vocab = _vocabulary("DSpark", path, target, s, token_counts, source_files)
 
-    def build(g: GraphBuilder) -> None:
-        build_dspark_graph(g, cfg, target, max_seq=s.max_seq, dtype=s.dtype, attention=s.attention, vocab_ids=ids)
+    def build(g: GraphBuilder, greedy: bool) -> None:
+        build_dspark_graph(g, cfg, target, max_seq=s.max_seq, dtype=s.dtype, attention=s.attention, vocab_ids=ids,
+                           greedy=greedy)
 
     info = {"kind": "dflash" if not cfg.markov_rank and not cfg.enable_confidence_head else "dspark",
             "steps": cfg.block_size, "confidence": cfg.enable_confidence_head,
@@ -115,9 +116,9 @@ def mtp_plan(path: str | Path, target: ModelConfig, target_weights: dict[str, np
     source_files = list(loaded.source_files)
     ids, info_vocab = _vocabulary("MTP", path, target, s, token_counts, source_files)
 
-    def build(g: GraphBuilder) -> None:
+    def build(g: GraphBuilder, greedy: bool) -> None:
         build_mtp_graph(g, cfg, target, steps=steps, max_seq=s.max_seq, dtype=s.dtype, feedback=feedback,
-                        attention=s.attention, vocab_ids=ids)
+                        attention=s.attention, vocab_ids=ids, greedy=greedy)
 
     signature = io.mtp_signature(num_kv_heads=cfg.layer.num_kv_heads, head_dim=cfg.layer.head_dim,
                                  hidden_size=target.hidden_size, vocab_size=target.vocab_size, steps=steps,

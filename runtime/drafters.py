@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.runtime.backends import load_runner
+
+if TYPE_CHECKING:
+    from specrt.runtime.schedulers import Costs
 
 
 @dataclass
@@ -39,10 +42,13 @@ class Proposal:
     confidence_logits: np.ndarray | None = None  # [n, K] (DSpark's confidence head)
     vocab_ids: np.ndarray | None = None  # [V'] token id of each probs column (a reduced draft vocabulary); None: all
     survival: np.ndarray | None = None  # [n, K] calibrated prefix survival (the graph's ConfidenceTruncate)
+    head: str = ""  # the graph family whose call drafted this round ("": no graph call, n-gram lookups)
+    onehot: np.ndarray | None = None  # [n] bool: rows drafted deterministically (q one-hot) beside `probs`
 
     def draft_probs(self, i: int, n: int, vocab_size: int) -> np.ndarray | None:
-        """Slot i's first n draft distributions over the whole vocabulary (zero outside a draft vocabulary)."""
-        if self.probs is None:
+        """Slot i's first n draft distributions over the whole vocabulary (zero outside a draft vocabulary);
+        None for one-hot drafts."""
+        if self.probs is None or (self.onehot is not None and self.onehot[i]):
             return None
         if self.vocab_ids is None:
             return self.probs[i, :n]
@@ -76,6 +82,9 @@ class Drafter(Protocol):
     def propose(self, slots: list[SlotView | None]) -> Proposal:
         """Drafts for slots [0, n) (None = an idle slot)."""
 
+    def observe(self, slot: int, verified: int, accepted: int) -> None:
+        """How slot's drafts of the last proposal fared (after the round)."""
+
 
 class _GraphDrafter:
     """A draft head's graph family on a backend runner; chunked writes of the prompt context."""
@@ -90,6 +99,7 @@ class _GraphDrafter:
         self.runner = load_runner(backend, art_dir, manifest, name, threads=threads, spin=False)
         self.offset, self.width = self.head.feature_offset, self.head.feature_dim
         self.vocab_ids = np.asarray(self.head.vocab_ids, np.int64) if self.head.vocab_ids else None
+        self.max_rows = max(b["C"] for b in self.runner.spec.buckets["propose"])  # context rows one propose takes
 
     def allocate(self, slots: int) -> None:
         self.runner.allocate(slots)
@@ -101,21 +111,23 @@ class _GraphDrafter:
         for start in range(0, r - 1, bucket["C"]):
             stop = min(start + bucket["C"], r - 1)
             piece = Context(ctx.pos + start, ctx.features[start:stop], ctx.next_tokens[start:stop])
-            feeds = self.runner.inputs(slot, bucket)
+            feeds = self.runner.inputs(slot, bucket, greedy=True)  # only the cache writes matter
             feeds[io.TEMPERATURE][:] = 0.0
             feeds[io.NOISE][:] = 0.0
             if io.TRUNCATE_BUDGET in feeds:
                 feeds[io.TRUNCATE_THRESHOLD][...], feeds[io.TRUNCATE_BUDGET][...] = 0.0, -1
             self._fill(feeds, [piece], [0])
-            self.runner.run(slot, bucket)
+            self.runner.run(slot, bucket, greedy=True)
         return Context(ctx.pos + r - 1, ctx.features[r - 1:], ctx.next_tokens[r - 1:])
 
     def propose(self, slots: list[SlotView | None]) -> Proposal:
-        """One draft call over slots [0, n), rounded up to a bucket; idle rows draft garbage nobody reads."""
+        """One draft call over slots [0, n), rounded up to a bucket; idle rows draft garbage nobody reads. When
+        every slot decodes greedily, the family's greedy variant runs (no distributions: none are needed)."""
         n = len(slots)
         rows = max((len(s.ctx.next_tokens) for s in slots if s is not None and s.ctx is not None), default=1)
         bucket = self.runner.spec.bucket("propose", B=n, C=rows)
-        feeds = self.runner.inputs(0, bucket)  # bound buffers: filled in place
+        greedy = all(s is None or s.temperature <= 0 for s in slots)
+        feeds = self.runner.inputs(0, bucket, greedy=greedy)  # bound buffers: filled in place
         padded = [*slots, *[None] * (bucket["B"] - n)]
         temps, noise = feeds[io.TEMPERATURE], feeds[io.NOISE]
         temps[:], noise[:] = 0.0, 0.0
@@ -127,12 +139,16 @@ class _GraphDrafter:
                 noise[i] = s.rng.random(self.steps, dtype=np.float32)
         self._fill(feeds, [s.ctx if s is not None else None for s in padded],
                    [s.pending if s is not None else 0 for s in padded])
-        out = self.runner.run(0, bucket)
+        out = self.runner.run(0, bucket, greedy=greedy)
         counts = np.array([self.steps if s is not None else 0 for s in slots], np.int64)
-        conf, surv = out.get(io.CONFIDENCE_LOGITS), out.get(io.SURVIVAL)
-        return Proposal(tokens=out[io.DRAFT_TOKENS][:n], counts=counts, probs=out[io.DRAFT_PROBS][:n],
+        conf, surv, probs = out.get(io.CONFIDENCE_LOGITS), out.get(io.SURVIVAL), out.get(io.DRAFT_PROBS)
+        return Proposal(tokens=out[io.DRAFT_TOKENS][:n], counts=counts,
+                        probs=probs[:n] if probs is not None else None,
                         confidence_logits=conf[:n] if conf is not None else None, vocab_ids=self.vocab_ids,
-                        survival=surv[:n] if surv is not None else None)
+                        survival=surv[:n] if surv is not None else None, head=self.head.name)
+
+    def observe(self, slot: int, verified: int, accepted: int) -> None:
+        pass
 
     def _fill(self, feeds: dict[str, np.ndarray], ctxs: list[Context | None], anchors: list[int]) -> None:
         """Write the context rows (padded) and anchors into the bound input buffers."""
@@ -212,6 +228,9 @@ class NGramDrafter:
                 tokens[i, :len(follow)] = follow
         return Proposal(tokens=tokens, counts=counts, probs=None)
 
+    def observe(self, slot: int, verified: int, accepted: int) -> None:
+        pass
+
 
 def lookup(history: np.ndarray, max_n: int, steps: int) -> np.ndarray:
     """Up to `steps` tokens that followed the latest earlier occurrence of the longest suffix (n <= max_n)."""
@@ -227,13 +246,21 @@ def lookup(history: np.ndarray, max_n: int, steps: int) -> np.ndarray:
 
 
 def make_drafter(method: str, art_dir: Path, manifest: io.Manifest, *, gamma: int, backend: str = "ort",
-                 threads: int | None = None, ngram: int = 3) -> Drafter:
-    """The drafter of a speculative method ("ngram", "mtp", "dspark")."""
+                 threads: int | None = None, ngram: int = 3, costs: Costs | None = None) -> Drafter:
+    """The drafter of a speculative method: "ngram", "mtp", "dspark", or a head with lookups ("dspark+ngram",
+    "mtp+ngram": runtime/hybrid.py, which needs the cost profile `costs`)."""
     if method == "ngram":
         return NGramDrafter(gamma, max_n=ngram)
-    if method not in manifest.heads:
+    name, _, lookups = method.partition("+")
+    if name not in manifest.heads:
         have = ", ".join(manifest.heads) or "none"
-        raise SpecrtError(f"--method {method} needs an artifact exported with a {method} head "
+        raise SpecrtError(f"--method {method} needs an artifact exported with a {name} head "
                           f"(this one has: {have}); export with --draft or --mtp, or use --method ngram")
-    cls = {"dspark": DSparkDrafter, "mtp": MTPDrafter}[method]
-    return cls(art_dir, manifest, backend=backend, threads=threads)
+    cls = {"dspark": DSparkDrafter, "mtp": MTPDrafter}[name]
+    head = cls(art_dir, manifest, backend=backend, threads=threads)
+    if not lookups:
+        return head
+    from specrt.runtime.hybrid import HybridDrafter
+
+    return HybridDrafter(head, NGramDrafter(head.steps, max_n=ngram), costs,
+                         temperatures=manifest.heads[name].temperatures)

@@ -34,7 +34,7 @@ TextCallback = Callable[[int, str], None]  # (request id, text delta)
 TokenCallback = Callable[[int, int], None]  # (request id, number of new tokens)
 FinishCallback = Callable[["RequestOutput"], None]  # a request's output, the moment it finishes
 
-METHODS = ("ar", "ngram", "mtp", "dspark")
+METHODS = ("ar", "ngram", "mtp", "dspark", "dspark+ngram", "mtp+ngram")
 _MEASURED: dict[tuple, object] = {}  # quick cost profiles measured in this process, for artifacts without one
 
 
@@ -133,13 +133,13 @@ class Engine:
             if gamma is not None and not 1 <= gamma <= exported:
                 raise SpecrtError(f"--gamma must be between 1 and {exported} (the artifact's verify length - 1), "
                                   f"got {gamma}")
+            costs = self._costs(backend, threads) if scheduler.startswith("sps") or "+" in method else None
             self.drafter = make_drafter(method, self.art_dir, self.manifest, gamma=gamma or exported,
-                                        backend=backend, threads=threads, ngram=ngram)
+                                        backend=backend, threads=threads, ngram=ngram, costs=costs)
             g = min(gamma or exported, self.drafter.steps)
-            head = self.manifest.heads.get(method)
+            head = self.manifest.heads.get(method.partition("+")[0])
             sched = make_scheduler(scheduler, gamma=g, temperatures=head.temperatures if head else (),
-                                   threshold=threshold, head=method,
-                                   costs=self._costs(backend, threads) if scheduler.startswith("sps") else None)
+                                   threshold=threshold, costs=costs)
             self.spec = Speculator(self.target, self.drafter, sched, gamma=g)
         self.gamma = self.spec.gamma if self.spec else 0
         self.observers: list[RoundObserver] = list(observers)

@@ -57,10 +57,12 @@ class Costs(Protocol):
 
 
 class AcceptanceHistory:
-    """Per draft position, the conditional acceptance measured so far (a Beta(1, 1) prior: 0.5 untried)."""
+    """Per draft position, the conditional acceptance measured so far: a prior worth two tries, 0.5 at the first
+    position and `later` at the others (untried positions start there)."""
 
-    def __init__(self, gamma: int) -> None:
-        self.hits = np.ones(gamma)
+    def __init__(self, gamma: int, *, later: float = 0.5) -> None:
+        self.hits = np.full(gamma, 2.0 * later)
+        self.hits[0] = 1.0
         self.tries = np.full(gamma, 2.0)
 
     def observe(self, verified: int, accepted: int) -> None:
@@ -121,42 +123,50 @@ class ThresholdScheduler(_Base):
         return (self.survival(proposal) >= np.float32(self.threshold)).sum(axis=1).astype(np.int64)
 
 
+def admission(a: np.ndarray, active: np.ndarray, fixed_ms: float, costs: Costs) -> tuple[np.ndarray, float]:
+    """Algorithm 1 on survivals a [n, gamma] of the `active` rows, for a round whose draft side cost `fixed_ms`:
+    the admitted lengths [n] and the round's expected committed tokens per millisecond.
+
+    Every active slot verifies its anchor and commits a bonus token; verification is packed, so each admitted
+    draft adds one token to the call. Pairs are admitted in order of survival while the rate improves; the
+    first non-improvement ends admission."""
+    n, gamma = a.shape
+    lengths = np.zeros(n, np.int64)
+    rows = np.flatnonzero(active)
+    if not len(rows):
+        return lengths, 0.0
+    expected, tokens = float(len(rows)), len(rows)
+    best = expected / (fixed_ms + costs.verify_ms(n, tokens))
+    cand = [(float(a[r, k]), k, r) for r in rows for k in range(gamma) if a[r, k] > 0]
+    for value, k, r in sorted(cand, key=lambda c: (-c[0], c[1], c[2])):
+        rate = (expected + value) / (fixed_ms + costs.verify_ms(n, tokens + 1))
+        if rate <= best:
+            break
+        best, expected, tokens = rate, expected + value, tokens + 1
+        lengths[r] = k + 1
+    return lengths, best
+
+
 class SPSScheduler(_Base):
     """Algorithm 1: greedy admission by survival while expected committed tokens per second improve."""
 
     name = "sps"
 
-    def __init__(self, gamma: int, *, costs: Costs | None = None, head: str = "", **kw) -> None:
+    def __init__(self, gamma: int, *, costs: Costs | None = None, **kw) -> None:
         super().__init__(gamma, **kw)
         if costs is None:
             raise SpecrtError(f"--scheduler {self.name} needs a cost profile (run `specrt profile ART`)")
-        self.costs, self.head = costs, head
+        self.costs = costs
         self.planned: int | None = None  # sps-async: drafts the next round admits
 
-    def plan(self, a: np.ndarray, active: np.ndarray) -> np.ndarray:
-        """Lengths [n] admitted by Algorithm 1 on survivals a [n, gamma] of the `active` rows."""
-        n = len(a)
-        lengths = np.zeros(n, np.int64)
-        rows = np.flatnonzero(active)
-        if not len(rows):
-            return lengths
-        fixed = self.costs.draft_ms(self.head, n)
-        # every active slot verifies its anchor and commits a bonus token; verification is packed, so each
-        # admitted draft adds one token to the call
-        expected, tokens = float(len(rows)), len(rows)
-        best = expected / (fixed + self.costs.verify_ms(n, tokens))
-        cand = [(float(a[r, k]), k, r) for r in rows for k in range(self.gamma) if a[r, k] > 0]
-        for value, k, r in sorted(cand, key=lambda c: (-c[0], c[1], c[2])):
-            rate = (expected + value) / (fixed + self.costs.verify_ms(n, tokens + 1))
-            if rate <= best:
-                break  # the first non-improvement ends admission
-            best, expected, tokens = rate, expected + value, tokens + 1
-            lengths[r] = k + 1
-        return lengths
+    def plan(self, a: np.ndarray, active: np.ndarray, head: str) -> np.ndarray:
+        """Lengths [n] admitted by Algorithm 1 on survivals a [n, gamma] of the `active` rows; `head` drafted
+        them (its call is part of the round's cost)."""
+        return admission(a, active, self.costs.draft_ms(head, len(a)), self.costs)[0]
 
     def schedule(self, slots: list[SlotView | None], proposal: Proposal, load: Load) -> np.ndarray:
         active = np.array([s is not None for s in slots])
-        return self.plan(self.survival(proposal), active)
+        return self.plan(self.survival(proposal), active, proposal.head)
 
 
 class AsyncSPSScheduler(SPSScheduler):
@@ -168,8 +178,9 @@ class AsyncSPSScheduler(SPSScheduler):
     def schedule(self, slots: list[SlotView | None], proposal: Proposal, load: Load) -> np.ndarray:
         active = np.array([s is not None for s in slots])
         a = self.survival(proposal)
-        budget = self.planned if self.planned is not None else int(self.plan(a, active).sum())
-        self.planned = int(self.plan(a, active).sum())  # the next round's capacity
+        planned = int(self.plan(a, active, proposal.head).sum())
+        budget = self.planned if self.planned is not None else planned
+        self.planned = planned  # the next round's capacity
         return admit(np.where(active[:, None], a, np.float32(0.0)), budget)  # idle rows: never admitted
 
 
@@ -177,7 +188,7 @@ SCHEDULERS = {s.name: s for s in (FixedScheduler, ThresholdScheduler, SPSSchedul
 
 
 def make_scheduler(name: str, *, gamma: int, **kw) -> Scheduler:
-    """A scheduler by name; kw: temperatures (the head's STS temperatures), threshold, costs, head."""
+    """A scheduler by name; kw: temperatures (the head's STS temperatures), threshold, costs."""
     if name not in SCHEDULERS:
         raise SpecrtError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS)}")
     return SCHEDULERS[name](gamma, **kw)

@@ -70,9 +70,10 @@ class Speculator:
         t2 = time.perf_counter()
         outcomes = [self.accept(s, proposal, i, int(lengths[i]), logits[i], features)
                     if s is not None else None for i, s in enumerate(slots)]
-        for o in outcomes:
+        for i, o in enumerate(outcomes):
             if o is not None:
                 self.scheduler.observe(o.verify_len, o.verdict.accepted)
+                self.drafter.observe(i, o.verify_len, o.verdict.accepted)
         return Round(proposal, outcomes, draft_s=t1 - t0, verify_s=t2 - t1)
 
     def schedule(self, slots: list[SlotState | None], proposal: Proposal, load: Load) -> np.ndarray:

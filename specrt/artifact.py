@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,14 @@ class GraphSpec:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     buckets: dict[str, tuple[Bucket, ...]]
+    greedy_file: str = ""  # a draft family's greedy variant (same inputs and cache, no GREEDY_DROPS outputs)
+
+    def greedy(self) -> "GraphSpec | None":
+        """The greedy variant as a spec of its own (its file and outputs), if exported."""
+        if not self.greedy_file:
+            return None
+        return dataclasses.replace(self, file=self.greedy_file, greedy_file="",
+                                   outputs=tuple(t for t in self.outputs if t.name not in GREEDY_DROPS))
 
     def bucket(self, use: str, **need: int) -> Bucket:
         """The smallest bucket of `use` whose named sizes are all >= `need`: fewest slots, then fewest tokens
@@ -131,7 +140,8 @@ class GraphSpec:
     def from_dict(cls, d: dict[str, Any]) -> "GraphSpec":
         return cls(name=d["name"], file=d["file"], max_seq=int(d["max_seq"]),
                    inputs=tuple(_tensor(t) for t in d["inputs"]), outputs=tuple(_tensor(t) for t in d["outputs"]),
-                   buckets={use: tuple(dict(b) for b in bs) for use, bs in d["buckets"].items()})
+                   buckets={use: tuple(dict(b) for b in bs) for use, bs in d["buckets"].items()},
+                   greedy_file=d.get("greedy_file", ""))
 
 
 def _tensor(t: dict[str, Any]) -> TensorSpec:
@@ -351,8 +361,9 @@ def load_manifest(art_dir: str | Path) -> Manifest:
     if TARGET not in m.graphs:
         raise SpecrtError(f"{path} is malformed: no {TARGET!r} graph")
     for g in m.graphs.values():
-        if not (art / g.file).is_file():
-            raise SpecrtError(f"artifact {art} is incomplete: graph file {g.file} is missing")
+        for file in filter(None, (g.file, g.greedy_file)):
+            if not (art / file).is_file():
+                raise SpecrtError(f"artifact {art} is incomplete: graph file {file} is missing")
     return m
 
 
@@ -389,6 +400,10 @@ def check_graph_io(graph: GraphSpec, declared: dict[str, tuple[Dim, ...]], file:
 #   inputs   tokens[B,C] i64, hidden[B,C,d] (final-normed target hidden), positions[B,C] i64 (t;
 #            cache slot = position), last_row[B] i64, temperature[B] f32, noise[B,G] f32, past.0.*
 #   outputs  draft_tokens[B,G] i64, draft_logits[B,G,V], draft_probs[B,G,V] f32, present.0.*
+#
+# Greedy variants (GraphSpec.greedy_file, "{family}.greedy.onnx"): the same family for rounds where every slot
+# decodes greedily. Same inputs (temperature and noise unread) and cache; draft tokens are the argmax; the
+# outputs leave out GREEDY_DROPS, so nothing vocabulary-wide is computed past the heads' logits.
 
 CTX_FEATURES = "ctx_features"
 CTX_POSITIONS = "ctx_positions"
@@ -400,6 +415,7 @@ NOISE = "noise"
 DRAFT_TOKENS = "draft_tokens"
 DRAFT_LOGITS = "draft_logits"
 DRAFT_PROBS = "draft_probs"
+GREEDY_DROPS = (DRAFT_LOGITS, DRAFT_PROBS)  # outputs a greedy variant does not have
 CONFIDENCE_LOGITS = "confidence_logits"
 TRUNCATE_THRESHOLD = "truncate_threshold"
 TRUNCATE_BUDGET = "truncate_budget"

@@ -12,6 +12,7 @@ from specrt.errors import SpecrtError
 
 from specrt.configs.presets import EXPORT_DEFAULTS
 
+METHOD_NAMES = ["ar", "ngram", "mtp", "dspark", "dspark+ngram", "mtp+ngram"]  # runtime/engine.py METHODS
 SCHEDULER_NAMES = ["fixed", "threshold", "sps", "sps-async"]  # runtime/schedulers.py SCHEDULERS (not imported:
 # the CLI stays quick to start)
 # sps: the fastest exact scheduler measured for every method on the CPU here (README, "Cheaper drafts"); it
@@ -195,9 +196,10 @@ def _params(max_new_tokens, temperature, top_k, top_p, seed, stop, stop_token_id
 
 def _engine_options(f):
     for opt in reversed([
-        click.option("--method", type=click.Choice(["ar", "ngram", "mtp", "dspark"]), default="ar",
-                     help="Autoregressive; or speculative with n-gram prompt lookup, or the artifact's MTP or "
-                          "DSpark head."),
+        click.option("--method", type=click.Choice(METHOD_NAMES), default="ar",
+                     help="Autoregressive; or speculative with n-gram prompt lookup, the artifact's MTP or "
+                          "DSpark head, or a head with lookups (per round whichever promises more: dspark+ngram, "
+                          "mtp+ngram)."),
         click.option("--gamma", type=int, default=None, help="Drafts verified per round at most [default: the "
                                                              "artifact's verify length - 1]."),
         click.option("--scheduler", type=click.Choice(SCHEDULER_NAMES), default=DEFAULT_SCHEDULER,
@@ -521,6 +523,7 @@ def distill(target: str, prompts: tuple[Path, ...], out: Path, work: Path | None
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def inspect(artifact: Path, as_json: bool) -> None:
     """Summarize an artifact's manifest: model, export settings, graphs and their I/O."""
+    from specrt import artifact as io
     from specrt.artifact import load_manifest
 
     m = load_manifest(artifact)
@@ -547,6 +550,8 @@ def inspect(artifact: Path, as_json: bool) -> None:
         ins = ", ".join(f"{t.name}{list(t.shape)}" for t in g.host_inputs())
         outs = ", ".join(f"{t.name}{list(t.shape)}" for t in g.host_outputs())
         click.echo(f"graph    {g.name:8s} {g.file}: {ins} + past.* -> {outs} + present.*")
+        if g.greedy_file:
+            click.echo(f"  greedy variant {g.greedy_file}: the same, without {', '.join(io.GREEDY_DROPS)}")
         for use, buckets in g.buckets.items():
             shapes = " ".join("(" + ",".join(f"{k}={v}" for k, v in b.items()) + ")" for b in buckets)
             click.echo(f"  bucket {use:8s} {shapes}")
@@ -593,9 +598,10 @@ def fetch_model(name: str) -> None:
 @main.command()
 @click.option("--prompt", default="Explain in three sentences why the sky is blue.", help="User message.")
 @click.option("--max-new-tokens", default=128, help="Tokens to generate.")
-@click.option("--method", type=click.Choice(["ar", "ngram", "dspark", "mtp"]), default="ar",
+@click.option("--method", type=click.Choice(METHOD_NAMES), default="ar",
               help="Decoding method: ar, the fastest on a CPU today (README, Benchmark); ngram, dspark and mtp "
-                   "are the lossless draft/verify loop (dspark and mtp with the shipped trained heads).")
+                   "are the lossless draft/verify loop (dspark and mtp with the shipped trained heads); "
+                   "dspark+ngram and mtp+ngram draft by lookups and call the head when it pays.")
 def demo(prompt: str, max_new_tokens: int, method: str) -> None:
     """Fetch the default model, export it (cached), generate for a sample prompt, and, when llama-cpp-python
     is installed, run llama.cpp on the same GGUF and prompt tokens for comparison."""

@@ -427,11 +427,14 @@ def test_bucket_rounds_up(tiny):
 
 @pytest.mark.parametrize("case", ["llama_untied", HEADED])
 def test_no_unused_files_exported(tiny, case):
-    """The artifact holds the manifest, the weights, tokenizer/ when the model has one, and one .onnx per family."""
+    """The artifact holds the manifest, the weights, tokenizer/ when the model has one, one .onnx per family and
+    a greedy variant per draft family."""
     t = tiny(case)
     m = t.manifest
     assert all(g.file == f"{family}.onnx" for family, g in m.graphs.items())
-    want = [io.MANIFEST, io.WEIGHTS_FILE, *(g.file for g in m.graphs.values())]
+    assert all(g.greedy_file == (f"{family}.greedy.onnx" if family in m.heads else "")
+               for family, g in m.graphs.items())
+    want = [io.MANIFEST, io.WEIGHTS_FILE, *(f for g in m.graphs.values() for f in (g.file, g.greedy_file) if f)]
     if m.tokenizer:
         want.append(io.TOKENIZER_DIR)
         assert sorted(p.name for p in (t.art / io.TOKENIZER_DIR).iterdir()) == m.tokenizer["files"]
@@ -443,7 +446,8 @@ def test_no_unused_files_exported(tiny, case):
 def test_graphs_pass_full_onnx_check(tiny, case):
     t = tiny(case)
     for g in t.manifest.graphs.values():
-        onnx.checker.check_model(str(t.art / g.file), full_check=True)
+        for file in filter(None, (g.file, g.greedy_file)):
+            onnx.checker.check_model(str(t.art / file), full_check=True)
 
 
 def _declared_io(model: onnx.ModelProto) -> tuple[list, list]:

@@ -71,7 +71,7 @@ class LinearCosts:
 def _proposal(conf: np.ndarray) -> Proposal:
     n, g = conf.shape
     return Proposal(tokens=np.zeros((n, g), np.int64), counts=np.full(n, g), probs=None,
-                    confidence_logits=conf.astype(np.float32))
+                    confidence_logits=conf.astype(np.float32), head="dspark")
 
 
 def test_sps_admits_while_the_rate_improves():

@@ -16,7 +16,7 @@ from specrt.exporter.onnx.attention import (KeyBlock, Rope, attend, cache_block,
                                             write_cache)
 from specrt.exporter.onnx.layers import add_rms_norm, embedding, linear, mlp, rms_norm, rope_tables, rotate_half_matrix
 from specrt.exporter.onnx.quant import is_quantized
-from specrt.exporter.onnx.sampling import sample_draft
+from specrt.exporter.onnx.sampling import greedy_draft, sample_draft
 
 P = "dspark."  # weight-name prefix in the shared store
 F32 = onnx_dtype("float32")
@@ -80,8 +80,12 @@ def _shared(g: GraphBuilder, own: str, target_name: str) -> str:
 
 
 def build_dspark_graph(g: GraphBuilder, cfg: DSparkConfig, target_cfg: ModelConfig, *, max_seq: int,
-                       dtype: str, attention: str = "standard", vocab_ids: np.ndarray | None = None) -> None:
+                       dtype: str, attention: str = "standard", vocab_ids: np.ndarray | None = None,
+                       greedy: bool = False) -> None:
     """Emit the whole DSpark draft graph into `g` over named axes B/C; its store must hold `dspark_weights(...)`.
+
+    `greedy`: the variant for rounds where every slot decodes greedily: argmax drafts, no draft_logits or
+    draft_probs (io.GREEDY_DROPS), nothing vocabulary-wide computed beyond the LM and Markov heads.
 
     `attention` is the target's lowering (`attention.LOWERINGS`). `vocab_ids`: a reduced draft vocabulary;
     the LM head is then the store's `dspark.lm_head.weight` (those rows), the Markov and sampling work spans
@@ -130,7 +134,8 @@ def build_dspark_graph(g: GraphBuilder, cfg: DSparkConfig, target_cfg: ModelConf
         base = linear(g, h, _shared(g, "lm_head.weight", head), name="lm_head")  # [B*K, V or len(vocab_ids)]
         ids = g.const(np.asarray(vocab_ids, np.int64), "vocab_ids") if vocab_ids is not None else None
         tokens, logits, probs, conf = _draft_heads(g, cfg, base, h, anchor, temperature, noise, dtype, ids,
-                                                   len(vocab_ids) if vocab_ids is not None else lc.vocab_size)
+                                                   len(vocab_ids) if vocab_ids is not None else lc.vocab_size,
+                                                   greedy)
 
     named = {io.DRAFT_TOKENS: tokens, io.DRAFT_LOGITS: logits, io.DRAFT_PROBS: probs, io.CONFIDENCE_LOGITS: conf}
     if conf is not None:
@@ -138,7 +143,8 @@ def build_dspark_graph(g: GraphBuilder, cfg: DSparkConfig, target_cfg: ModelConf
             named[io.SURVIVAL], named[io.VERIFY_LENGTHS] = _truncate(g, cfg, conf, dtype)
     named.update({n: v for i, kv in enumerate(presents) for n, v in zip(io.present_names(i), kv)})
     for t in outputs:
-        g.output(named[t.name], t.name, t.dtype, t.shape)
+        if not (greedy and t.name in io.GREEDY_DROPS):
+            g.output(named[t.name], t.name, t.dtype, t.shape)
 
 
 def dspark_signature(cfg: DSparkConfig, *, max_seq: int, dtype: str, draft_vocab: int = 0
@@ -225,16 +231,20 @@ def _attention(g: GraphBuilder, a: str, ctx: str, p: str, lc: ModelConfig, K: in
 
 
 def _draft_heads(g: GraphBuilder, cfg: DSparkConfig, base: str, h: str, anchor: str, temperature: str, noise: str,
-                 dtype: str, ids: str | None, V: int) -> tuple[str, str, str, str | None]:
+                 dtype: str, ids: str | None, V: int, greedy: bool = False
+                 ) -> tuple[str, str | None, str | None, str | None]:
     """Markov loop unrolled over the K slots with in-graph sampling, then the confidence head. V columns: the
-    vocabulary, or the draft vocabulary `ids` (a [V] constant mapping a sampled column to its token id)."""
+    vocabulary, or the draft vocabulary `ids` (a [V] constant mapping a sampled column to its token id).
+    `greedy`: argmax drafts only (logits and probs None)."""
     lc, K, r = cfg.layers, cfg.block_size, cfg.markov_rank
     d = lc.hidden_size
     to_id = (lambda col: g.op("Gather", ids, col, name="token_id")) if ids is not None else (lambda col: col)
     with g.scope("heads"):
         base3 = g.op("Reshape", base, g.const([-1, K, V], "bkv", "int64"))
         h3 = g.op("Reshape", h, g.const([-1, K, d], "bkd", "int64"))
-        if not r:  # DFlash: no sequential dependency, all K slots sampled at once
+        if not r and greedy:
+            tokens, logits, probs, embs = to_id(greedy_draft(g, base3, dtype)), None, None, None
+        elif not r:  # DFlash: no sequential dependency, all K slots sampled at once
             tokens, probs = sample_draft(g, base3, g.op("Unsqueeze", temperature, g.const([1, 2], "ax12", "int64")),
                                          g.op("Unsqueeze", noise, g.const([2], "ax2", "int64")), V, dtype)
             tokens = to_id(tokens)
@@ -252,14 +262,18 @@ def _draft_heads(g: GraphBuilder, cfg: DSparkConfig, base: str, h: str, anchor: 
                     hk = g.op("Gather", h3, g.const(np.int64(k), "k"), axis=1, name="hidden")  # [B,d]
                     e = embedding(g, g.weight(P + "markov_head.markov_w1.weight"), prev, name="markov_w1")
                     corrected, state = _markov_step(g, cfg, u, e, hk, state, dtype)
-                    nz = g.op("Slice", noise, g.const([k], "k0", "int64"), g.const([k + 1], "k1", "int64"),
-                              g.const([1], "ax", "int64"))  # [B,1]
-                    col, pk = sample_draft(g, corrected, t_col, nz, V, dtype)
+                    if greedy:
+                        col, pk = greedy_draft(g, corrected, dtype), None
+                    else:
+                        nz = g.op("Slice", noise, g.const([k], "k0", "int64"), g.const([k + 1], "k1", "int64"),
+                                  g.const([1], "ax", "int64"))  # [B,1]
+                        col, pk = sample_draft(g, corrected, t_col, nz, V, dtype)
                     prev = to_id(col)  # prev_{k+1} = token_k
                     ax1 = g.const([1], "ax1", "int64")
                     for key, val in (("tok", prev), ("logits", corrected), ("probs", pk), ("emb", e)):
-                        cols[key].append(g.op("Unsqueeze", val, ax1, name=f"stack_{key}"))
-            tokens, logits, probs, embs = (g.op("Concat", *cols[key], axis=1, name=key)
+                        if val is not None and not (greedy and key == "logits"):
+                            cols[key].append(g.op("Unsqueeze", val, ax1, name=f"stack_{key}"))
+            tokens, logits, probs, embs = (g.op("Concat", *cols[key], axis=1, name=key) if cols[key] else None
                                            for key in ("tok", "logits", "probs", "emb"))
         conf = None
         if cfg.enable_confidence_head:

@@ -15,7 +15,7 @@ from specrt.exporter.onnx.attention import check_lowering
 from specrt.exporter.onnx.builder import GraphBuilder
 from specrt.exporter.onnx.layers import Shapes, embedding, linear, rms_norm, rope_tables, rotate_half_matrix
 from specrt.exporter.onnx.quant import is_quantized
-from specrt.exporter.onnx.sampling import sample_draft
+from specrt.exporter.onnx.sampling import greedy_draft, sample_draft
 from specrt.exporter.onnx.target import decoder_layer, input_shapes, slot_io, stack_layer_weights
 
 PREFIX = "mtp"
@@ -67,13 +67,14 @@ def _head(g: GraphBuilder, h: str, head_w: str, cfg: ModelConfig, dtype: str, lo
 # outputs: Concat over k ─ draft_tokens[B,G], draft_logits[B,G,V], draft_probs[B,G,V]; present.0.*
 def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *, steps: int, max_seq: int,
                     dtype: str, feedback: str = "post", attention: str = "standard",
-                    vocab_ids: np.ndarray | None = None) -> None:
+                    vocab_ids: np.ndarray | None = None, greedy: bool = False) -> None:
     """Emit the MTP draft graph into `g` with exactly `io.mtp_signature`'s inputs and outputs (axes B/C).
 
     Add `mtp_weights(...)` to `g.store` first: which embedding / head tensor names exist there picks them.
     `attention` is the target's lowering (`attention.LOWERINGS`). `vocab_ids`: a reduced draft vocabulary
     (FR-Spec); the head (stored as OWN_HEAD: those rows) scores len(vocab_ids) columns, and each sampled
-    column is mapped back to its target token id before it is fed to the next step."""
+    column is mapped back to its target token id before it is fed to the next step. `greedy`: the variant for
+    rounds where every slot decodes greedily (argmax drafts; no draft_logits / draft_probs, io.GREEDY_DROPS)."""
     check_lowering(attention)
     if feedback not in ("post", "pre"):
         raise SpecrtError(f"MTP feedback must be 'post' or 'pre', got {feedback!r}")
@@ -131,18 +132,23 @@ def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *,
                     pos_k = g.op("Add", p_last, g.const([[k - 1]], "offset", "int64"), name="position")
                     h, pk, pv = block(_fuse(g, tok, fed, embed_w, c, dtype, attention), pos_k, one_row, (pk, pv))
                 normed, logits = _head(g, h, head_w, c, dtype, attention)
-                noise_k = g.op("Slice", noise, g.const([k - 1], "start", "int64"), g.const([k], "stop", "int64"),
-                               g.const([1], "axes", "int64"), name="noise_k")  # [B,1]
-                tok, probs = sample_draft(g, logits, t_col, noise_k, n_vocab or V, dtype)
+                if greedy:
+                    tok = greedy_draft(g, logits, dtype)
+                else:
+                    noise_k = g.op("Slice", noise, g.const([k - 1], "start", "int64"),
+                                   g.const([k], "stop", "int64"), g.const([1], "axes", "int64"), name="noise_k")
+                    tok, probs = sample_draft(g, logits, t_col, noise_k, n_vocab or V, dtype)
                 if ids is not None:  # a draft-vocabulary column -> its target token id
                     tok = g.op("Gather", ids, tok, axis=0, name="token_id")
                 fed = normed if feedback == "post" else h
                 toks.append(g.op("Unsqueeze", tok, g.const([1], "axis1", "int64")))
-                logits_all.append(g.op("Unsqueeze", logits, g.const([1], "axis1", "int64")))
-                probs_all.append(g.op("Unsqueeze", probs, g.const([1], "axis1", "int64")))
+                if not greedy:
+                    logits_all.append(g.op("Unsqueeze", logits, g.const([1], "axis1", "int64")))
+                    probs_all.append(g.op("Unsqueeze", probs, g.const([1], "axis1", "int64")))
         with g.scope("outputs"):
-            outs = [g.op("Concat", *v, axis=1, name=n) if len(v) > 1 else g.op("Identity", v[0], name=n)
-                    for v, n in ((toks, "tokens"), (logits_all, "logits"), (probs_all, "probs"))]
+            outs = [(g.op("Concat", *v, axis=1, name=n) if len(v) > 1 else g.op("Identity", v[0], name=n)) if v
+                    else None for v, n in ((toks, "tokens"), (logits_all, "logits"), (probs_all, "probs"))]
     named = dict(zip((io.DRAFT_TOKENS, io.DRAFT_LOGITS, io.DRAFT_PROBS, *io.present_names(0)), (*outs, pk, pv)))
     for t in outputs:
-        g.output(named[t.name], t.name, t.dtype, t.shape)
+        if not (greedy and t.name in io.GREEDY_DROPS):
+            g.output(named[t.name], t.name, t.dtype, t.shape)

@@ -38,3 +38,11 @@ def sample_draft(g: GraphBuilder, logits: str, temperature: str, noise: str, voc
         sampled = g.op("Min", g.op("Cast", count, to=I64), g.const([vocab - 1], "last_id", "int64"))
         token = g.op("Where", hot, sampled, greedy, name="token")
         return g.op("Squeeze", token, g.const([-1], "axes", "int64")), probs
+
+
+def greedy_draft(g: GraphBuilder, logits: str, dtype: str) -> str:
+    """token [...] i64: the first argmax of logits [..., V], as `sample_draft` picks at temperature 0 (a greedy
+    variant's whole sampling rule)."""
+    with g.scope("sample"):
+        lf = g.op("Cast", logits, to=F32) if dtype != "float32" else logits
+        return g.op("ArgMax", lf, axis=-1, keepdims=0, select_last_index=0, name="greedy")

@@ -27,11 +27,13 @@ class Runner(Protocol):
     def allocate(self, slots: int) -> None:
         """Allocate the (zeroed) KV cache for `slots` request slots; a no-op when already that size."""
 
-    def inputs(self, slot: int, bucket: io.Bucket) -> dict[str, np.ndarray]:
+    def inputs(self, slot: int, bucket: io.Bucket, *, greedy: bool = False) -> dict[str, np.ndarray]:
         """The host input buffers of slots [slot, slot + B) at `bucket`'s sizes, to fill in place."""
 
-    def run(self, slot: int, bucket: io.Bucket) -> dict[str, np.ndarray]:
-        """Run on the buffers `inputs(slot, bucket)` returned; outputs stay valid until the next run."""
+    def run(self, slot: int, bucket: io.Bucket, *, greedy: bool = False) -> dict[str, np.ndarray]:
+        """Run on the buffers `inputs(slot, bucket)` returned; outputs stay valid until the next run. `greedy`: a
+        draft family's greedy variant (spec.greedy_file) where it has one: argmax drafts, no io.GREEDY_DROPS
+        outputs; the same cache."""
 
 
 def bucket_of(spec: io.GraphSpec, feeds: dict[str, np.ndarray]) -> io.Bucket:

@@ -57,9 +57,21 @@ class OrtRunner:
         if ort is None:
             raise SpecrtError("onnxruntime is not installed; install specrt[cpu] (or specrt[gpu])")
         self.spec = graph
-        path = art_dir / graph.file
+        self.session = self._session(art_dir, graph, threads, spin)
+        variant = graph.greedy()  # a draft family's greedy variant: its own session over the same cache
+        self._specs = {False: graph, True: variant or graph}
+        self._sessions = {False: self.session,
+                          True: self._session(art_dir, variant, threads, spin) if variant else self.session}
+        self.slots = 0
+        self._sized = graph.sized_cache  # read once: run() is on the decode path
+        self.cache_length = graph.max_seq  # positions allocated per slot: max_seq, or what a sized cache holds
+        self._cache: dict[str, np.ndarray] = {}
+        self._bindings: dict[tuple, tuple] = {}
+
+    @staticmethod
+    def _session(art_dir: Path, graph: io.GraphSpec, threads: int | None, spin: bool) -> "ort.InferenceSession":
         try:
-            model = onnx.load(str(path), load_external_data=False)
+            model = onnx.load(str(art_dir / graph.file), load_external_data=False)
         except Exception as e:  # protobuf's DecodeError for a corrupt file, OSError, ...
             reason = (getattr(e, "strerror", None) or str(e)).splitlines()[0] if str(e) else type(e).__name__
             raise SpecrtError(f"cannot load {graph.file}: {reason} (corrupt artifact? re-export it)") from None
@@ -68,14 +80,9 @@ class OrtRunner:
         so = session_options(threads, spin=spin)
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(art_dir))
         try:
-            self.session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own exception types for broken files
             raise SpecrtError(f"cannot load {graph.file}: {str(e).splitlines()[0]}") from None
-        self.slots = 0
-        self._sized = graph.sized_cache  # read once: run() is on the decode path
-        self.cache_length = graph.max_seq  # positions allocated per slot: max_seq, or what a sized cache holds
-        self._cache: dict[str, np.ndarray] = {}
-        self._bindings: dict[tuple, tuple] = {}
 
     def allocate(self, slots: int) -> None:
         """Allocate (zeroed) KV buffers for `slots` request slots; drops bindings of an older size."""
@@ -96,7 +103,7 @@ class OrtRunner:
             self._cache[name][:, :, :n] = buf[:, :, :n]
         # host buffers the caller may have filled for the coming call live on: re-point the cache bindings only
         for key, (b, _, _, _, views) in self._bindings.items():
-            self._bind_cache(b, key[0], dict(key[1:])["B"], views)
+            self._bind_cache(b, key[1], dict(key[2:])["B"], views)
 
     def _bind_cache(self, b, slot: int, n: int, views: list) -> None:
         """Bind each layer's cache rows [slot, slot + n) as both past and present; `views` keeps the OrtValues."""
@@ -112,15 +119,16 @@ class OrtRunner:
         if need > self.cache_length < self.spec.max_seq:
             self._resize(min(self.spec.max_seq, -(-need // GROWTH) * GROWTH))
 
-    def _binding(self, slot: int, bucket: io.Bucket) -> tuple:
-        key = (slot, *sorted(bucket.items()))
+    def _binding(self, slot: int, bucket: io.Bucket, greedy: bool = False) -> tuple:
+        key = (greedy, slot, *sorted(bucket.items()))
         if key not in self._bindings:
             n = bucket["B"]
             if slot < 0 or slot + n > self.slots:
                 raise ValueError(f"slots [{slot}, {slot + n}) outside the allocated {self.slots}")
-            b = self.session.io_binding()
-            host = {t.name: np.zeros(t.resolve(bucket), dtype=t.dtype) for t in self.spec.host_inputs()}
-            outs = {t.name: np.zeros(t.resolve(bucket), dtype=t.dtype) for t in self.spec.host_outputs()}
+            spec = self._specs[greedy]
+            b = self._sessions[greedy].io_binding()
+            host = {t.name: np.zeros(t.resolve(bucket), dtype=t.dtype) for t in spec.host_inputs()}
+            outs = {t.name: np.zeros(t.resolve(bucket), dtype=t.dtype) for t in spec.host_outputs()}
             keep = []  # OrtValues view numpy memory: keep them alive with the binding
             for name, arr in host.items():
                 keep.append(ort.OrtValue.ortvalue_from_numpy(arr))
@@ -133,14 +141,15 @@ class OrtRunner:
             self._bindings[key] = (b, host, outs, keep, views)
         return self._bindings[key]
 
-    def inputs(self, slot: int, bucket: io.Bucket) -> dict[str, np.ndarray]:
+    def inputs(self, slot: int, bucket: io.Bucket, *, greedy: bool = False) -> dict[str, np.ndarray]:
         """The bound host input buffers for slots [slot, slot + B): fill them in place, then `run`."""
-        return self._binding(slot, bucket)[1]
+        return self._binding(slot, bucket, greedy)[1]
 
-    def run(self, slot: int, bucket: io.Bucket) -> dict[str, np.ndarray]:
-        """Run on the buffers `inputs(slot, bucket)` returned; outputs stay valid until the next call."""
-        binding, host, outs, _, _ = self._binding(slot, bucket)
+    def run(self, slot: int, bucket: io.Bucket, *, greedy: bool = False) -> dict[str, np.ndarray]:
+        """Run on the buffers `inputs(slot, bucket)` returned; outputs stay valid until the next call. `greedy`:
+        the family's greedy variant where it has one (outputs without io.GREEDY_DROPS)."""
+        binding, host, outs, _, _ = self._binding(slot, bucket, greedy)
         if self._sized:
             self._fit(host, bucket)
-        self.session.run_with_iobinding(binding)
+        self._sessions[greedy].run_with_iobinding(binding)
         return outs

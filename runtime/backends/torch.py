@@ -257,12 +257,13 @@ class TorchRunner:
                                      [(k[slot:slot + n], v[slot:slot + n]) for k, v in self._cache])
         return self._calls[key]
 
-    def inputs(self, slot: int, bucket: io.Bucket) -> dict[str, np.ndarray]:
+    def inputs(self, slot: int, bucket: io.Bucket, *, greedy: bool = False) -> dict[str, np.ndarray]:
         """The host input buffers for slots [slot, slot + B): fill them in place, then `run`."""
         return self._call(slot, bucket).host
 
-    def run(self, slot: int, bucket: io.Bucket) -> dict[str, np.ndarray]:
-        """Run on the buffers `inputs(slot, bucket)` returned; outputs stay valid until the next call."""
+    def run(self, slot: int, bucket: io.Bucket, *, greedy: bool = False) -> dict[str, np.ndarray]:
+        """Run on the buffers `inputs(slot, bucket)` returned; outputs stay valid until the next call. The modules
+        compute every output, so `greedy` (use a greedy variant) changes nothing here."""
         call = self._call(slot, bucket)
         for attn, (k, v) in zip(self._family.attention, call.cache):
             attn.kv_cache.k_cache, attn.kv_cache.v_cache = k, v

@@ -1,0 +1,154 @@
+"""A drafter that combines n-gram lookups with a draft head: per round, whichever promises more.
+
+    lookup    every active slot looks its history up (free: no graph call)
+    decide    Algorithm 1's expected rate (committed tokens per ms on the cost profile; runtime/schedulers.py
+              `admission`) of the lookups alone, against the rate the rounds that called the head have realized
+              lately (committed tokens over the profiled cost of their calls): the head's value shows only after
+              its call (the confidences that choose what to verify), so its past rounds are the estimate. Every
+              EXPLORE rounds without it, the head is called anyway, so its estimate follows the text.
+    head      when called, the head drafts for every slot; each slot keeps whichever block's survival sums higher
+
+A skipped head does not see the rounds' verified positions: they wait in the slot's backlog, and the next head
+call writes them first (rows beyond what one propose call takes go through the head's prefill bucket). The choice
+reads only draft-side information and past rounds, never this round's verification, so the loop stays exact; a
+lookup row is a one-hot draft (`Proposal.onehot`) beside the head's distributions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrt.errors import SpecrtError
+from specrt.plugins.confidence_truncate import survival as calibrated
+from specrt.runtime.drafters import Context, NGramDrafter, Proposal, SlotView, _GraphDrafter
+from specrt.runtime.schedulers import AcceptanceHistory, Costs, admission
+
+LOOKUP, HEAD = 0, 1
+LOOKUP_LATER = 0.8  # prior conditional acceptance of a lookup's drafts after its first
+EXPLORE = 32  # rounds without the head before it is called regardless of its estimate
+DECAY = 0.95  # weight of the head's older rounds in its realized rate, per head round
+# before any head round: as if PRIOR_ROUNDS rounds had each verified one draft per slot and committed PRIOR_TOKENS
+PRIOR_ROUNDS, PRIOR_TOKENS = 4.0, 1.5
+
+
+def merge(first: Context | None, then: Context | None) -> Context | None:
+    """Contiguous pending rows: `first`'s, then `then`'s."""
+    if first is None or then is None:
+        return first or then
+    assert then.pos == first.pos + len(first.next_tokens), "pending context rows must be contiguous"
+    return Context(first.pos, np.concatenate([first.features, then.features]),
+                   np.concatenate([first.next_tokens, then.next_tokens]))
+
+
+@dataclass
+class _Caught:
+    """A slot as the head sees it: its backlog and this round's rows as one context."""
+
+    view: SlotView
+    ctx: Context | None
+
+    def __getattr__(self, name):
+        return getattr(self.view, name)
+
+
+class HybridDrafter:
+    """n-gram lookups, with `head` called only on the rounds where it promises more committed tokens per ms."""
+
+    needs_features = True
+
+    def __init__(self, head: _GraphDrafter, lookup: NGramDrafter, costs: Costs | None, *, temperatures=()) -> None:
+        if costs is None:
+            raise SpecrtError(f"--method {head.head.name}+ngram needs a cost profile (run `specrt profile ART`)")
+        self.head, self.lookup, self.costs = head, lookup, costs
+        self.steps = head.steps
+        self.temperatures = np.asarray(temperatures, np.float32)
+        # a lookup that starts right tends to go on (it copies a span): optimistic about untried later positions
+        self.history = {LOOKUP: AcceptanceHistory(self.steps, later=LOOKUP_LATER), HEAD: AcceptanceHistory(self.steps)}
+        self.backlog: list[Context | None] = []
+        self.source = np.zeros(0, np.int64)  # per slot: who drafted its row of the last proposal
+        self.calls = {LOOKUP: 0, HEAD: 0}  # rounds drafted without and with the head
+        self.committed = self.cost = 0.0  # the head rounds' committed tokens and profiled ms (decayed sums)
+        self.since_head = 0
+        self._last: list = []  # this round's (verified, accepted) per slot, folded in at the next propose
+        self._last_n, self._last_head = 0, False
+
+    def allocate(self, slots: int) -> None:
+        self.head.allocate(slots)
+        self.lookup.allocate(slots)
+        self.backlog = [None] * slots
+        self.source = np.zeros(slots, np.int64)
+
+    def prefill(self, slot: int, ctx: Context) -> Context | None:
+        self.backlog[slot] = None
+        return self.head.prefill(slot, ctx)
+
+    def observe(self, slot: int, verified: int, accepted: int) -> None:
+        self.history[int(self.source[slot])].observe(verified, accepted)
+        self._last.append((verified, accepted))
+
+    def head_rate(self, n: int) -> float:
+        """Committed tokens per ms the rounds that called the head realized lately (a prior before any)."""
+        prior_cost = self.costs.draft_ms(self.head.head.name, n) + self.costs.verify_ms(n, 2 * n)
+        return (self.committed + PRIOR_ROUNDS * PRIOR_TOKENS * n) / (self.cost + PRIOR_ROUNDS * prior_cost)
+
+    def _fold(self) -> None:
+        """Add the last round, if it called the head, to the head's realized rate."""
+        if self._last_head and self._last:
+            tokens = sum(v + 1 for v, _ in self._last)
+            cost = self.costs.draft_ms(self.head.head.name, self._last_n) + self.costs.verify_ms(self._last_n, tokens)
+            self.committed = DECAY * self.committed + sum(a + 1 for _, a in self._last)
+            self.cost = DECAY * self.cost + cost
+        self._last = []
+
+    def propose(self, slots: list[SlotView | None]) -> Proposal:
+        self._fold()
+        n, k = len(slots), self.steps
+        active = np.array([s is not None for s in slots])
+        found = self.lookup.propose(slots)
+        within = np.arange(k) < found.counts[:, None]
+        a_lookup = np.where(within, self.history[LOOKUP].survival(), np.float32(0.0)).astype(np.float32)
+        tokens = np.zeros((n, k), np.int64)
+        tokens[:, :found.tokens.shape[1]] = found.tokens
+        _, without = admission(a_lookup, active, 0.0, self.costs)
+        self._last_n, self._last_head = n, without < self.head_rate(n) or self.since_head >= EXPLORE
+        if not self._last_head:
+            for i, s in enumerate(slots):
+                if s is not None:
+                    self.backlog[i] = merge(self.backlog[i], s.ctx)
+            self.source[:n] = LOOKUP
+            self.calls[LOOKUP] += 1
+            self.since_head += 1
+            return Proposal(tokens=tokens, counts=found.counts.copy(), probs=None, survival=a_lookup)
+        self.calls[HEAD] += 1
+        self.since_head = 0
+        return self._with_head(slots, tokens, found.counts, a_lookup)
+
+    def _with_head(self, slots: list[SlotView | None], tokens: np.ndarray, counts: np.ndarray,
+                   a_lookup: np.ndarray) -> Proposal:
+        caught: list[SlotView | None] = []
+        for i, s in enumerate(slots):
+            if s is None:
+                caught.append(None)
+                continue
+            ctx = merge(self.backlog[i], s.ctx)
+            self.backlog[i] = None
+            if ctx is not None and len(ctx.next_tokens) > self.head.max_rows:
+                ctx = self.head.prefill(i, ctx)  # writes all but the last row
+            caught.append(_Caught(s, ctx))
+        p = self.head.propose(caught)
+        n = len(slots)
+        if p.survival is not None:
+            a_head = p.survival
+        elif p.confidence_logits is not None and len(self.temperatures) >= self.steps:
+            a_head = calibrated(p.confidence_logits, self.temperatures[:self.steps])
+        else:
+            a_head = np.broadcast_to(self.history[HEAD].survival(), (n, self.steps))
+        use = (a_lookup.sum(1) > a_head.sum(1)) & (counts > 0)
+        self.source[:n] = np.where(use, LOOKUP, HEAD)
+        out = p.tokens.copy()
+        out[use] = tokens[use]
+        return Proposal(tokens=out, counts=np.where(use, counts, p.counts), probs=p.probs,
+                        confidence_logits=p.confidence_logits, vocab_ids=p.vocab_ids,
+                        survival=np.where(use[:, None], a_lookup, a_head).astype(np.float32), head=p.head,
+                        onehot=use)

@@ -1,0 +1,209 @@
+"""Cheaper drafts: the greedy variants of the draft graphs, and the drafter that combines n-gram lookups with a
+head (runtime/hybrid.py): exact in greedy and sampled decoding, and a skipped head catches up on what it missed."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from specrt import artifact as io
+from specrt.runtime.drafters import Context, DSparkDrafter, MTPDrafter, NGramDrafter
+from specrt.runtime.engine import Engine, Request
+from specrt.runtime.hybrid import EXPLORE, HEAD, LOOKUP, HybridDrafter
+from specrt.runtime.profile import Profile, save_profile
+from specrt.runtime.sampling import SamplingParams
+
+from test_speculative import _exact_pair_probs, _pvalue, peaked, tiny_arts  # noqa: F401 (fixtures)
+
+
+def _store_profile(art: Path, draft_ms: float = 1.0) -> None:
+    """A flat verify curve, so drafts pay whenever they are likely: the tests see every decision made."""
+    verify = {b: {p: 10.0 + 0.5 * p for p in range(b, 8 * b + 1)} for b in (1, 2, 4, 8)}
+    save_profile(art, Profile(backend="ort", threads=1, position=16, machine="test", created="", verify=verify,
+                              draft={"dspark": {1: draft_ms}, "mtp": {1: draft_ms}}))
+
+
+def _repetitive(vocab: int, n: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat spans, so lookups find matches (and outputs that copy them too)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        span = [int(t) for t in rng.integers(3, vocab, 6)]
+        out.append([*span, *rng.integers(3, vocab, 3).tolist(), *span, *span[:3]])
+    return out
+
+
+# -- greedy variants -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("head", ["dspark", "mtp"])
+def test_greedy_variant_drafts_the_full_graphs_argmax(tiny_arts, head):
+    """The greedy variant (`{head}.greedy.onnx`) drafts exactly the full graph's temperature-0 tokens (and the
+    same confidences) over the same cache, without the vocabulary-wide outputs."""
+    art = tiny_arts("llama")
+    manifest = io.load_manifest(art)
+    spec = manifest.graphs[head]
+    assert spec.greedy_file == f"{head}.greedy.onnx" and (art / spec.greedy_file).is_file()
+    from specrt.runtime.backends import load_runner
+
+    runner = load_runner("ort", art, manifest, head, threads=1)
+    runner.allocate(2)
+    rng = np.random.default_rng(3)
+    for rows in (1, 3):
+        bucket = runner.spec.bucket("propose", B=2, C=rows)
+        outs = []
+        for greedy in (False, True):
+            feeds = runner.inputs(0, bucket, greedy=greedy)
+            state = np.random.default_rng(rows)  # the same inputs for both calls
+            for name, buf in feeds.items():
+                if buf.dtype == np.float32 and name not in (io.TEMPERATURE, io.NOISE):
+                    buf[...] = state.normal(0, 1, buf.shape)
+                elif name in (io.CTX_POSITIONS, io.MTP_POSITIONS):
+                    buf[...] = 20 + np.arange(buf.shape[1])
+                elif name in (io.CTX_WRITE_INDEX,):
+                    buf[...] = 20
+                elif name in (io.CTX_LEN,):
+                    buf[...] = 20 + rows
+                elif name in (io.ANCHOR_IDS, io.MTP_TOKENS):
+                    buf[...] = state.integers(3, 200, buf.shape)
+                elif name == io.MTP_LAST_ROW:
+                    buf[...] = rows - 1
+                elif name == io.TRUNCATE_BUDGET:
+                    buf[...] = -1
+            feeds[io.TEMPERATURE][:] = 0.0
+            feeds[io.NOISE][:] = rng.random(feeds[io.NOISE].shape)  # unread at temperature 0
+            outs.append({k: v.copy() for k, v in runner.run(0, bucket, greedy=greedy).items()})
+        full, greedy = outs
+        assert not set(io.GREEDY_DROPS) & set(greedy) and set(io.GREEDY_DROPS) <= set(full)
+        np.testing.assert_array_equal(greedy[io.DRAFT_TOKENS], full[io.DRAFT_TOKENS])
+        np.testing.assert_array_equal(full[io.DRAFT_TOKENS], full[io.DRAFT_LOGITS].argmax(-1)
+                                      if not manifest.heads[head].vocab_ids else full[io.DRAFT_TOKENS])
+        for name in (io.CONFIDENCE_LOGITS, io.SURVIVAL):
+            if name in full:
+                np.testing.assert_allclose(greedy[name], full[name], rtol=1e-5, atol=1e-6)
+
+
+# -- the hybrid drafter in the loop ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("scheduler", ["fixed", "sps"])
+@pytest.mark.parametrize("method", ["dspark+ngram", "mtp+ngram"])
+def test_hybrid_greedy_identity(tiny_arts, method, scheduler):
+    art = tiny_arts("llama")
+    _store_profile(art)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    reqs = [Request(prompt_ids=p, params=params, id=i) for i, p in enumerate(_repetitive(256, 5, seed=4))]
+    ar, _ = Engine(art, method="ar", threads=1).generate(reqs)
+    engine = Engine(art, method=method, scheduler=scheduler, threads=1)
+    spec, stats = engine.generate(reqs)
+    assert [o.output_ids for o in spec] == [o.output_ids for o in ar]
+    calls = engine.drafter.calls
+    assert calls[LOOKUP] > 0 and calls[HEAD] > 0, calls  # both kinds of rounds ran
+    assert sum(c for _, _, c in stats.rounds) == sum(len(o.output_ids) - 1 for o in spec)
+
+
+def test_hybrid_sampled_tokens_follow_the_target_distribution(peaked):
+    """(first, second) tokens follow p(x1) p(x2|x1) with lookup rows (one-hot drafts) and head rows
+    (a bad DSpark head's distributions) mixed in one batch, under sps."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=3, seed=41, ignore_eos=True)
+    prompt = [5, 9, 14, 5, 9, 3]  # x1 in {5, 9, 14, 3} gives a lookup match, any other token none
+    probs = _exact_pair_probs(peaked["target"], prompt, params)
+    art = peaked["bad"]
+    _store_profile(art)
+    engine = Engine(art, method="dspark+ngram", scheduler="sps", threads=1)
+    outs, stats = engine.generate([Request(prompt_ids=prompt, params=params, id=i) for i in range(12_000)])
+    pairs = np.array([o.output_ids[:2] for o in outs])
+    assert _pvalue(pairs, probs) > 1e-3
+    assert engine.drafter.calls[LOOKUP] > 0 and engine.drafter.calls[HEAD] > 0, engine.drafter.calls
+
+
+# -- catching up a skipped head ----------------------------------------------------------------------------
+
+@dataclass
+class _View:
+    """A slot as drafters see it."""
+
+    ctx: Context | None
+    pending: int
+    tokens: list[int]
+    temperature: float = 0.0
+    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+
+    def history(self) -> np.ndarray:
+        return np.asarray(self.tokens, np.int64)
+
+
+class _Costs:
+    """A flat verify curve; the draft call costs `draft` ms (set per round by the test)."""
+
+    draft = 0.0
+
+    def verify_ms(self, batch, tokens):
+        return 10.0 + 0.5 * tokens
+
+    def draft_ms(self, head, batch):
+        return self.draft
+
+
+@pytest.mark.parametrize("head", ["dspark", "mtp"])
+@pytest.mark.parametrize("skipped", [[1], [2, 3, 2]])  # rows of the rounds the head skips (in one call / not)
+def test_skipped_rounds_reach_the_head_before_it_drafts(tiny_arts, head, skipped):
+    """Rounds drafted by lookups alone leave their verified rows in a backlog; the next head call writes them
+    first (through the prefill bucket when they exceed one propose call's rows), so its drafts equal those of a
+    head that saw every round."""
+    art = tiny_arts("llama")
+    manifest = io.load_manifest(art)
+    cls = {"dspark": DSparkDrafter, "mtp": MTPDrafter}[head]
+    width = manifest.export.verify_len - 1
+    rng = np.random.default_rng(7)
+    F = max(h.feature_offset + h.feature_dim for h in manifest.heads.values())  # every head's features
+    prompt = rng.integers(3, 256, 12)
+    prompt_ctx = Context(0, rng.normal(0, 1, (12, F)).astype(np.float32), np.asarray([*prompt[1:], 50]))
+    rounds = [Context(12 + sum(skipped[:i]), rng.normal(0, 1, (r, F)).astype(np.float32), rng.integers(3, 256, r))
+              for i, r in enumerate([*skipped, 2])]
+
+    plain = cls(art, manifest, threads=1)
+    plain.allocate(1)
+    pending = plain.prefill(0, prompt_ctx)
+    for ctx in [merge_first(pending, rounds[0]), *rounds[1:]]:  # a head that sees every round
+        want = plain.propose([_View(ctx, int(ctx.next_tokens[-1]), [1, 2, 3])])
+
+    costs = _Costs()
+    hybrid = HybridDrafter(cls(art, manifest, threads=1), NGramDrafter(width), costs)
+    hybrid.allocate(1)
+    pending = hybrid.prefill(0, prompt_ctx)
+    history = [7, 8, 9, 4, 7, 8]  # "7 8" occurred before: the lookup proposes 9, 4, ...
+    costs.draft = 1e9  # the head cannot pay: lookups draft
+    for i, ctx in enumerate(rounds[:-1]):
+        p = hybrid.propose([_View(merge_first(pending, ctx) if i == 0 else ctx, 1, history)])
+        assert p.head == "" and p.counts[0] > 0
+    assert sum(len(c.next_tokens) for c in [hybrid.backlog[0]]) == 1 + sum(skipped)
+    costs.draft = 0.0
+    got = hybrid.propose([_View(rounds[-1], int(rounds[-1].next_tokens[-1]), [1, 2, 3])])  # no match: the head
+    assert got.head == head and hybrid.backlog[0] is None
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    if want.confidence_logits is not None:
+        np.testing.assert_allclose(got.confidence_logits, want.confidence_logits, rtol=1e-5, atol=1e-5)
+
+
+def merge_first(pending: Context, ctx: Context) -> Context:
+    """The prefill's pending row, then a round's rows."""
+    from specrt.runtime.hybrid import merge
+
+    return merge(pending, ctx)
+
+
+def test_head_is_explored_when_its_estimate_says_skip(tiny_arts):
+    """A head whose rounds realized little is still called every EXPLORE rounds, so its estimate can recover."""
+    art = tiny_arts("llama")
+    manifest = io.load_manifest(art)
+    costs = _Costs()
+    hybrid = HybridDrafter(DSparkDrafter(art, manifest, threads=1), NGramDrafter(4), costs)
+    hybrid.allocate(1)
+    hybrid.committed, hybrid.cost = 1.0, 1e6  # its rounds so far: nearly nothing per ms
+    feats = np.zeros((1, max(h.feature_offset + h.feature_dim for h in manifest.heads.values())), np.float32)
+    heads = []
+    for i in range(2 * EXPLORE + 2):
+        view = _View(Context(i, feats, np.asarray([5])), 5, [1, 2, 3])  # never a lookup match
+        heads.append(hybrid.propose([view]).head == "dspark")  # no outcome observed: the estimate stays
+    assert sum(heads) == 2 and heads[EXPLORE] and heads[2 * EXPLORE + 1]
