@@ -599,9 +599,10 @@ def fetch_model(name: str) -> None:
 @click.option("--prompt", default="Explain in three sentences why the sky is blue.", help="User message.")
 @click.option("--max-new-tokens", default=128, help="Tokens to generate.")
 @click.option("--method", type=click.Choice(METHOD_NAMES), default="ar",
-              help="Decoding method: ar, the fastest on a CPU today (README, Benchmark); ngram, dspark and mtp "
+              help="Decoding method: ar (plain decoding); ngram, dspark and mtp "
                    "are the lossless draft/verify loop (dspark and mtp with the shipped trained heads); "
-                   "dspark+ngram and mtp+ngram draft by lookups and call the head when it pays.")
+                   "dspark+ngram and mtp+ngram draft by lookups and call the head when it pays (dspark+ngram: "
+                   "the fastest measured, README Benchmark).")
 def demo(prompt: str, max_new_tokens: int, method: str) -> None:
     """Fetch the default model, export it (cached), generate for a sample prompt, and, when llama-cpp-python
     is installed, run llama.cpp on the same GGUF and prompt tokens for comparison."""
