@@ -262,5 +262,4 @@ def make_drafter(method: str, art_dir: Path, manifest: io.Manifest, *, gamma: in
         return head
     from specrt.runtime.hybrid import HybridDrafter
 
-    return HybridDrafter(head, NGramDrafter(head.steps, max_n=ngram), costs,
-                         temperatures=manifest.heads[name].temperatures)
+    return HybridDrafter(head, costs, max_n=ngram, temperatures=manifest.heads[name].temperatures)

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.plugins.confidence_truncate import survival as calibrated
 from specrt.runtime.drafters import Context, NGramDrafter, Proposal, SlotView, _GraphDrafter
-from specrt.runtime.schedulers import AcceptanceHistory, Costs, admission
+from specrt.runtime.schedulers import AcceptanceHistory, Costs, admission, prefix_survival
 
 LOOKUP, HEAD = 0, 1
 LOOKUP_LATER = 0.8  # prior conditional acceptance of a lookup's drafts after its first
@@ -57,11 +56,12 @@ class HybridDrafter:
 
     needs_features = True
 
-    def __init__(self, head: _GraphDrafter, lookup: NGramDrafter, costs: Costs | None, *, temperatures=()) -> None:
+    def __init__(self, head: _GraphDrafter, costs: Costs | None, *, max_n: int = 3, temperatures=()) -> None:
         if costs is None:
             raise SpecrtError(f"--method {head.head.name}+ngram needs a cost profile (run `specrt profile ART`)")
-        self.head, self.lookup, self.costs = head, lookup, costs
+        self.head, self.costs = head, costs
         self.steps = head.steps
+        self.lookup = NGramDrafter(self.steps, max_n=max_n)  # blocks as wide as the head's
         self.temperatures = np.asarray(temperatures, np.float32)
         # a lookup that starts right tends to go on (it copies a span): optimistic about untried later positions
         self.history = {LOOKUP: AcceptanceHistory(self.steps, later=LOOKUP_LATER), HEAD: AcceptanceHistory(self.steps)}
@@ -103,13 +103,11 @@ class HybridDrafter:
 
     def propose(self, slots: list[SlotView | None]) -> Proposal:
         self._fold()
-        n, k = len(slots), self.steps
+        n = len(slots)
         active = np.array([s is not None for s in slots])
         found = self.lookup.propose(slots)
-        within = np.arange(k) < found.counts[:, None]
+        within = np.arange(self.steps) < found.counts[:, None]
         a_lookup = np.where(within, self.history[LOOKUP].survival(), np.float32(0.0)).astype(np.float32)
-        tokens = np.zeros((n, k), np.int64)
-        tokens[:, :found.tokens.shape[1]] = found.tokens
         _, without = admission(a_lookup, active, 0.0, self.costs)
         self._last_n, self._last_head = n, without < self.head_rate(n) or self.since_head >= EXPLORE
         if not self._last_head:
@@ -119,13 +117,12 @@ class HybridDrafter:
             self.source[:n] = LOOKUP
             self.calls[LOOKUP] += 1
             self.since_head += 1
-            return Proposal(tokens=tokens, counts=found.counts.copy(), probs=None, survival=a_lookup)
+            return Proposal(tokens=found.tokens, counts=found.counts, probs=None, survival=a_lookup)
         self.calls[HEAD] += 1
         self.since_head = 0
-        return self._with_head(slots, tokens, found.counts, a_lookup)
+        return self._with_head(slots, found, a_lookup)
 
-    def _with_head(self, slots: list[SlotView | None], tokens: np.ndarray, counts: np.ndarray,
-                   a_lookup: np.ndarray) -> Proposal:
+    def _with_head(self, slots: list[SlotView | None], found: Proposal, a_lookup: np.ndarray) -> Proposal:
         caught: list[SlotView | None] = []
         for i, s in enumerate(slots):
             if s is None:
@@ -137,18 +134,12 @@ class HybridDrafter:
                 ctx = self.head.prefill(i, ctx)  # writes all but the last row
             caught.append(_Caught(s, ctx))
         p = self.head.propose(caught)
-        n = len(slots)
-        if p.survival is not None:
-            a_head = p.survival
-        elif p.confidence_logits is not None and len(self.temperatures) >= self.steps:
-            a_head = calibrated(p.confidence_logits, self.temperatures[:self.steps])
-        else:
-            a_head = np.broadcast_to(self.history[HEAD].survival(), (n, self.steps))
-        use = (a_lookup.sum(1) > a_head.sum(1)) & (counts > 0)
-        self.source[:n] = np.where(use, LOOKUP, HEAD)
+        a_head = prefix_survival(p, self.temperatures, self.history[HEAD], self.steps)
+        use = (a_lookup.sum(1) > a_head.sum(1)) & (found.counts > 0)
+        self.source[:len(slots)] = np.where(use, LOOKUP, HEAD)
         out = p.tokens.copy()
-        out[use] = tokens[use]
-        return Proposal(tokens=out, counts=np.where(use, counts, p.counts), probs=p.probs,
+        out[use] = found.tokens[use]
+        return Proposal(tokens=out, counts=np.where(use, found.counts, p.counts), probs=p.probs,
                         confidence_logits=p.confidence_logits, vocab_ids=p.vocab_ids,
                         survival=np.where(use[:, None], a_lookup, a_head).astype(np.float32), head=p.head,
                         onehot=use)

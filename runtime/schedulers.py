@@ -75,6 +75,18 @@ class AcceptanceHistory:
         return np.cumprod(self.hits / self.tries)
 
 
+def prefix_survival(proposal: Proposal, temperatures: np.ndarray, history: AcceptanceHistory, gamma: int
+                    ) -> np.ndarray:
+    """[n, gamma] prefix survival of a proposal's drafts: the draft graph's own (specrt::ConfidenceTruncate), else
+    its confidence logits calibrated by `temperatures`, else the run's per-position acceptance `history`."""
+    conf = proposal.confidence_logits
+    if proposal.survival is not None:
+        return proposal.survival[:, :gamma]
+    if conf is not None and len(temperatures) >= gamma:
+        return survival(conf[:, :gamma], temperatures[:gamma])
+    return np.broadcast_to(history.survival()[:gamma], (len(proposal.counts), gamma)).astype(np.float32)
+
+
 class _Base:
     name = "base"
 
@@ -88,14 +100,7 @@ class _Base:
 
     def survival(self, proposal: Proposal) -> np.ndarray:
         """[n, gamma] prefix survival of every slot's drafts; 0 past the drafts a slot has."""
-        n = len(proposal.counts)
-        conf = proposal.confidence_logits
-        if proposal.survival is not None:  # computed in the draft graph (specrt::ConfidenceTruncate)
-            a = proposal.survival[:, :self.gamma]
-        elif conf is not None and len(self.temperatures) >= self.gamma:
-            a = survival(conf[:, :self.gamma], self.temperatures[:self.gamma])
-        else:
-            a = np.broadcast_to(self.history.survival()[:self.gamma], (n, self.gamma)).astype(np.float32)
+        a = prefix_survival(proposal, self.temperatures, self.history, self.gamma)
         return np.where(np.arange(self.gamma) < proposal.counts[:, None], a, np.float32(0.0))
 
 

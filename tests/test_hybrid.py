@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specrt import artifact as io
-from specrt.runtime.drafters import Context, DSparkDrafter, MTPDrafter, NGramDrafter
+from specrt.runtime.drafters import Context, DSparkDrafter, MTPDrafter
 from specrt.runtime.engine import Engine, Request
 from specrt.runtime.hybrid import EXPLORE, HEAD, LOOKUP, HybridDrafter
 from specrt.runtime.profile import Profile, save_profile
@@ -154,7 +154,6 @@ def test_skipped_rounds_reach_the_head_before_it_drafts(tiny_arts, head, skipped
     art = tiny_arts("llama")
     manifest = io.load_manifest(art)
     cls = {"dspark": DSparkDrafter, "mtp": MTPDrafter}[head]
-    width = manifest.export.verify_len - 1
     rng = np.random.default_rng(7)
     F = max(h.feature_offset + h.feature_dim for h in manifest.heads.values())  # every head's features
     prompt = rng.integers(3, 256, 12)
@@ -169,7 +168,7 @@ def test_skipped_rounds_reach_the_head_before_it_drafts(tiny_arts, head, skipped
         want = plain.propose([_View(ctx, int(ctx.next_tokens[-1]), [1, 2, 3])])
 
     costs = _Costs()
-    hybrid = HybridDrafter(cls(art, manifest, threads=1), NGramDrafter(width), costs)
+    hybrid = HybridDrafter(cls(art, manifest, threads=1), costs)
     hybrid.allocate(1)
     pending = hybrid.prefill(0, prompt_ctx)
     history = [7, 8, 9, 4, 7, 8]  # "7 8" occurred before: the lookup proposes 9, 4, ...
@@ -198,7 +197,7 @@ def test_head_is_explored_when_its_estimate_says_skip(tiny_arts):
     art = tiny_arts("llama")
     manifest = io.load_manifest(art)
     costs = _Costs()
-    hybrid = HybridDrafter(DSparkDrafter(art, manifest, threads=1), NGramDrafter(4), costs)
+    hybrid = HybridDrafter(DSparkDrafter(art, manifest, threads=1), costs)
     hybrid.allocate(1)
     hybrid.committed, hybrid.cost = 1.0, 1e6  # its rounds so far: nearly nothing per ms
     feats = np.zeros((1, max(h.feature_offset + h.feature_dim for h in manifest.heads.values())), np.float32)
