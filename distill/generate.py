@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -142,4 +143,34 @@ def generate_responses(art_dir: str | Path, prompts: Sequence[PromptLike], out_j
                             on_finish=lambda o: write(o.id, o.output_ids, o.finish_reason))
         elapsed = time.perf_counter() - t0
         bar.set_postfix(tok_s=f"{tokens / elapsed:.1f}" if elapsed else "-")
+    return out
+
+
+def extra_sampling(k: int, sampling: str) -> str:
+    """Sampling mode of a prompt's k-th response: the first uses `sampling`, the others DeepSpec's (a second
+    greedy response would repeat the first)."""
+    return sampling if k == 0 else "deepspec"
+
+
+def responses_file(work: str | Path, k: int) -> Path:
+    """Where the k-th response to every prompt goes (k = 0 keeps the single-response name)."""
+    return Path(work) / ("responses.jsonl" if k == 0 else f"responses.{k}.jsonl")
+
+
+def merge_responses(files: Sequence[str | Path], out_jsonl: str | Path, num_prompts: int) -> Path:
+    """One responses file of K per-sample files: row `index` becomes k * num_prompts + index, and `sample` k
+    is added. Written atomically; the same inputs always give the same bytes (so the feature cache is reused)."""
+    out = Path(out_jsonl)
+    tmp = out.with_name(f".{out.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for k, path in enumerate(files):
+            rows = sorted(read_responses(path), key=lambda r: int(r["index"]))
+            if len(rows) != num_prompts:
+                tmp.unlink()
+                raise SpecrtError(f"{path} has {len(rows)} responses, expected {num_prompts}; rerun to finish it")
+            for r in rows:
+                f.write(json.dumps(dict(r, index=k * num_prompts + int(r["index"]), sample=k)) + "\n")
+    os.replace(tmp, out)
+    meta = [json.loads(meta_path(p).read_text()) for p in files if meta_path(p).is_file()]
+    meta_path(out).write_text(json.dumps({"merged": [str(p) for p in files], "samples": meta}, indent=1))
     return out

@@ -1,8 +1,10 @@
 """`specrt distill`: the whole distillation pipeline, one resumable stage after another.
 
-    target    export the target once more, with the feature outputs the heads train on (work/target)
-    generate  the target's own responses to the training prompts (work/responses.jsonl; resumable per prompt)
-    features  one prefill pass per response into an fp16 memmap cache (work/cache)
+    target    export the target once more, with the feature outputs the heads train on (work/target), in the
+              format `specrt export` gives it (a preset: its GGUF blocks; --weights chooses)
+    generate  the target's own responses to the training prompts (work/responses.jsonl; resumable per prompt);
+              with --responses-per-prompt K, K-1 more sampled ones (work/responses.<k>.jsonl), merged into one
+    features  one prefill pass per response into an fp16 memmap cache (work/cache; work/cache.xK for K responses)
     train     DSpark or MTP training on that cache (work/train-<head>; resumable from its last save)
     calibrate STS temperatures of the DSpark confidence head on the held-out "calib" prompts
     save      the compact bf16 checkpoint (embedding and head left to the target's), token_counts.npy (the
@@ -26,7 +28,8 @@ from specrt.errors import SpecrtError
 from specrt.distill.cache import TargetCache
 from specrt.distill.calibrate import calibrate_dspark
 from specrt.distill.features import capture_features
-from specrt.distill.generate import SAMPLING, generate_responses, read_responses
+from specrt.distill.generate import (SAMPLING, extra_sampling, generate_responses, merge_responses,
+                                     read_responses, responses_file)
 from specrt.distill.vocab import COUNTS_FILE, count_tokens, write_counts
 from specrt.distill.prompts import PromptSplit, rows_label, training_prompts
 from specrt.distill.train_dspark import TrainResult, train_dspark
@@ -36,7 +39,7 @@ from specrt.exporter.loaders.deepspec import SHARED_WITH_TARGET, default_layer_i
 from specrt.exporter.loaders.mtp import load_mtp, save_mtp_checkpoint
 from specrt.exporter.onnx.target import FINAL
 from specrt.exporter.outdir import check_out, check_writable, staged
-from specrt.configs.presets import resolve_model
+from specrt.configs.presets import preset_format, resolve_model
 
 HEADS = ("dspark", "mtp")
 REPORT = "report.json"
@@ -58,6 +61,7 @@ class DistillSettings:
     lr: float = 6e-4
     max_new_tokens: int = 256
     sampling: str = "greedy"
+    responses_per_prompt: int = 1  # the first with `sampling`, the others with DeepSpec's sampling
     gen_batch: int = 8
     max_seq: int = 768
     limit: int | None = None
@@ -65,13 +69,15 @@ class DistillSettings:
     seed: int = 0
     dtype: str = "bfloat16"  # of the saved weights
     threads: int | None = None
+    weights: str | None = None  # of the work target that generates and gives features; None: what export uses
+
 
     def __post_init__(self) -> None:
         if self.head not in HEADS:
             raise SpecrtError(f"--head must be one of {', '.join(HEADS)}, got {self.head!r}")
         if self.sampling not in SAMPLING:
             raise SpecrtError(f"--sampling must be one of {', '.join(SAMPLING)}, got {self.sampling!r}")
-        for name in ("layers", "block", "steps", "max_new_tokens", "gen_batch"):
+        for name in ("layers", "block", "steps", "max_new_tokens", "gen_batch", "responses_per_prompt"):
             if getattr(self, name) < 1:
                 raise SpecrtError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.head == "mtp" and self.layers != 1:
@@ -81,6 +87,8 @@ class DistillSettings:
         if self.max_new_tokens >= self.max_seq:
             raise SpecrtError(f"--max-new-tokens {self.max_new_tokens} leaves no room for a prompt in "
                               f"--max-seq-len {self.max_seq}")
+        if self.weights not in (None, "float", "int8", "int4", "gguf"):
+            raise SpecrtError(f"--weights must be float, int8, int4 or gguf, got {self.weights!r}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise SpecrtError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
 
@@ -103,11 +111,14 @@ def feature_sources(num_layers: int, target_layers: Sequence[int] | None) -> lis
     return [*layers, FINAL]
 
 
-def _stage_target(source: Path, work: Path, s: DistillSettings, sources: list[int | str], progress: bool) -> Path:
+def _stage_target(source: Path, work: Path, s: DistillSettings, sources: list[int | str], fmt: dict[str, str],
+                  progress: bool) -> Path:
     from specrt.exporter.export import export_artifact
 
     art, key_path = work / "target", work / "target.json"
     key = {"source": str(source.resolve()), "features": sources, "batch": s.gen_batch, "max_seq": s.max_seq}
+    if fmt != {"weights": "float", "attention": "standard"}:  # keys of float work directories stay as they were
+        key.update(fmt)
     if (art / io.MANIFEST).is_file() and key_path.is_file():
         old = json.loads(key_path.read_text())
         if old != key:
@@ -115,7 +126,7 @@ def _stage_target(source: Path, work: Path, s: DistillSettings, sources: list[in
                               f"({', '.join(k for k in key if old.get(k) != key[k])} differ); use another --work")
         return art
     settings = io.ExportSettings(batch=s.gen_batch, max_seq=s.max_seq, prefill_chunk=min(64, s.max_seq // 2),
-                                 verify_len=1)
+                                 verify_len=1, **fmt)
     export_artifact(source, art, settings, extra_features=tuple(sources), progress=progress, force=True)
     key_path.write_text(json.dumps(key, indent=1) + "\n")
     return art
@@ -141,6 +152,13 @@ def _save_compact(s: DistillSettings, train_dir: Path, staging: Path, loaded) ->
     else:
         head = load_mtp(train_dir, loaded.config)
         save_mtp_checkpoint(staging, loaded.config.to_hf(), head.weights, dtype=s.dtype)
+
+
+def _generation(meta: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+    """Sampling parameters of the cached responses (one entry per response of a prompt when there are several)."""
+    if "samples" in meta:
+        return [m.get("sampling_params", {}) for m in meta["samples"]]
+    return meta.get("sampling_params", {})
 
 
 def _curve(history: list[dict[str, float]]) -> list[dict[str, float]]:
@@ -187,20 +205,34 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
     cfg = loaded.config
     ids = list(s.target_layers or default_layer_ids(cfg.num_layers))
     sources = feature_sources(cfg.num_layers, s.target_layers)
-    art = timed("target", lambda: _stage_target(source, work, s, sources, progress))
-    responses = timed("generate", lambda: generate_responses(
-        art, split.prompts, work / "responses.jsonl", max_new_tokens=s.max_new_tokens, sampling=s.sampling,
-        seed=s.seed, threads=s.threads, progress=progress))
-    cache_dir = timed("features", lambda: capture_features(art, responses, work / "cache", feature_sources=sources,
-                                                           splits=split.indices, threads=s.threads,
-                                                           progress=progress))
+    # the work target has the weights and attention lowering `specrt export TARGET` gives (for a preset: its
+    # 4-bit GGUF blocks), so the heads learn from the numerics they will be served beside, and generate faster
+    fmt = preset_format(target)
+    if s.weights is not None and s.weights != fmt["weights"]:
+        fmt = {"weights": s.weights, "attention": fmt["attention"] if s.weights != "float" else "standard"}
+    art = timed("target", lambda: _stage_target(source, work, s, sources, fmt, progress))
+    k_files = [timed("generate", lambda k=k: generate_responses(
+        art, split.prompts, responses_file(work, k), max_new_tokens=s.max_new_tokens,
+        sampling=extra_sampling(k, s.sampling), seed=s.seed + k, threads=s.threads, progress=progress))
+        for k in range(s.responses_per_prompt)]
+    splits, n = split.indices, len(split.prompts)
+    if len(k_files) == 1:
+        responses, cache_name = k_files[0], "cache"
+    else:  # sample k of prompt i is row k * n + i, in the split of prompt i (a prompt's samples side by side,
+        # so the held-out tail that training evaluates on holds whole prompts)
+        responses = merge_responses(k_files, work / f"responses.x{len(k_files)}.jsonl", n)
+        splits = {name: [k * n + i for i in idx for k in range(len(k_files))] for name, idx in splits.items()}
+        cache_name = f"cache.x{len(k_files)}"  # beside the single-response cache, so neither replaces the other
+    cache_dir = timed("features", lambda: capture_features(art, responses, work / cache_name,
+                                                           feature_sources=sources, splits=splits,
+                                                           threads=s.threads, progress=progress))
     cache = TargetCache(cache_dir)
     train_dir = work / f"train-{s.head}"
     result = timed("train", lambda: _train(s, cache, loaded, train_dir, ids, progress))
 
     with staged(out) as staging:  # written beside `out`, swapped in at the end; removed on any failure
         timed("save", lambda: _save_compact(s, train_dir, staging, loaded))
-        train = set(split.train)  # what `specrt export --draft-vocab` ranks tokens by
+        train = set(splits["train"])  # what `specrt export --draft-vocab` ranks tokens by
         counts = count_tokens((r["response_ids"] for r in read_responses(responses) if r["index"] in train),
                               cfg.vocab_size)
         write_counts(staging / COUNTS_FILE, counts)
@@ -220,7 +252,7 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
             "token_counts": {"file": COUNTS_FILE, "tokens": int(counts.sum()), "distinct": int((counts > 0).sum())},
             "cache": {"samples": len(cache), **cache.manifest.get("counts", {}),
                       "tokens": int(len(cache.tokens)), "capture": cache.manifest.get("capture", {}),
-                      "generation": cache.manifest.get("generation", {}).get("sampling_params", {})},
+                      "generation": _generation(cache.manifest.get("generation", {}))},
             "train": {"config": result.config, "steps": result.steps, "steps_per_s": round(result.steps_per_s, 3),
                       "evals": result.evals, "loss_curve": _curve(result.history)},
             "tau": {"untrained": result.tau_initial, "trained": result.tau,

@@ -486,6 +486,9 @@ def _layer_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--max-new-tokens", default=256, help="Response tokens generated per prompt.")
 @click.option("--sampling", type=click.Choice(["greedy", "deepspec"]), default="greedy",
               help="Response sampling: greedy, or DeepSpec's T 0.7 / top-p 0.8 / top-k 20.")
+@click.option("--responses-per-prompt", default=1,
+              help="Target responses per prompt: the first with --sampling, the others with DeepSpec's sampling "
+                   "(each its own seed), as DeepSpec trains on several sampled responses.")
 @click.option("--gen-batch", default=8, help="Request slots for generation.")
 @click.option("--max-seq-len", "max_seq", default=768, help="Cache positions per response (prompt + response).")
 @click.option("--calib-fraction", default=0.1, help="Share of prompts held out for confidence calibration.")
@@ -493,6 +496,9 @@ def _layer_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
               help="Dtype of the saved weights.")
 @click.option("--seed", default=0, help="Seed of the split, sampling and training.")
 @click.option("--threads", type=int, default=None, help="Threads for ONNX Runtime and torch (default: all cores).")
+@click.option("--weights", type=click.Choice(["float", "int8", "int4", "gguf"]), default=None,
+              help="Weight format of the target that generates the responses and gives the features "
+                   "[default: as `specrt export` (gguf for a preset, else float)].")
 @click.option("--force", is_flag=True, help="Replace an existing OUT.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")

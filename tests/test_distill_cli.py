@@ -112,6 +112,38 @@ def test_mtp_reuses_the_work_dir_and_saves_bf16(target, distilled):
     assert not loaded.config.has_own_embed and not loaded.config.has_own_head
 
 
+def test_more_responses_per_prompt_reuse_the_first_and_train_on_all(target, distilled, tmp_path):
+    """--responses-per-prompt 2 keeps the greedy responses.jsonl of an earlier run, samples a second response per
+    prompt with DeepSpec's sampling, and trains, calibrates and counts tokens on both, split by prompt."""
+    work = tmp_path / "work"
+    shutil.copytree(distilled["work"], work, ignore=shutil.ignore_patterns("train-*", "timings.json"))
+    first = (work / "responses.jsonl").read_bytes()
+    single_cache = (work / "cache" / "features.bin").stat().st_mtime_ns
+    r = invoke("distill", target, "--head", "dspark", "--prompts", distilled["prompts"], "--out", tmp_path / "ck",
+               "--work", work, "--block", 3, "--markov-rank", 8, "--responses-per-prompt", 2, *COMMON)
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output)
+    assert (work / "responses.jsonl").read_bytes() == first  # generated once, by the earlier run
+    assert (work / "cache" / "features.bin").stat().st_mtime_ns == single_cache  # an MTP run after still has it
+    greedy, sampled = read_responses(work / "responses.jsonl"), read_responses(work / "responses.1.jsonl")
+    assert len(greedy) == len(sampled) == 24
+    by_index = {int(row["index"]): row for row in sampled}
+    assert all(by_index[int(g["index"])]["prompt_ids"] == g["prompt_ids"] for g in greedy)
+    assert sum(by_index[int(g["index"])]["response_ids"] != g["response_ids"] for g in greedy) >= 12
+    merged = read_responses(work / "responses.x2.jsonl")
+    assert [(row["sample"], row["index"]) for row in merged] == [(k, k * 24 + i) for k in (0, 1) for i in range(24)]
+    gen = report["cache"]["generation"]
+    assert gen[0]["temperature"] == 0.0 and gen[1]["temperature"] == 0.7
+    manifest = json.loads((work / "cache.x2" / "manifest.json").read_text())
+    prompt_of = [p["index"] % 24 for p in manifest["provenance"]]
+    calib = {prompt_of[i] for i in manifest["splits"]["calib"]}
+    train = {prompt_of[i] for i in manifest["splits"]["train"]}
+    assert calib and train and not calib & train  # both samples of a prompt sit in its split
+    assert len(manifest["splits"]["calib"]) == 2 * len(calib)
+    assert report["prompts"]["train"] + report["prompts"]["calib"] == 24
+    assert report["token_counts"]["tokens"] > distilled["dspark_report"]["token_counts"]["tokens"]
+
+
 def test_distilled_heads_export_and_bench_identically(target, distilled, tmp_path):
     art = tmp_path / "art"
     r = invoke("export", target, "--out", art, "--draft", distilled["dspark"], "--mtp", distilled["mtp"],
@@ -146,6 +178,7 @@ def test_distilled_heads_export_and_bench_identically(target, distilled, tmp_pat
     (("--steps", "0"), "--steps must be >= 1"),
     (("--max-new-tokens", "64", "--max-seq-len", "64"), "leaves no room for a prompt"),
     (("--head", "mtp", "--layers", "2"), "exactly one layer"),
+    (("--weights", "gguf"), "is not a GGUF file"),
 ])
 def test_distill_bad_input_is_one_line(target, distilled, tmp_path, args, message):
     base = {"--head": "dspark", "--prompts": str(distilled["prompts"]), "--steps": "2", "--max-new-tokens": "8",
