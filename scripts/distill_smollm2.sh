@@ -8,7 +8,9 @@ cd "$(dirname "$0")/.."
 WORK=${WORK:-work/distill-smollm2}
 PROMPTS=(--prompts datasets/gsm8k.jsonl --prompts datasets/humaneval.jsonl --prompts datasets/math500.jsonl
          --prompts datasets/mbpp.jsonl --prompts datasets/mt-bench.jsonl)
-COMMON=(--limit 720 --max-new-tokens 256 --sampling greedy --work "$WORK" --force)
+# --weights float: the committed heads were distilled on the GGUF's fp32 dequantization (the default became the
+# preset's served 4-bit format later)
+COMMON=(--limit 720 --max-new-tokens 256 --sampling greedy --weights float --work "$WORK" --force)
 specrt distill smollm2 --head dspark --layers 1 --block 7 --markov-rank 64 --steps 2500 \
     "${PROMPTS[@]}" "${COMMON[@]}" --out specrt/heads/smollm2/dspark
 specrt distill smollm2 --head mtp --layers 1 --steps 2000 \
