@@ -6,6 +6,8 @@ the next prompt at the following step, the way a server runs), greedy, and repor
     tokens_per_s              all generated tokens over the wall time from the first step to the last token
     per_request_tokens_per_s  mean over requests of its tokens over its own time from admission to finish
     mean_verify_len, tau      drafts verified per slot-round and tokens committed per slot-round
+    prefill_s, decode_s       the wall time's split: prompt prefill (with a head's prompt pass) and decode steps
+                              or rounds; speculative rows add draft_s and verify_s (parts of decode_s)
 
 Rows: batched AR ("ar", scheduler "-") and every speculative method under every scheduler. The greedy tokens of
 every row must equal AR's for every prompt (exactness), or the command fails.
@@ -63,7 +65,8 @@ def serve(engine: Engine, prompts: list[list[int]], params: SamplingParams, conc
            "concurrency": concurrency, "tokens_per_s": round(tokens / wall, 3) if wall else 0.0,
            "per_request_tokens_per_s": round(sum(per_request) / len(per_request), 3) if per_request else 0.0,
            "mean_verify_len": s.get("mean_verify_len", 0.0), "tau": s.get("tau", 1.0),
-           "generated_tokens": tokens, "wall_s": round(wall, 3)}
+           "generated_tokens": tokens, "wall_s": round(wall, 3),
+           "prefill_s": round(engine.stats.prefill_s, 3), "decode_s": round(engine.stats.decode_s, 3)}
     if engine.method != "ar":
         row.update(draft_s=s["draft_s"], verify_s=s["verify_s"])
     return row, [done[i][0] for i in range(len(prompts))]

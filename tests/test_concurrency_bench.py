@@ -45,6 +45,11 @@ def test_rows_for_every_level_method_and_scheduler(art, tmp_path):
         assert row["tokens_per_s"] > 0 and row["per_request_tokens_per_s"] > 0 and row["identical"]
         assert row["generated_tokens"] == 6 * 12
         assert row["tau"] >= 1.0 and (row["method"] != "ar" or row["mean_verify_len"] == 0.0)
+        # parts of the wall time (rounded to the millisecond, hence the slack)
+        assert 0 < row["prefill_s"] and 0 < row["decode_s"]
+        assert row["prefill_s"] + row["decode_s"] <= row["wall_s"] + 0.002
+        if row["method"] != "ar":
+            assert row["draft_s"] + row["verify_s"] <= row["decode_s"] + 0.002
     at4 = [row for row in report["rows"] if row["concurrency"] == 4]
     assert max(row["vs_best_of_ar_and_fixed"] for row in at4 if row["scheduler"] in ("-", "fixed")) == 1.0
     assert (tmp_path / "c.png").stat().st_size > 0
