@@ -71,7 +71,6 @@ class DistillSettings:
     threads: int | None = None
     weights: str | None = None  # of the work target that generates and gives features; None: what export uses
 
-
     def __post_init__(self) -> None:
         if self.head not in HEADS:
             raise SpecrtError(f"--head must be one of {', '.join(HEADS)}, got {self.head!r}")
