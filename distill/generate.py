@@ -161,13 +161,13 @@ def merge_responses(files: Sequence[str | Path], out_jsonl: str | Path, num_prom
     """One responses file of K per-sample files: row `index` becomes k * num_prompts + index, and `sample` k
     is added. Written atomically; the same inputs always give the same bytes (so the feature cache is reused)."""
     out = Path(out_jsonl)
+    per_file = [sorted(read_responses(path), key=lambda r: int(r["index"])) for path in files]
+    for path, rows in zip(files, per_file):
+        if len(rows) != num_prompts:
+            raise SpecrtError(f"{path} has {len(rows)} responses, expected {num_prompts}; rerun to finish it")
     tmp = out.with_name(f".{out.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        for k, path in enumerate(files):
-            rows = sorted(read_responses(path), key=lambda r: int(r["index"]))
-            if len(rows) != num_prompts:
-                tmp.unlink()
-                raise SpecrtError(f"{path} has {len(rows)} responses, expected {num_prompts}; rerun to finish it")
+        for k, rows in enumerate(per_file):
             for r in rows:
                 f.write(json.dumps(dict(r, index=k * num_prompts + int(r["index"]), sample=k)) + "\n")
     os.replace(tmp, out)

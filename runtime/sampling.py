@@ -46,7 +46,8 @@ class SamplingParams:
 def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Probabilities after temperature, top-k and top-p over the last axis (float64 for exactness)."""
     x = logits.astype(np.float64) / params.temperature
-    if params.top_k and params.top_k < x.shape[-1]:
+    top_k = 0 < params.top_k < x.shape[-1]
+    if top_k:
         kth = np.partition(x, -params.top_k, axis=-1)[..., -params.top_k, None]
         keep = x >= kth
         x -= x.max(axis=-1, keepdims=True)
@@ -56,7 +57,7 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         p = np.exp(x - x.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
     if params.top_p < 1.0:
-        if params.top_k and params.top_k < x.shape[-1]:
+        if top_k:
             _top_p_after_top_k(p, params.top_p)
         else:
             order = np.argsort(-p, axis=-1, kind="stable")
