@@ -15,10 +15,10 @@ budget mode:    the `budget` (b, k) pairs of largest survival over the whole bat
                 b·γ + k; because a is non-increasing along k, the admitted pairs of each row form a prefix,
                 and lengths[b] counts them.
 
-Implementations: this reference (the torch backend and the schedulers use it); the same-named ONNX local
-function in the exported DSpark graph (`function_proto`, which ONNX Runtime runs: survival as
-exp(cumsum(log sigmoid)), so it agrees with the reference to float32 rounding); and the TensorRT plugin with
-its ahead-of-time OpenAI-Triton kernel (plugins/trt_confidence_truncate.py).
+Implementations: this reference (the schedulers use it); `truncate_torch` (the torch backend, on any device);
+the same-named ONNX local function in the exported DSpark graph (`function_proto`, which ONNX Runtime runs:
+survival as exp(cumsum(log sigmoid)), so it agrees with the reference to float32 rounding); and the TensorRT
+plugin with its ahead-of-time OpenAI-Triton kernel (plugins/trt_confidence_truncate.py).
 
 Nothing here looks at whether a draft will be accepted, only at the draft's own confidence, which is what keeps
 speculative decoding exact under any schedule (DSpark paper, Appendix A).
@@ -49,6 +49,21 @@ def admit(a: np.ndarray, budget: int) -> np.ndarray:
     flat = a.ravel()
     taken = np.argsort(-flat, kind="stable")[:max(0, budget)]  # stable: ties by lower flat index
     return np.bincount(taken[flat[taken] > 0] // g, minlength=b).astype(np.int64)
+
+
+def truncate_torch(logits, temperatures, threshold, budget):
+    """The op on torch tensors of any device, with no host synchronisation (so a CUDA graph can capture it):
+    logits f32 [B, γ], temperatures f32 [γ], threshold f32 [], budget i64 [] -> (survival, lengths i64 [B])."""
+    import torch
+
+    a = torch.cumprod(torch.sigmoid(logits.float() / temperatures), dim=-1)
+    kept = (a >= threshold).sum(-1)
+    flat = a.reshape(-1)
+    order = torch.arange(flat.numel(), device=flat.device)
+    # a pair's rank: the pairs with larger survival, or equal survival at a lower flat index
+    better = (flat[None, :] > flat[:, None]) | ((flat[None, :] == flat[:, None]) & (order[None, :] < order[:, None]))
+    admitted = ((better.sum(-1) < budget) & (flat > 0)).view(a.shape).sum(-1)
+    return a, torch.where(budget < 0, kept, admitted)
 
 
 DOMAIN, OP = "specrt", "ConfidenceTruncate"

@@ -167,10 +167,11 @@ def parse_baselines(values: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(n for n in names if n != "none"))
 
 
-def load_baselines(names: list[str], source: Path, *, threads: int | None = None, n_ctx: int = 2048
-                   ) -> dict[str, Callable]:
-    """Load each named baseline on the artifact's source model: {name: generate(ids, max_new, eos)}."""
-    loaders = {"hf": lambda: hf_baseline(source, threads=threads),
+def load_baselines(names: list[str], source: Path, *, threads: int | None = None, n_ctx: int = 2048,
+                   device: str = "cpu", dtype: str | None = None) -> dict[str, Callable]:
+    """Load each named baseline on the artifact's source model: {name: generate(ids, max_new, eos)}; hf on
+    `device` in `dtype` (default float32)."""
+    loaders = {"hf": lambda: hf_baseline(source, threads=threads, device=device, dtype=dtype),
                "llama.cpp": lambda: llama_cpp_baseline(source, threads=threads, n_ctx=n_ctx)}
     return {name: loaders[name]() for name in names}
 
@@ -189,23 +190,27 @@ def load_hf_model(source: Path, threads: int | None = None):
     return model.eval()
 
 
-def hf_baseline(source: Path, threads: int | None = None) -> Callable:
+def hf_baseline(source: Path, threads: int | None = None, device: str = "cpu", dtype: str | None = None
+                ) -> Callable:
     """Load the artifact's source model with transformers; returns generate(ids, max_new, eos) -> (ids, t_prefill, t_total).
 
     t_total is a full generate(); t_prefill a 1-token generate() (prompt + first token) on the same prompt."""
     import torch
 
-    model = load_hf_model(source, threads)
+    model = load_hf_model(source, threads).to(device, getattr(torch, dtype or "float32"))
+    done = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
 
     @torch.inference_mode()
     def generate(ids: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], float, float]:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=model.device)
         kw = dict(do_sample=False, eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,
                   attention_mask=torch.ones_like(x))
         t0 = time.perf_counter()
         model.generate(x, max_new_tokens=1, **kw)
+        done()
         t1 = time.perf_counter()
         out = model.generate(x, max_new_tokens=max_new_tokens, **kw)
+        done()
         t2 = time.perf_counter()
         return out[0, len(ids):].tolist(), t1 - t0, t2 - t1
 

@@ -74,7 +74,7 @@ def serve(engine: Engine, prompts: list[list[int]], params: SamplingParams, conc
 
 def run(art: str | Path, prompts: list[list[int]], *, levels: list[int], methods: list[str], schedulers: list[str],
         max_new_tokens: int, gamma: int | None, backend: str, threads: int | None, threshold: float,
-        progress: bool) -> dict:
+        progress: bool, device: str = "cpu", dtype: str | None = None) -> dict:
     """Every (method, scheduler) at every concurrency level; AR first, whose outputs the others must equal."""
     params = SamplingParams(max_new_tokens=max_new_tokens)
     rows, identical = [], True
@@ -83,7 +83,7 @@ def run(art: str | Path, prompts: list[list[int]], *, levels: list[int], methods
         reference = None
         for method, sched in configs:
             engine = Engine(art, method=method, gamma=gamma if method != "ar" else None, scheduler=sched,
-                            backend=backend, threads=threads, slots=c, threshold=threshold)
+                            backend=backend, threads=threads, slots=c, threshold=threshold, device=device, dtype=dtype)
             label = method if method == "ar" else f"{method}/{sched}"
             row, outputs = serve(engine, prompts, params, c, progress=progress, desc=f"c={c} {label}")
             reference = reference if reference is not None else outputs

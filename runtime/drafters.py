@@ -92,11 +92,11 @@ class _GraphDrafter:
     needs_features = True
 
     def __init__(self, art_dir: Path, manifest: io.Manifest, name: str, *, backend: str = "ort",
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, **where) -> None:
         self.head = manifest.heads[name]
         self.steps = self.head.steps
         # drafts run in turn with the target: no idle spinning that would steal the target's cores
-        self.runner = load_runner(backend, art_dir, manifest, name, threads=threads, spin=False)
+        self.runner = load_runner(backend, art_dir, manifest, name, threads=threads, spin=False, **where)
         self.offset, self.width = self.head.feature_offset, self.head.feature_dim
         self.vocab_ids = np.asarray(self.head.vocab_ids, np.int64) if self.head.vocab_ids else None
         self.max_rows = max(b["C"] for b in self.runner.spec.buckets["propose"])  # context rows one propose takes
@@ -246,9 +246,9 @@ def lookup(history: np.ndarray, max_n: int, steps: int) -> np.ndarray:
 
 
 def make_drafter(method: str, art_dir: Path, manifest: io.Manifest, *, gamma: int, backend: str = "ort",
-                 threads: int | None = None, ngram: int = 3, costs: Costs | None = None) -> Drafter:
+                 threads: int | None = None, ngram: int = 3, costs: Costs | None = None, **where) -> Drafter:
     """The drafter of a speculative method: "ngram", "mtp", "dspark", or a head with lookups ("dspark+ngram",
-    "mtp+ngram": runtime/hybrid.py, which needs the cost profile `costs`)."""
+    "mtp+ngram": runtime/hybrid.py, which needs the cost profile `costs`). `where`: load_runner's device, dtype."""
     if method == "ngram":
         return NGramDrafter(gamma, max_n=ngram)
     name, _, lookups = method.partition("+")
@@ -257,7 +257,7 @@ def make_drafter(method: str, art_dir: Path, manifest: io.Manifest, *, gamma: in
         raise SpecrtError(f"--method {method} needs an artifact exported with a {name} head "
                           f"(this one has: {have}); export with --draft or --mtp, or use --method ngram")
     cls = {"dspark": DSparkDrafter, "mtp": MTPDrafter}[name]
-    head = cls(art_dir, manifest, backend=backend, threads=threads)
+    head = cls(art_dir, manifest, backend=backend, threads=threads, **where)
     if not lookups:
         return head
     from specrt.runtime.hybrid import HybridDrafter

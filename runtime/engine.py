@@ -22,10 +22,12 @@ import numpy as np
 from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.runtime.backends import BACKENDS, load_runner
-from specrt.runtime.drafters import Context, make_drafter
+from specrt.runtime.device_round import DeviceRounds, unsupported
+from specrt.runtime.drafters import Context, Proposal, make_drafter
 from specrt.runtime.observers import RoundObserver, RoundRecord, TraceWriter
 from specrt.runtime.sampling import SamplingParams, next_token
 from specrt.runtime.schedulers import Load, make_scheduler
+from specrt.runtime.acceptance import Verdict
 from specrt.runtime.speculative import Outcome, Speculator
 from specrt.runtime.stats import RunStats
 from specrt.runtime.tokenizer import Tokenizer
@@ -103,12 +105,17 @@ class Engine:
     method "ar" decodes one token per step; "ngram", "mtp" and "dspark" run the lossless draft/verify
     loop of `runtime/speculative.py` with up to `gamma` drafts verified per round, as the scheduler says.
     `slots`: request slots to allocate up front (a server); by default the engine sizes them when idle.
+    `device` / `dtype` (torch backend): where and in which precision the modules run ("cuda": CUDA graphs, unless
+    `cuda_graphs` is False: eager launches, for comparison). On
+    the torch backend, rounds in which every active request is greedy stay on the device
+    (runtime/device_round.py) when the method and scheduler allow it (`device_rounds` is then set).
     """
 
     def __init__(self, art_dir: str | Path, *, method: str = "ar", gamma: int | None = None,
                  scheduler: str = "fixed", backend: str = "ort", threads: int | None = None,
                  ngram: int = 3, slots: int | None = None, trace: Path | None = None,
-                 observers: Sequence[RoundObserver] = (), threshold: float = 0.3) -> None:
+                 observers: Sequence[RoundObserver] = (), threshold: float = 0.3, device: str = "cpu",
+                 dtype: str | None = None, cuda_graphs: bool = True) -> None:
         if method not in METHODS:
             raise SpecrtError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         if backend not in BACKENDS:
@@ -125,7 +132,10 @@ class Engine:
         self.max_batch = self.manifest.export.batch
         # The last cache position receives writes from padding tokens; valid tokens stay below it.
         self.capacity = self.manifest.export.max_seq - 1
-        self.target = load_runner(backend, self.art_dir, self.manifest, io.TARGET, threads=threads, spin=True)
+        where = {"device": device, "dtype": dtype}
+        if backend != "ort":  # torch on CUDA, and TensorRT, capture each call in a CUDA graph
+            where["graphs"] = cuda_graphs and (backend == "tensorrt" or device.startswith("cuda"))
+        self.target = load_runner(backend, self.art_dir, self.manifest, io.TARGET, threads=threads, spin=True, **where)
         self.spec: Speculator | None = None
         self.drafter = None
         if method != "ar":
@@ -135,13 +145,21 @@ class Engine:
                                   f"got {gamma}")
             costs = self._costs(backend, threads) if scheduler.startswith("sps") or "+" in method else None
             self.drafter = make_drafter(method, self.art_dir, self.manifest, gamma=gamma or exported,
-                                        backend=backend, threads=threads, ngram=ngram, costs=costs)
+                                        backend=backend, threads=threads, ngram=ngram, costs=costs, **where)
             g = min(gamma or exported, self.drafter.steps)
             head = self.manifest.heads.get(method.partition("+")[0])
             sched = make_scheduler(scheduler, gamma=g, temperatures=head.temperatures if head else (),
                                    threshold=threshold, costs=costs)
             self.spec = Speculator(self.target, self.drafter, sched, gamma=g)
         self.gamma = self.spec.gamma if self.spec else 0
+        self.device_rounds: DeviceRounds | None = None
+        self.device_note = "" if backend == "torch" else "the host loop runs every round on this backend"
+        if backend == "torch":
+            self.device_note = unsupported(method, scheduler, self.manifest)
+            if not self.device_note:
+                self.device_rounds = DeviceRounds(self.target, self.drafter, gamma=self.gamma, scheduler=scheduler,
+                                                  threshold=threshold, capture=where["graphs"])
+        self._on_device = False  # whether the active slots' state is current only on the device
         self.observers: list[RoundObserver] = list(observers)
         if trace is not None:
             self.observers.append(TraceWriter(trace))
@@ -196,9 +214,13 @@ class Engine:
         self._admit(deltas)
         if any(self.slots):
             t0 = time.perf_counter()
-            if self.spec:
+            if self.device_rounds is not None and all(s.params.greedy for s in self.slots if s is not None):
+                self._device_round(deltas)
+            elif self.spec:
+                self._to_host()
                 self._round(deltas)
             else:
+                self._to_host()
                 self._decode(deltas)
             self.stats.decode_s += time.perf_counter() - t0
             for i in range(len(self.slots)):
@@ -281,6 +303,9 @@ class Engine:
         self.target.allocate(n)
         if self.drafter:
             self.drafter.allocate(n)
+        if self.device_rounds is not None:
+            self.device_rounds.allocate(n)
+            self._on_device = False
         self.slots = [None] * n
 
     def _admit(self, deltas: dict[int, RequestDelta]) -> None:
@@ -326,6 +351,8 @@ class Engine:
             ctx = Context(pos=0, features=np.concatenate(features) if keep else np.zeros((len(ids), 0), np.float32),
                           next_tokens=np.asarray([*ids[1:], slot.pending], np.int64))
             slot.ctx = self.drafter.prefill(index, ctx)
+        if self.device_rounds is not None and self._on_device and slot.finish_reason is None:
+            self.device_rounds.upload(index, slot.length, slot.pending, slot.budget, slot.ctx)
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.generated_tokens += 1
         return slot
@@ -364,13 +391,61 @@ class Engine:
             if s is not None:
                 self._commit(s, rnd.outcomes[i], rnd.proposal, i, deltas)
 
+    def _device_round(self, deltas: dict[int, RequestDelta]) -> None:
+        """One greedy decode step or draft/verify round on the device (one host synchronisation); commit on the host."""
+        rounds = self.device_rounds
+        n = max(i for i, s in enumerate(self.slots) if s is not None) + 1
+        live = self.slots[:n]
+        if not self._on_device:  # the host loop ran last: its state goes up
+            for i, s in enumerate(self.slots):
+                if s is not None:
+                    rounds.upload(i, s.length, s.pending, s.budget, s.ctx)
+            self._on_device = True
+        t0 = time.perf_counter()
+        lookups = self.drafter.propose(live) if rounds.ngram else None
+        t1 = time.perf_counter()
+        res = rounds.round(n, [s is not None for s in live], lookups)
+        self.stats.steps += 1
+        self.stats.draft_s += t1 - t0
+        self.stats.verify_s += time.perf_counter() - t1
+        if not self.spec:  # AR: one token per slot
+            for i, s in enumerate(live):
+                if s is not None:
+                    s.length += 1
+                    self._emit(s, [int(res.tokens[i, 0])], deltas)
+                    self.stats.generated_tokens += 1
+                    self.stats.decode_tokens += 1
+            return
+        counts = lookups.counts if lookups is not None else np.full(n, rounds.proposed, np.int64)
+        proposal = Proposal(tokens=res.drafts, counts=counts, probs=None, confidence_logits=res.confidence)
+        for i, s in enumerate(live):
+            if s is None:
+                continue
+            a, ell = int(res.accepted[i]), int(res.lengths[i])
+            tokens = res.tokens[i, :a + 1].tolist()
+            self.spec.scheduler.observe(ell, a)
+            self.drafter.observe(i, ell, a)
+            s.ctx = None  # the pending context rows are on the device
+            self._commit(s, Outcome(ell, Verdict(a, tokens[-1]), tokens, None), proposal, i, deltas)
+
+    def _to_host(self) -> None:
+        """Before a host-loop round: the pending context rows of every active slot come down from the device."""
+        if not self._on_device:
+            return
+        self._on_device = False
+        if self.drafter is not None and self.drafter.needs_features:
+            width = next(t for t in self.target.spec.outputs if t.name == io.FEATURES).shape[-1]
+            for i, s in enumerate(self.slots):
+                if s is not None:
+                    s.ctx = self.device_rounds.download(i, width)
+
     def _commit(self, s: Slot, o: Outcome, proposal, row: int, deltas: dict[int, RequestDelta]) -> None:
         position = s.length
         committed = self._emit(s, o.tokens, deltas)
         a = o.verdict.accepted
         if s.finish_reason is None:
             s.length += a + 1
-            if self.drafter.needs_features:
+            if o.features is not None:
                 s.ctx = Context(pos=position, features=o.features.copy(), next_tokens=np.asarray(o.tokens, np.int64))
         else:
             s.length += committed

@@ -18,6 +18,13 @@ SCHEDULER_NAMES = ["fixed", "threshold", "sps", "sps-async"]  # runtime/schedule
 # sps: the fastest exact scheduler measured for every method on the CPU here (README, "Cheaper drafts"); it
 # reads the artifact's `specrt profile` table (measured quickly, with a warning, when there is none)
 DEFAULT_SCHEDULER = "sps"
+# the torch backend's greedy rounds stay on the device with fixed or threshold lengths (sps plans on the host, and
+# on a GPU verifying fewer tokens saves little at small batches)
+TORCH_SCHEDULER = "fixed"
+
+
+def _scheduler(scheduler: str | None, backend: str) -> str:
+    return scheduler or (TORCH_SCHEDULER if backend == "torch" else DEFAULT_SCHEDULER)
 
 DEFAULTS = dict(batch=EXPORT_DEFAULTS.batch, max_seq_len=EXPORT_DEFAULTS.max_seq,
                 prefill_chunk=EXPORT_DEFAULTS.prefill_chunk, verify_len=EXPORT_DEFAULTS.verify_len)
@@ -202,20 +209,45 @@ def _engine_options(f):
                           "mtp+ngram)."),
         click.option("--gamma", type=int, default=None, help="Drafts verified per round at most [default: the "
                                                              "artifact's verify length - 1]."),
-        click.option("--scheduler", type=click.Choice(SCHEDULER_NAMES), default=DEFAULT_SCHEDULER,
-                     show_default=True,
+        click.option("--scheduler", type=click.Choice(SCHEDULER_NAMES), default=None,
                      help="Verify lengths per round: fixed (every draft, up to gamma), threshold (cut where the "
                           "calibrated prefix survival < --threshold), sps / sps-async (the DSpark paper's "
-                          "cost-aware admission on the artifact's `specrt profile`; the fastest measured here)."),
+                          "cost-aware admission on the artifact's `specrt profile`; the fastest measured here) "
+                          f"[default: {DEFAULT_SCHEDULER}; {TORCH_SCHEDULER} with --backend torch]."),
         click.option("--threshold", default=0.3, show_default=True,
                      help="--scheduler threshold: the prefix survival below which drafts are not verified."),
         click.option("--ngram", default=3, help="--method ngram: longest suffix looked up (n-gram size)."),
-        click.option("--backend", type=click.Choice(["ort", "torch"]), default="ort",
-                     help="Runtime backend: ONNX Runtime, or the exporter's torch modules (eager)."),
+        click.option("--backend", type=click.Choice(["ort", "torch", "tensorrt"]), default="ort",
+                     help="Runtime backend: ONNX Runtime, the exporter's torch modules (eager on CPU, CUDA "
+                          "graphs on a GPU; greedy rounds stay on the device), or the TensorRT engines of "
+                          "`specrt build`."),
+        click.option("--device", default="cpu", show_default=True,
+                     help="--backend torch: cpu, or cuda[:N] (weights and cache on the GPU, every call in a CUDA "
+                          "graph)."),
+        click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+                     help="--backend torch: the precision the modules run in [default: the artifact's]."),
         click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores)."),
     ]):
         f = opt(f)
     return f
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--precision", type=click.Choice(["fp16", "bf16"]), default="fp16", show_default=True,
+              help="Engine precision (an artifact exported in it builds strongly typed).")
+@click.option("--workspace", type=float, default=None, help="Builder workspace limit in GB [default: TensorRT's].")
+@click.option("--json", "as_json", is_flag=True, help="Print what was built as one JSON object.")
+def build(artifact: Path, precision: str, workspace: float | None, as_json: bool) -> None:
+    """Build TensorRT engines for every graph family of ARTIFACT (needs TensorRT and an NVIDIA GPU)."""
+    from specrt.exporter.tensorrt_build import build_engines
+
+    record = build_engines(artifact, precision=precision, workspace_gb=workspace, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(record))
+    else:
+        click.echo(f"built {len(record['families'])} engines with TensorRT {record['tensorrt']} on {record['gpu']} "
+                   f"into {artifact}/engines")
 
 
 @main.command()
@@ -231,7 +263,7 @@ def _engine_options(f):
               help="Write one JSON line per round per request (speculative methods).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, scheduler, threshold, ngram, backend,
-        threads, trace, as_json, **sampling) -> None:
+        device, dtype, threads, trace, as_json, **sampling) -> None:
     """Generate with an exported artifact."""
     from specrt.runtime.engine import Engine
 
@@ -241,8 +273,9 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
             if value is not None:
                 click.echo(f"specrt: warning: {flag} is ignored with --method ar (it does not draft)", err=True)
         trace = None
+    scheduler = _scheduler(scheduler, backend)
     with Engine(artifact, method=method, gamma=gamma, scheduler=scheduler, ngram=ngram, backend=backend,
-                threads=threads, trace=trace, threshold=threshold) as engine:
+                threads=threads, trace=trace, threshold=threshold, device=device, dtype=dtype) as engine:
         requests = _build_requests(engine, prompt, input_ids, prompts, limit, raw, params)
         stream = len(requests) == 1 and not as_json and engine.tokenizer is not None
         on_text = (lambda _id, delta: (sys.stdout.write(delta), sys.stdout.flush())) if stream else None
@@ -268,8 +301,9 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
 @click.option("--max-new-tokens", default=128, help="Tokens to generate per prompt (greedy, batch 1).")
 @click.option("--methods", default="ar", help="Comma-separated specrt methods to run: ar, ngram, mtp, dspark.")
 @click.option("--gamma", type=int, default=None, help="Drafts verified per round [default: the artifact's].")
-@click.option("--scheduler", type=click.Choice(SCHEDULER_NAMES), default=DEFAULT_SCHEDULER, show_default=True,
-              help="Verify lengths per round (see `specrt run --help`).")
+@click.option("--scheduler", type=click.Choice(SCHEDULER_NAMES), default=None,
+              help=f"Verify lengths per round (see `specrt run --help`) [default: {DEFAULT_SCHEDULER}; "
+                   f"{TORCH_SCHEDULER} with --backend torch].")
 @click.option("--threshold", default=0.3, show_default=True, help="--scheduler threshold: the survival cut.")
 @click.option("--concurrency", default=None,
               help="Comma-separated request counts kept in flight (e.g. 1,2,4,8,16): serve all prompts through the "
@@ -278,7 +312,11 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
               help="With --concurrency: comma-separated schedulers to run every speculative method under "
                    "[default: --scheduler].")
 @click.option("--ngram", default=3, help="ngram method: longest suffix looked up.")
-@click.option("--backend", type=click.Choice(["ort", "torch"]), default="ort", help="Runtime backend.")
+@click.option("--backend", type=click.Choice(["ort", "torch", "tensorrt"]), default="ort", help="Runtime backend.")
+@click.option("--device", default="cpu", show_default=True,
+              help="--backend torch: cpu or cuda[:N] (CUDA graphs); the hf baseline runs there too.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+              help="--backend torch: the modules' precision [default: the artifact's]; the hf baseline's too.")
 @click.option("--baseline", "baselines", multiple=True, default=["none"],
               help="Also run on the artifact's source model: hf (transformers generate()), llama.cpp "
                    "(llama-cpp-python on the source GGUF; optional extra specrt[llama]); repeat or comma-separate.")
@@ -289,7 +327,8 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens: int, methods: str, gamma,
           scheduler: str, threshold: float, concurrency: str | None, schedulers: str | None, ngram: int,
-          backend: str, baselines: tuple[str, ...], threads, plot: Path | None, as_json: bool) -> None:
+          backend: str, device: str, dtype: str | None, baselines: tuple[str, ...], threads, plot: Path | None,
+          as_json: bool) -> None:
     """Benchmark methods and baselines on the same prompts, side by side in one run (greedy, batch 1).
 
     Every method (and the hf baseline) must produce the same greedy tokens as `ar`; if any differs the command
@@ -310,22 +349,25 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
     if plot is not None and plot.suffix.lower() != ".png":
         raise SpecrtError(f"--plot writes a PNG; got {plot}")
     baselines = b.parse_baselines(baselines)
+    scheduler = _scheduler(scheduler, backend)
     if concurrency is not None:
         return _bench_concurrency(artifact, prompt_files, limit, max_new_tokens, names, gamma, scheduler, schedulers,
-                                  threshold, concurrency, backend, threads, baselines, plot, as_json)
+                                  threshold, concurrency, backend, threads, baselines, plot, as_json,
+                                  device=device, dtype=dtype)
     if schedulers is not None:
         raise SpecrtError("--schedulers goes with --concurrency; for one scheduler at batch 1 use --scheduler")
     if "llama.cpp" in baselines:
         b.require_llama_cpp()  # a missing optional extra fails before anything is loaded
     engines = [Engine(artifact, method=m, gamma=gamma if m != "ar" else None, scheduler=scheduler, ngram=ngram,
-                      backend=backend, threads=threads, threshold=threshold) for m in names]
+                      backend=backend, threads=threads, threshold=threshold, device=device, dtype=dtype)
+               for m in names]
     engine = engines[0]
     sets = {p.stem: [encode_prompt(engine.tokenizer, t) for t in read_prompts_file(p, limit)] for p in prompt_files}
     params = SamplingParams(max_new_tokens=max_new_tokens)
     progress = not as_json
     longest = max((len(ids) for prompts in sets.values() for ids in prompts), default=0)
-    runs = b.load_baselines(baselines, b.artifact_source(engine), threads=threads,
-                            n_ctx=longest + max_new_tokens) if baselines else {}
+    runs = b.load_baselines(baselines, b.artifact_source(engine), threads=threads, n_ctx=longest + max_new_tokens,
+                            device=device, dtype=dtype) if baselines else {}
     per_set: dict[str, list] = {}
     for name, ids in sets.items():
         results = [b.run_specrt(e, ids, params, progress=progress, desc=f"{name} {e.method}") for e in engines]
@@ -376,7 +418,7 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--backend", type=click.Choice(["ort", "torch"]), default="ort", help="Runtime backend.")
+@click.option("--backend", type=click.Choice(["ort", "torch", "tensorrt"]), default="ort", help="Runtime backend.")
 @click.option("--threads", type=int, default=None, help="Threads (default: all cores).")
 @click.option("--position", default=128, show_default=True, help="Cache position every call runs at.")
 @click.option("--repeats", default=5, show_default=True, help="Interleaved repetitions (medians are reported).")
@@ -416,7 +458,7 @@ def profile(artifact: Path, backend: str, threads: int | None, position: int, re
 
 
 def _bench_concurrency(artifact, prompt_files, limit, max_new_tokens, names, gamma, scheduler, schedulers, threshold,
-                       concurrency, backend, threads, baselines, plot, as_json) -> None:
+                       concurrency, backend, threads, baselines, plot, as_json, *, device="cpu", dtype=None) -> None:
     """`specrt bench --concurrency`: runtime/concurrency.py."""
     from specrt import artifact as io
     from specrt.runtime import concurrency as cc
@@ -435,7 +477,8 @@ def _bench_concurrency(artifact, prompt_files, limit, max_new_tokens, names, gam
     tok = Tokenizer.from_dir(artifact / io.TOKENIZER_DIR, manifest.tokenizer) if manifest.tokenizer else None
     prompts = [encode_prompt(tok, t) for p in prompt_files for t in read_prompts_file(p, limit)]
     report = cc.run(artifact, prompts, levels=levels, methods=names, schedulers=chosen, max_new_tokens=max_new_tokens,
-                    gamma=gamma, backend=backend, threads=threads, threshold=threshold, progress=not as_json)
+                    gamma=gamma, backend=backend, threads=threads, threshold=threshold, progress=not as_json,
+                    device=device, dtype=dtype)
     if plot is not None:
         report["plot"] = str(cc.plot(report, plot))
     if as_json:

@@ -18,7 +18,7 @@ from onnx import TensorProto, helper
 from specrt import artifact as io
 from specrt.artifact import ExportSettings
 from specrt.exporter.export import export_artifact
-from specrt.plugins.confidence_truncate import DOMAIN, OP, function_proto, truncate
+from specrt.plugins.confidence_truncate import DOMAIN, OP, function_proto, truncate, truncate_torch
 from specrt.runtime.backends import infer, load_runner
 
 FIXTURE = Path(__file__).parent / "fixtures" / "deepspec_dspark_tiny"
@@ -64,6 +64,15 @@ def test_onnx_function_matches_the_reference(session):
             a, n = session.run(None, {"logits": logits, "temperatures": temps,
                                       "threshold": np.array(threshold, np.float32), "budget": np.array(budget)})
             _check(a, n, logits, temps, threshold, budget)
+
+
+def test_torch_op_matches_the_reference():
+    torch = pytest.importorskip("torch")
+    for logits, temps in _cases(2):
+        for threshold, budget in MODES:
+            a, n = truncate_torch(torch.from_numpy(logits), torch.from_numpy(temps), torch.tensor(threshold),
+                                  torch.tensor(budget))
+            _check(a.numpy(), n.numpy(), logits, temps, threshold, budget)
 
 
 def test_exported_draft_graph_runs_the_op(tmp_path):

@@ -120,7 +120,7 @@ class MTP(DecoderLayer):
         last = last_row.unsqueeze(1)
         p_last = positions.gather(1, last)  # [B,1]
         positions = torch.where(cols <= last, positions, p_last + cols - last)
-        h = self.step(tokens, hidden, positions)[torch.arange(b), last_row]  # h'_1 [B,d]
+        h = self.step(tokens, hidden, positions)[torch.arange(b, device=tokens.device), last_row]  # h'_1 [B,d]
         out_tokens, out_logits, out_probs = [], [], []
         for k in range(noise.shape[1]):
             if k:  # step k+1: previous draft token and fed-back hidden, at position P + k

@@ -1,4 +1,4 @@
-"""PyTorch backend: a graph family run eagerly on CPU by the exporter's own torch modules.
+"""PyTorch backend: a graph family run by the exporter's own torch modules, eagerly on CPU, in CUDA graphs on a GPU.
 
 The numerical reference for the ONNX graphs, behind the same `Runner` verbs as ONNX Runtime. Weights come
 from the artifact alone: the family's ONNX file names its initializers and where they sit in the
@@ -8,6 +8,11 @@ weights the graph multiplies by (exact at accuracy level 0; level 4 also rounds 
 Each layer's KV cache is one [slots, Hkv, S, D] tensor pair allocated once; a
 call over slots [s, s+n) points the modules' caches at views [s:s+n], so the scatter writes land in place.
 Per (slot, bucket), host input buffers (numpy, shared with torch) and the cache views are made once.
+
+On CUDA (`device="cuda"`) the weights and the cache live on the GPU; each (slot, bucket) call also has static
+device inputs, is captured into a CUDA graph after a warm-up (runtime/backends/graphs.py) and replayed, and its
+outputs are copied into pinned host buffers: one host synchronisation per call. `dtype` runs the modules in
+another precision than the artifact's (bfloat16 on a GPU); inputs and outputs keep the graph's dtypes.
 """
 from __future__ import annotations
 
@@ -26,12 +31,14 @@ from specrt.exporter.config import ModelConfig
 from specrt.exporter.loaders.deepspec import DSparkConfig
 from specrt.exporter.loaders.mtp import EMBED, HEAD, MTPConfig
 from specrt.exporter.models.dspark import DSparkDraft
-from specrt.plugins.confidence_truncate import truncate
+from specrt.plugins.confidence_truncate import truncate_torch
 from specrt.exporter.models.llama import KVCache, Transformer, cache_mask, rope_cos_sin
 from specrt.exporter.models.mtp import MTP, SlotKVCache
 from specrt.exporter.onnx.quant import dequantize_tensors
+from specrt.runtime.backends.graphs import GraphedCall, GraphStats
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64}
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
+DTYPES = ("float32", "float16", "bfloat16")  # what `dtype` may ask for
 TARGET_EMBED = "model.embed_tokens.weight"
 
 
@@ -131,10 +138,13 @@ class _TargetFamily:
         out = {io.LOGITS: self.model.lm_head(h.flatten(0, 1)[cells][x[io.LOGIT_ROWS]])}
         if self.features:
             f = torch.cat([captured[f] for f in self.features], dim=-1)
-            computed = torch.zeros(f.shape[0] * f.shape[1], dtype=torch.bool)
+            computed = torch.zeros(f.shape[0] * f.shape[1], dtype=torch.bool, device=f.device)
             computed[cells] = True
             out[io.FEATURES] = f.masked_fill(~computed.view(*f.shape[:2], 1), 0)  # zero, as the graph's
         return out
+
+    def to(self, device: torch.device) -> None:
+        self.model.to(device)
 
 
 class _DSparkFamily:
@@ -148,7 +158,7 @@ class _DSparkFamily:
             _unstack_layer(own, f"layers.{i}", cfg.layers, q_apart=True)
         _shared(own, w, m.model, embed="embed_tokens.weight", head="lm_head.weight")  # the target's when equal
         self.model = model = DSparkDraft.from_weights(cfg, own, dtype, vocab_ids)
-        self.temperatures = np.asarray(cfg.confidence_temperatures or [1.0] * cfg.block_size, np.float32)
+        self.temperatures = torch.tensor(cfg.confidence_temperatures or [1.0] * cfg.block_size, dtype=torch.float32)
         _fp32_rope(model)
         if dtype != torch.float32:
             model.fc = nn.Sequential(_Cast(torch.float32), model.fc.float())
@@ -161,11 +171,14 @@ class _DSparkFamily:
                        x[io.ANCHOR_IDS], x[io.TEMPERATURE], x[io.NOISE])
         out = {io.DRAFT_TOKENS: d.tokens, io.DRAFT_LOGITS: d.logits, io.DRAFT_PROBS: d.probs,
                io.CONFIDENCE_LOGITS: d.confidence_logits}
-        if d.confidence_logits is not None:  # specrt::ConfidenceTruncate: the reference
-            a, lengths = truncate(d.confidence_logits.float().cpu().numpy(), self.temperatures,
-                                  float(x[io.TRUNCATE_THRESHOLD]), int(x[io.TRUNCATE_BUDGET]))
-            out[io.SURVIVAL], out[io.VERIFY_LENGTHS] = torch.from_numpy(a), torch.from_numpy(lengths)
+        if d.confidence_logits is not None:  # specrt::ConfidenceTruncate, on the device
+            out[io.SURVIVAL], out[io.VERIFY_LENGTHS] = truncate_torch(
+                d.confidence_logits, self.temperatures, x[io.TRUNCATE_THRESHOLD], x[io.TRUNCATE_BUDGET])
         return out
+
+    def to(self, device: torch.device) -> None:
+        self.model.to(device)
+        self.temperatures = self.temperatures.to(device)
 
 
 class _MTPFamily:
@@ -186,25 +199,36 @@ class _MTPFamily:
         self.attention = [model.self_attn]
 
     def forward(self, x: dict[str, Tensor]) -> dict[str, Tensor]:
-        d = self.model(x[io.MTP_TOKENS], x[io.MTP_HIDDEN], x[io.MTP_POSITIONS], x[io.MTP_LAST_ROW],
-                       x[io.TEMPERATURE], x[io.NOISE])
+        hidden = x[io.MTP_HIDDEN].to(self.model.eh_proj.weight.dtype)  # another dtype than the graph's
+        d = self.model(x[io.MTP_TOKENS], hidden, x[io.MTP_POSITIONS], x[io.MTP_LAST_ROW], x[io.TEMPERATURE],
+                       x[io.NOISE])
         return {io.DRAFT_TOKENS: d.tokens, io.DRAFT_LOGITS: d.logits, io.DRAFT_PROBS: d.probs}
+
+    def to(self, device: torch.device) -> None:
+        self.model.to(device)
 
 
 @dataclass
 class _Call:
-    """What a (slot, bucket) call runs on, made once: host buffers, their torch aliases, cache views."""
+    """What a (slot, bucket) call runs on, made once: host input buffers, the device inputs they are copied to
+    (the same tensors on CPU), the cache views, the (graphed) call, and pinned host outputs on CUDA."""
 
     host: dict[str, np.ndarray]
     feeds: dict[str, Tensor]
     cache: list[tuple[Tensor, Tensor]]
+    run: GraphedCall | None = None
+    outputs: dict[str, Tensor] | None = None  # host copies of the device outputs (CUDA only)
 
 
 class TorchRunner:
     """Serves one graph family of an artifact with the exporter's torch modules (the `Runner` verbs)."""
 
-    def __init__(self, art_dir: Path, manifest: io.Manifest, family: str, *, threads: int | None = None) -> None:
+    def __init__(self, art_dir: Path, manifest: io.Manifest, family: str, *, threads: int | None = None,
+                 device: str = "cpu", dtype: str | None = None, graphs: bool | None = None) -> None:
         self.spec = graph = manifest.graphs[family]
+        self.device = device_of(device)
+        if dtype is not None and dtype not in DTYPES:
+            raise SpecrtError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         try:
             proto = onnx.load(str(art_dir / graph.file), load_external_data=False)
         except Exception as e:  # protobuf's DecodeError for a corrupt file, OSError, ...
@@ -214,7 +238,7 @@ class TorchRunner:
                                   for vi in (*proto.graph.input, *proto.graph.output)}, graph.file)
         if threads:
             torch.set_num_threads(threads)
-        self.dtype = TORCH_DTYPES[manifest.export.dtype]
+        self.dtype = TORCH_DTYPES[dtype or manifest.export.dtype]
         weights = dequantize_tensors(graph_tensors(art_dir, proto))  # quantized artifacts: what the blocks stand for
         if family == io.TARGET:
             self._family = _TargetFamily(manifest, weights, self.dtype)
@@ -223,10 +247,16 @@ class TorchRunner:
         else:  # dspark / dflash
             self._family = _DSparkFamily(manifest, family, weights, self.dtype)
         self._family.model.requires_grad_(False)
+        self._family.to(self.device)
         cache_cls = SlotKVCache if isinstance(self._family, _MTPFamily) else KVCache
         for attn in self._family.attention:  # empty holders: run() points them at views of the real cache
             attn.kv_cache = cache_cls(0, 0, 0, 0, self.dtype)
         self._outputs = {t.name: TORCH_DTYPES[t.dtype] for t in graph.host_outputs()}
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        if self.graphs and self.device.type != "cuda":
+            raise SpecrtError("CUDA graphs need a CUDA device")
+        self.graph_stats = GraphStats()
+        self.syncs = 0  # host synchronisations (one per CUDA call: its outputs' copy)
         self.slots = 0
         self._cache: list[tuple[Tensor, Tensor]] = []
         self._calls: dict[tuple, _Call] = {}
@@ -237,14 +267,28 @@ class TorchRunner:
             self.slots = slots
             past = self.spec.cache_inputs()
             size = {"B": slots, io.CACHE_LEN: self.spec.max_seq}  # a sized cache: all of it (eager torch)
-            self._cache = [tuple(torch.zeros(t.resolve(size), dtype=self.dtype) for t in kv)
-                           for kv in zip(past[::2], past[1::2])]  # (key, value) per layer
             self._calls.clear()
+            self._cache = []  # the old cache's memory is free before the new one is taken
+            self._cache = [tuple(torch.zeros(t.resolve(size), dtype=self.dtype, device=self.device) for t in kv)
+                           for kv in zip(past[::2], past[1::2])]  # (key, value) per layer
 
     @property
     def cache(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Each layer's (key, value) cache [slots, Hkv, S, D] as numpy views (for tests and tools)."""
-        return [(k.numpy(), v.numpy()) for k, v in self._cache]
+        """Each layer's (key, value) cache [slots, Hkv, S, D] as numpy arrays (views on CPU; for tests and tools)."""
+        return [(k.float().cpu().numpy(), v.float().cpu().numpy()) if self.device.type != "cpu" or
+                k.dtype == torch.bfloat16 else (k.numpy(), v.numpy()) for k, v in self._cache]
+
+    def module_inputs(self, slot: int, bucket: io.Bucket) -> dict[str, Tensor]:
+        """The static device input tensors of a call (what the modules read; device-resident loops fill these)."""
+        return self._call(slot, bucket).feeds
+
+    def forward(self, slot: int, bucket: io.Bucket, *, graphed: bool = True) -> dict[str, Tensor]:
+        """Run a call on its static device inputs, as they are, and return its device outputs (graph outputs on
+        CUDA: overwritten by the next replay). No host copy and no synchronisation. `graphed=False` runs the
+        modules eagerly (inside another capture: a device-resident round)."""
+        call = self._call(slot, bucket)
+        with torch.inference_mode():
+            return call.run() if graphed else self._forward(call)
 
     def _call(self, slot: int, bucket: io.Bucket) -> _Call:
         key = (slot, *sorted(bucket.items()))
@@ -252,10 +296,21 @@ class TorchRunner:
             n = bucket["B"]
             if slot < 0 or slot + n > self.slots:
                 raise ValueError(f"slots [{slot}, {slot + n}) outside the allocated {self.slots}")
-            host = {t.name: np.zeros(t.resolve(bucket), dtype=t.dtype) for t in self.spec.host_inputs()}
-            self._calls[key] = _Call(host, {name: torch.from_numpy(a) for name, a in host.items()},
-                                     [(k[slot:slot + n], v[slot:slot + n]) for k, v in self._cache])
+            cuda = self.device.type == "cuda"
+            host_t = {t.name: torch.zeros(t.resolve(bucket), dtype=TORCH_DTYPES[t.dtype], pin_memory=cuda)
+                      for t in self.spec.host_inputs()}
+            feeds = {name: a.to(self.device) if cuda else a for name, a in host_t.items()}
+            call = _Call({name: a.numpy() for name, a in host_t.items()}, feeds,
+                         [(k[slot:slot + n], v[slot:slot + n]) for k, v in self._cache])
+            call.run = GraphedCall(lambda: self._forward(call), capture=self.graphs, stats=self.graph_stats)
+            self._calls[key] = call
         return self._calls[key]
+
+    def _forward(self, call: _Call) -> dict[str, Tensor]:
+        for attn, (k, v) in zip(self._family.attention, call.cache):
+            attn.kv_cache.k_cache, attn.kv_cache.v_cache = k, v
+        out = self._family.forward(call.feeds)
+        return {name: out[name].to(dtype) for name, dtype in self._outputs.items()}
 
     def inputs(self, slot: int, bucket: io.Bucket, *, greedy: bool = False) -> dict[str, np.ndarray]:
         """The host input buffers for slots [slot, slot + B): fill them in place, then `run`."""
@@ -265,8 +320,34 @@ class TorchRunner:
         """Run on the buffers `inputs(slot, bucket)` returned; outputs stay valid until the next call. The modules
         compute every output, so `greedy` (use a greedy variant) changes nothing here."""
         call = self._call(slot, bucket)
-        for attn, (k, v) in zip(self._family.attention, call.cache):
-            attn.kv_cache.k_cache, attn.kv_cache.v_cache = k, v
+        if self.device.type == "cpu":
+            with torch.inference_mode():
+                return {name: t.numpy() for name, t in call.run().items()}
+        for name, a in call.host.items():
+            call.feeds[name].copy_(torch.from_numpy(a), non_blocking=True)
         with torch.inference_mode():
-            out = self._family.forward(call.feeds)
-            return {name: out[name].to(dtype).numpy() for name, dtype in self._outputs.items()}
+            out = call.run()
+        if call.outputs is None:
+            call.outputs = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for name, t in out.items()}
+        for name, t in out.items():
+            call.outputs[name].copy_(t, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        self.syncs += 1
+        return {name: t.numpy() for name, t in call.outputs.items()}
+
+
+def device_of(name: str) -> torch.device:
+    """A torch device by name, or a one-line error when it cannot be used here."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise SpecrtError(f"unknown device {name!r}; use cpu or cuda[:N]") from None
+    if device.type not in ("cpu", "cuda"):
+        raise SpecrtError(f"device {name!r}: the torch backend runs on cpu or cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SpecrtError(f"--device {name}: no CUDA GPU is visible to torch {torch.__version__} "
+                              f"(built with CUDA {torch.version.cuda or 'none'})")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise SpecrtError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s)")
+    return device
