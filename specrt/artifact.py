@@ -302,6 +302,7 @@ class Manifest:
     features: tuple[int | str, ...] = ()  # target feature sources: layer ids, "final"
     heads: dict[str, HeadSpec] = field(default_factory=dict)
     runtime_shapes: str = "symbolic"  # each family is one graph over named axes, run at its buckets
+    engines: dict[str, Any] = field(default_factory=dict)  # `specrt build`: TensorRT engines (exporter/tensorrt_build.py)
 
     @property
     def gamma(self) -> int:
@@ -329,7 +330,7 @@ class Manifest:
                    weights=WeightsInfo(**d["weights"]), name=d.get("name", ""), format_version=d["format_version"],
                    specrt_version=d.get("specrt_version", ""), features=tuple(d.get("features", ())),
                    heads={k: HeadSpec.from_dict(h) for k, h in d.get("heads", {}).items()},
-                   runtime_shapes=d.get("runtime_shapes", "symbolic"))
+                   runtime_shapes=d.get("runtime_shapes", "symbolic"), engines=dict(d.get("engines") or {}))
 
 
 def load_manifest(art_dir: str | Path) -> Manifest:
