@@ -132,14 +132,14 @@ class DeviceRounds:
         """One round over slots [0, n) (rounded up to a bucket); `active[i]`: slot i holds a request; `lookups`:
         the n-gram drafter's proposal (copied up)."""
         b = self.target.spec.bucket("decode", B=n)["B"]
-        self._active_host.zero_()
-        self._active_host[:n] = torch.as_tensor(active, dtype=torch.bool)
+        host_active = self._active_host.numpy()  # filled in place: no allocation per round
+        host_active[:] = False
+        host_active[:n] = active
         self.active.copy_(self._active_host, non_blocking=True)
         if self.ngram:
-            self._draft_host.zero_()
-            self._count_host.zero_()
-            self._draft_host[:n] = torch.from_numpy(lookups.tokens[:n, :self.gamma])
-            self._count_host[:n] = torch.from_numpy(lookups.counts[:n])
+            drafts, counts = self._draft_host.numpy(), self._count_host.numpy()
+            drafts[:], counts[:] = 0, 0
+            drafts[:n], counts[:n] = lookups.tokens[:n, :self.gamma], lookups.counts[:n]
             self.draft_in.copy_(self._draft_host, non_blocking=True)
             self.count_in.copy_(self._count_host, non_blocking=True)
         if b not in self._rounds:

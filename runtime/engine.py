@@ -153,12 +153,11 @@ class Engine:
             self.spec = Speculator(self.target, self.drafter, sched, gamma=g)
         self.gamma = self.spec.gamma if self.spec else 0
         self.device_rounds: DeviceRounds | None = None
-        self.device_note = "" if backend == "torch" else "the host loop runs every round on this backend"
-        if backend == "torch":
-            self.device_note = unsupported(method, scheduler, self.manifest)
-            if not self.device_note:
-                self.device_rounds = DeviceRounds(self.target, self.drafter, gamma=self.gamma, scheduler=scheduler,
-                                                  threshold=threshold, capture=where["graphs"])
+        self.device_note = (unsupported(method, scheduler, self.manifest) if backend == "torch"
+                            else "the host loop runs every round on this backend")
+        if not self.device_note:
+            self.device_rounds = DeviceRounds(self.target, self.drafter, gamma=self.gamma, scheduler=scheduler,
+                                              threshold=threshold, capture=where["graphs"])
         self._on_device = False  # whether the active slots' state is current only on the device
         self.observers: list[RoundObserver] = list(observers)
         if trace is not None:

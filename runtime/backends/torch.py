@@ -275,8 +275,9 @@ class TorchRunner:
     @property
     def cache(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each layer's (key, value) cache [slots, Hkv, S, D] as numpy arrays (views on CPU; for tests and tools)."""
-        return [(k.float().cpu().numpy(), v.float().cpu().numpy()) if self.device.type != "cpu" or
-                k.dtype == torch.bfloat16 else (k.numpy(), v.numpy()) for k, v in self._cache]
+        views = self.device.type == "cpu" and self.dtype != torch.bfloat16  # numpy has no bfloat16
+        return [(k.numpy(), v.numpy()) if views else (k.float().cpu().numpy(), v.float().cpu().numpy())
+                for k, v in self._cache]
 
     def module_inputs(self, slot: int, bucket: io.Bucket) -> dict[str, Tensor]:
         """The static device input tensors of a call (what the modules read; device-resident loops fill these)."""
