@@ -457,6 +457,50 @@ def profile(artifact: Path, backend: str, threads: int | None, position: int, re
     click.echo(f"wrote {path}" + (f" and {report['plot']}" if plot is not None else ""))
 
 
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, help="Port to listen on.")
+@click.option("--model-name", default=None, help="The model name clients send [default: the artifact's name].")
+@click.option("--slots", type=int, default=None, help="Requests decoded at once [default: the artifact's batch].")
+@_engine_options
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
+              help="uvicorn's log level.")
+def serve(artifact: Path, host: str, port: int, model_name: str | None, slots: int | None, method, gamma, scheduler,
+          threshold, ngram, backend, device, dtype, threads, log_level: str) -> None:
+    """Serve ARTIFACT over the OpenAI HTTP API (/v1/completions, /v1/chat/completions), with a playground at /
+    and Prometheus metrics at /metrics."""
+    import socket
+
+    import uvicorn
+
+    from specrt import artifact as io
+    from specrt.runtime.engine import Engine
+    from specrt.serve.app import create_app
+    from specrt.serve.loop import EngineLoop
+
+    manifest = io.load_manifest(artifact)
+    if slots is not None and not 1 <= slots <= manifest.export.batch:
+        raise SpecrtError(f"--slots must be between 1 and {manifest.export.batch} (the artifact's batch), got {slots}")
+    with socket.socket() as probe:  # a busy port is a one-line error, before the engine loads
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise SpecrtError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    engine = Engine(artifact, method=method, gamma=gamma, scheduler=_scheduler(scheduler, backend), ngram=ngram,
+                    backend=backend, threads=threads, threshold=threshold, device=device, dtype=dtype,
+                    slots=slots or manifest.export.batch)
+    name = model_name or manifest.name or artifact.resolve().name
+    loop = EngineLoop(engine)
+    click.echo(f"specrt: serving {name!r} ({method}, {len(engine.slots)} slots, {backend}) on http://{host}:{port}",
+               err=True)
+    try:
+        uvicorn.run(create_app(loop, name), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
+    finally:
+        loop.close()
+
+
 def _bench_concurrency(artifact, prompt_files, limit, max_new_tokens, names, gamma, scheduler, schedulers, threshold,
                        concurrency, backend, threads, baselines, plot, as_json, *, device="cpu", dtype=None) -> None:
     """`specrt bench --concurrency`: runtime/concurrency.py."""

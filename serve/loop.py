@@ -1,0 +1,201 @@
+"""One thread owns the engine: callers submit and abort requests; the thread steps and hands out events.
+
+    submit(prompt_ids, params, on_event) ──► commands ──► loop thread: add_request / abort,
+    abort(id) ─────────────────────────────►             engine.step(), one Event per touched request
+                                                          ──► on_event(event)  (called on the loop thread)
+
+The HTTP server and the Triton Python model both drive an engine through this class, so neither calls
+the engine from more than one thread. `on_event` must be quick and must not block (hand the event to
+an asyncio queue, a Triton response sender).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from specrt.errors import SpecrtError
+from specrt.runtime.engine import Engine, Request, RequestOutput
+from specrt.runtime.observers import RoundRecord
+from specrt.runtime.sampling import SamplingParams
+
+
+@dataclass
+class Event:
+    """New tokens of one request; `drafted[i]` says whether token i was an accepted draft (else the target's)."""
+
+    id: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    drafted: list[bool] = field(default_factory=list)
+    finished: RequestOutput | None = None
+    error: str | None = None  # the loop failed; the request is over
+
+
+@dataclass
+class LoopStats:
+    """Running totals the metrics endpoint reads (written by the loop thread only)."""
+
+    requests: int = 0
+    aborted: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    rounds: int = 0
+    committed: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    step_s: float = 0.0
+    proposed_at: list[int] = field(default_factory=list)  # per draft position: rounds that verified it
+    accepted_at: list[int] = field(default_factory=list)  # ... and accepted it
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per round (1.0 for autoregressive decoding)."""
+        return self.committed / self.rounds if self.rounds else 0.0
+
+
+class _Rounds:
+    """A round observer: per request, the (accepted, committed) of its rounds in the current step."""
+
+    def __init__(self, gamma: int) -> None:
+        self.pending: dict[int, list[tuple[int, int]]] = {}
+        self.gamma = gamma
+
+    def on_round(self, record: RoundRecord) -> None:
+        self.pending.setdefault(record.request, []).append((record.accepted, record.committed, record.verify_len))
+
+    def close(self) -> None:
+        pass
+
+
+class EngineLoop:
+    """Runs `engine` on a daemon thread; thread-safe `submit` / `abort`; `stats` and `load()` for metrics."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.stats = LoopStats(proposed_at=[0] * engine.gamma, accepted_at=[0] * engine.gamma)
+        self._rounds = _Rounds(engine.gamma)
+        engine.observers.append(self._rounds)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._listeners: dict[int, Callable[[Event], None]] = {}
+        self._ids = 0
+        self._id_lock = threading.Lock()
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="specrt-engine", daemon=True)
+        self._thread.start()
+        self.queue_depth = 0
+        self.active = 0
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, on_event: Callable[[Event], None]) -> int:
+        """Queue a request; returns its id. Raises SpecrtError (now, on the caller's thread) if the engine
+        cannot serve it (prompt too long for the cache, token ids outside the vocabulary)."""
+        with self._id_lock:
+            rid = self._ids
+            self._ids += 1
+        request = Request(prompt_ids=[int(t) for t in prompt_ids], params=params, id=rid)
+        self.engine.check(request)  # reads only the manifest: safe off the loop thread
+        self._commands.put(("add", request, on_event))
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        """Drop a request (queued or running); its slot is free for the next step. Unknown ids are ignored."""
+        self._commands.put(("abort", request_id, None))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._running = False
+        self._commands.put(("stop", None, None))
+        self._thread.join(timeout)
+
+    # -- the loop thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while self._running:
+            idle = not self.engine.has_unfinished()
+            try:  # block only while idle; otherwise take what has arrived and step
+                cmd = self._commands.get(timeout=0.5) if idle else self._commands.get_nowait()
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                self._apply(*cmd)
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self.engine.has_unfinished():
+                try:
+                    self._step()
+                except Exception as e:  # noqa: BLE001 - a failed step ends every request, not the server
+                    self._fail(f"{type(e).__name__}: {e}")
+
+    def _apply(self, op: str, arg, on_event) -> None:
+        if op == "add":
+            try:
+                self.engine.add_request(arg.prompt_ids, arg.params, request_id=arg.id)
+            except SpecrtError as e:
+                on_event(Event(arg.id, error=str(e)))
+                return
+            self._listeners[arg.id] = on_event
+            self.stats.requests += 1
+            self.stats.prompt_tokens += len(arg.prompt_ids)
+        elif op == "abort":
+            listener = self._listeners.pop(arg, None)
+            out = self.engine.abort(arg)
+            if out is not None:
+                self.stats.aborted += 1
+                if listener is not None:
+                    listener(Event(arg, finished=out))
+        self._gauges()
+
+    def _step(self) -> None:
+        e = self.engine
+        draft0, verify0 = e.stats.draft_s, e.stats.verify_s
+        t0 = time.perf_counter()
+        deltas = e.step()
+        self.stats.step_s += time.perf_counter() - t0
+        self.stats.steps += 1
+        self.stats.draft_s += e.stats.draft_s - draft0
+        self.stats.verify_s += e.stats.verify_s - verify0
+        rounds, self._rounds.pending = self._rounds.pending, {}
+        for d in deltas:
+            drafted = self._marks(len(d.token_ids), rounds.get(d.id, ()))
+            self.stats.generated_tokens += len(d.token_ids)
+            listener = self._listeners.get(d.id)
+            if d.finished is not None:
+                self._listeners.pop(d.id, None)
+            if listener is not None:
+                listener(Event(d.id, d.token_ids, d.text, drafted, d.finished))
+        self._gauges()
+
+    def _marks(self, n: int, rounds) -> list[bool]:
+        """Which of a step's n tokens were accepted drafts: per round, the first min(accepted, committed)."""
+        marks: list[bool] = []
+        for accepted, committed, verify_len in rounds:
+            self.stats.rounds += 1
+            self.stats.committed += committed
+            for k in range(min(verify_len, len(self.stats.proposed_at))):
+                self.stats.proposed_at[k] += 1
+                self.stats.accepted_at[k] += accepted > k
+            a = min(accepted, committed)
+            marks += [True] * a + [False] * (committed - a)
+        if not self.engine.spec:  # autoregressive: one target token per step
+            self.stats.rounds += n
+            self.stats.committed += n
+        return [False] * (n - len(marks)) + marks  # the prefill's first token comes before the round's
+
+    def _gauges(self) -> None:
+        e = self.engine
+        self.queue_depth = len(e.waiting)
+        self.active = sum(s is not None for s in e.slots)
+
+    def _fail(self, message: str) -> None:
+        for rid in list(self._listeners):
+            self.engine.abort(rid)
+            self._listeners.pop(rid)(Event(rid, error=message))
+        self._gauges()
