@@ -541,6 +541,60 @@ def _bench_concurrency(artifact, prompt_files, limit, max_new_tokens, names, gam
         sys.exit(1)
 
 
+@main.command()
+@click.argument("artifact", required=False, type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="The model repository to write.")
+@click.option("--check", "check", type=click.Path(path_type=Path), default=None, metavar="REPO",
+              help="Validate the model repository REPO (what tritonserver would refuse) instead of writing one.")
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime",
+              help="The engine's runtime and the debugging models' platform (onnxruntime_onnx, or tensorrt_plan over "
+                   "the engines of `specrt build`, on a GPU).")
+@click.option("--instances", default=1, help="Instances of the specrt model (each loads its own engine).")
+@click.option("--method", type=click.Choice(METHOD_NAMES), default="ar", help="Decoding method of the engine.")
+@click.option("--gamma", type=int, default=None, help="Drafts verified per round at most [default: the artifact's "
+                                                       "verify length - 1].")
+@click.option("--scheduler", type=click.Choice(SCHEDULER_NAMES), default=DEFAULT_SCHEDULER,
+              help="Verify lengths per round (see `specrt run --help`).")
+@click.option("--max-tokens", default=128, help="New tokens per request unless its sampling_parameters say otherwise.")
+@click.option("--threads", type=int, default=None, help="Intra-op threads per instance (default: all cores).")
+@click.option("--force", is_flag=True, help="Replace --out if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def triton(artifact: Path | None, out: Path | None, check: Path | None, backend: str, instances: int, method: str,
+           gamma: int | None, scheduler: str, max_tokens: int, threads: int | None, force: bool, as_json: bool) -> None:
+    """Write a Triton Inference Server model repository for ARTIFACT: a decoupled Python model that streams tokens
+    from a specrt engine, and one debugging model per graph. With --check REPO, validate a repository instead."""
+    if check is not None:
+        if artifact is not None or out is not None:
+            raise SpecrtError("--check REPO validates a repository; give it without ARTIFACT and --out")
+        from specrt.serve.triton.check import check_repository
+
+        report = check_repository(check)
+        if as_json:
+            click.echo(json.dumps(report))
+        else:
+            for problem in report["problems"]:
+                click.echo(problem)
+            if not report["problems"]:
+                names = ", ".join(m["name"] for m in report["models"])
+                click.echo(f"{check}: {len(report['models'])} models OK ({names})")
+        if report["problems"]:
+            sys.exit(1)
+        return
+    if artifact is None or out is None:
+        raise SpecrtError("give ARTIFACT and --out REPO to write a repository, or --check REPO to validate one")
+    from specrt.serve.triton.repository import write_repository
+
+    report = write_repository(artifact, out, backend=backend, instances=instances, method=method, gamma=gamma,
+                              scheduler=scheduler, max_tokens=max_tokens, threads=threads, force=force)
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    graphs = [m["name"] for m in report["models"][1:]]
+    click.echo(f"wrote {out}: specrt (Python backend, decoupled, {method}) and {len(graphs)} {backend} debugging "
+               f"models ({', '.join(graphs)}); {report['linked']} files hard-linked, {report['copied']} copied")
+    click.echo(f"check it with `specrt triton --check {out}`; serve it with `tritonserver --model-repository {out}`")
+
+
 def _layer_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
     if value is None:
         return None

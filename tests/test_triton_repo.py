@@ -1,0 +1,360 @@
+"""`specrt triton`: the repository it writes, `--check` on it, and its Python model run outside tritonserver.
+
+The model runs through tests/triton_stub (Triton's transport stood in for: tensors, responses, senders) on a real
+engine over a real artifact; its tokens must equal a direct engine run of the same request.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from specrt.artifact import ExportSettings
+from specrt.cli import main
+from specrt.exporter.export import export_artifact
+from specrt.runtime.engine import Engine, Request
+from specrt.runtime.prompts import encode_prompt
+from specrt.runtime.sampling import SamplingParams
+from specrt.serve.triton.check import check_repository
+from specrt.serve.triton.repository import write_repository
+
+pytest.importorskip("tritonclient.grpc.model_config_pb2")
+FIXTURE = Path(__file__).parent / "fixtures" / "deepspec_dspark_tiny"
+STUB = Path(__file__).parent / "triton_stub"
+WORDS = [f"w{i}" for i in range(508)]
+METHOD = dict(method="ngram", scheduler="fixed")  # the tiny DSpark head's drafts are all rejected
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory) -> Path:
+    """The tiny DSpark fixture with a word-level tokenizer, so both text and token-id prompts work."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    work = tmp_path_factory.mktemp("triton")
+    model = Path(shutil.copytree(FIXTURE / "target", work / "model"))
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<s>": 1, "</s>": 2, "[UNK]": 3,
+                                      **{w: 4 + i for i, w in enumerate(WORDS)}}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(model / "tokenizer.json"))
+    (model / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return export_artifact(model, work / "art", ExportSettings(batch=4, max_seq=128, prefill_chunk=16, verify_len=5),
+                           draft=FIXTURE / "draft", progress=False)
+
+
+@pytest.fixture(scope="module")
+def repo(art, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("repo") / "repo"
+    write_repository(art, out, max_tokens=10, threads=1, **METHOD)
+    return out
+
+
+def _copy(repo: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(repo, tmp_path / "repo"))
+
+
+# -- the repository and its check -----------------------------------------------------------------------
+
+
+def test_layout(art, repo):
+    names = sorted(p.name for p in repo.iterdir())
+    assert names == ["specrt", "specrt_dspark", "specrt_dspark_greedy", "specrt_target"]
+    assert (repo / "specrt/1/model.py").read_text() == (
+        Path(__file__).parents[1] / "serve/triton/model.py").read_text()
+    assert (repo / "specrt/1/artifact/manifest.json").is_file()
+    # the graphs' external weights sit beside each debugging model, hard-linked (same filesystem here)
+    for name in names[1:]:
+        assert (repo / name / "1/model.onnx").is_file()
+        assert (repo / name / "1/weights.bin").stat().st_ino == (art / "weights.bin").stat().st_ino
+    config = (repo / "specrt/config.pbtxt").read_text()
+    assert "decoupled: true" in config and 'string_value: "ngram"' in config
+
+
+def test_debug_model_loads_in_onnxruntime(repo):
+    """A debugging model's folder is all ONNX Runtime needs (its weights resolve beside model.onnx)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(repo / "specrt_dspark/1/model.onnx"), providers=["CPUExecutionProvider"])
+    assert "survival" in [o.name for o in session.get_outputs()]
+
+
+def test_check_passes(repo):
+    report = check_repository(repo)
+    assert report["problems"] == []
+    assert {m["name"]: m["ok"] for m in report["models"]} == {
+        "specrt": True, "specrt_dspark": True, "specrt_dspark_greedy": True, "specrt_target": True}
+    result = CliRunner().invoke(main, ["triton", "--check", str(repo)])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(main, ["triton", "--check", str(repo), "--json"])
+    assert json.loads(result.output)["problems"] == []
+
+
+def test_check_finds_problems(repo, tmp_path):
+    bad = _copy(repo, tmp_path)
+    target = bad / "specrt_target/config.pbtxt"
+    text = target.read_text()
+    target.write_text(text.replace('name: "position_ids"\n    data_type: TYPE_INT64',
+                                   'name: "position_ids"\n    data_type: TYPE_INT32', 1))
+    (bad / "specrt_dspark/config.pbtxt").write_text(
+        (bad / "specrt_dspark/config.pbtxt").read_text().replace('name: "specrt_dspark"', 'name: "dspark"'))
+    (bad / "specrt_dspark_greedy/1/weights.bin").unlink()
+    spec = bad / "specrt/config.pbtxt"
+    spec.write_text(spec.read_text().replace("decoupled: true", "decoupled: false"))
+    (bad / "specrt/1/model.py").unlink()
+    (bad / "extra").mkdir()
+    (bad / "extra/config.pbtxt").write_text('name: "extra"\nplatform: "onnxruntime_onnx"\nbackend: "python"\n'
+                                            "max_batch_size: 0\n")
+    (bad / "broken").mkdir()
+    (bad / "broken/config.pbtxt").write_text("name: 'broken'\nnot_a_field: 1\n")
+    problems = check_repository(bad)["problems"]
+    text = "\n".join(problems)
+    assert "position_ids' is TYPE_INT32 in config.pbtxt, TYPE_INT64 in the graph" in text
+    assert "specrt_dspark: config name 'dspark' differs from the folder name" in text
+    assert "specrt_dspark_greedy/1/model.onnx: its external data weights.bin is missing" in text
+    assert "specrt: the specrt model streams" in text
+    assert "specrt/1/model.py: missing" in text
+    assert "extra: platform 'onnxruntime_onnx' runs on backend 'onnxruntime', not 'python'" in text
+    assert "extra: no version folder" in text
+    assert "broken/config.pbtxt: not a valid Triton ModelConfig" in text
+    result = CliRunner().invoke(main, ["triton", "--check", str(bad)])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[:len(problems)] == problems
+
+
+def test_writer_errors(art, repo, tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(main, ["triton", str(art), "--out", str(tmp_path / "r"), "--backend", "tensorrt"])
+    assert result.exit_code == 1 and f"run `specrt build {art}` first" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    result = runner.invoke(main, ["triton", str(art), "--out", str(repo)])
+    assert result.exit_code == 1 and "--force" in result.output
+    result = runner.invoke(main, ["triton", str(art), "--out", str(tmp_path / "r"), "--method", "mtp"])
+    assert result.exit_code == 1 and "needs the artifact's mtp head" in result.output
+    result = runner.invoke(main, ["triton", str(art)])
+    assert result.exit_code == 1 and "--out" in result.output
+
+
+def test_cli_writes(art, tmp_path):
+    result = CliRunner().invoke(main, ["triton", str(art), "--out", str(tmp_path / "r"), "--instances", "2",
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert [m["name"] for m in report["models"]][0] == "specrt"
+    assert "count: 2" in (tmp_path / "r/specrt/config.pbtxt").read_text()
+    result = CliRunner().invoke(main, ["triton", str(art), "--out", str(tmp_path / "r"), "--force"])
+    assert result.exit_code == 0, result.output
+    assert "count: 1" in (tmp_path / "r/specrt/config.pbtxt").read_text()
+
+
+def test_tensorrt_repository(art, tmp_path):
+    """With `specrt build`'s engines recorded (stood in for by files here), the debugging models are TensorRT plans
+    on a GPU, with the graphs' I/O; the specrt model runs the tensorrt backend."""
+    built = Path(shutil.copytree(art, tmp_path / "art"))
+    (built / "engines").mkdir()
+    manifest = json.loads((built / "manifest.json").read_text())
+    manifest["engines"] = {"tensorrt": "10.x", "families": {}}
+    for family in manifest["graphs"]:
+        (built / f"engines/{family}.plan").write_bytes(b"plan")
+        manifest["engines"]["families"][family] = {"engine": f"engines/{family}.plan"}
+    (built / "manifest.json").write_text(json.dumps(manifest))
+    out = tmp_path / "repo"
+    report = write_repository(built, out, backend="tensorrt")
+    assert [m["name"] for m in report["models"]] == ["specrt", "specrt_target", "specrt_dspark"]
+    assert (out / "specrt_dspark/1/model.plan").read_bytes() == b"plan"
+    assert (out / "specrt/1/artifact/engines/target.plan").is_file()
+    config = (out / "specrt_target/config.pbtxt").read_text()
+    assert 'platform: "tensorrt_plan"' in config and "KIND_GPU" in config
+    assert 'string_value: "tensorrt"' in (out / "specrt/config.pbtxt").read_text()
+    assert check_repository(out)["problems"] == []
+    (out / "specrt_target/config.pbtxt").write_text(config.replace("KIND_GPU", "KIND_CPU"))
+    assert check_repository(out)["problems"] == [
+        "specrt_target: a TensorRT plan runs on a GPU, not instance_group kind KIND_CPU"]
+
+
+def test_check_needs_tritonclient(repo, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tritonclient.grpc", None)
+    result = CliRunner().invoke(main, ["triton", "--check", str(repo)])
+    assert result.exit_code == 1
+    assert result.output.strip() == ("specrt: error: specrt triton --check needs tritonclient: "
+                                     "pip install 'specrt[triton]'")
+
+
+def test_sampling_parameters_like_vllm():
+    """vLLM clients send numbers as strings, top_k -1 for "off", and options at their neutral values."""
+    from specrt.serve.triton.sampling import sampling_params
+
+    p = sampling_params(json.dumps({"temperature": "0.7", "top_p": "0.9", "top_k": -1, "max_tokens": "20",
+                                    "seed": 3, "stop": "w9", "ignore_eos": "true", "n": 1, "stream": True}),
+                        max_tokens=128)
+    assert (p.temperature, p.top_p, p.top_k, p.max_new_tokens, p.seed, p.stop_strings, p.ignore_eos) == (
+        0.7, 0.9, 0, 20, 3, ("w9",), True)
+    assert sampling_params(None, max_tokens=7).max_new_tokens == 7
+    assert sampling_params("{}", max_tokens=7).greedy
+
+
+# -- the Python model, through the stand-in -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pb_utils():
+    sys.path.insert(0, str(STUB))
+    try:
+        import triton_python_backend_utils as stub
+    finally:
+        sys.path.remove(str(STUB))
+    return stub
+
+
+@pytest.fixture(scope="module")
+def model(repo, pb_utils):
+    """The repository's own model.py, initialized the way Triton's Python backend does it."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = text_format.Parse((repo / "specrt/config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    sys.modules["triton_python_backend_utils"] = pb_utils
+    spec = importlib.util.spec_from_file_location("specrt_triton_model", repo / "specrt/1/model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    instance = module.TritonPythonModel()
+    instance.initialize({"model_config": json_format.MessageToJson(config, preserving_proto_field_name=True),
+                         "model_repository": str(repo / "specrt"), "model_version": "1",
+                         "model_instance_kind": "CPU", "model_instance_device_id": "0", "model_name": "specrt"})
+    yield instance
+    instance.finalize()
+    del sys.modules["triton_python_backend_utils"]
+
+
+@pytest.fixture(scope="module")
+def engine(art) -> Engine:
+    return Engine(art, threads=1, **METHOD)
+
+
+def _direct(engine: Engine, ids: list[int], max_new_tokens: int):
+    out = engine.generate([Request(ids, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))])[0][0]
+    return out.output_ids, out.text
+
+
+def _request(pb_utils, *, text: str | None = None, ids: list[int] | None = None, stream: bool = False,
+             sampling: dict | str | None = None, exclude: bool | None = None):
+    inputs = {}
+    if text is not None:
+        inputs["text_input"] = np.array([text.encode()], dtype=np.object_)
+    if ids is not None:
+        inputs["input_ids"] = np.array(ids, dtype=np.int32)
+    inputs["stream"] = np.array([stream])
+    if sampling is not None:
+        raw = sampling if isinstance(sampling, str) else json.dumps(sampling)
+        inputs["sampling_parameters"] = np.array([raw.encode()], dtype=np.object_)
+    if exclude is not None:
+        inputs["exclude_input_in_output"] = np.array([exclude])
+    return pb_utils.InferenceRequest(inputs)
+
+
+def _outputs(pb_utils, sent) -> tuple[str, list[int], list[bool]]:
+    text, ids, drafted = "", [], []
+    for response, _ in sent:
+        if response is None:
+            continue
+        assert not response.has_error(), response.error().message()
+        text += pb_utils.get_output_tensor_by_name(response, "text_output").as_numpy()[0].decode()
+        ids += pb_utils.get_output_tensor_by_name(response, "token_ids").as_numpy().tolist()
+        drafted += pb_utils.get_output_tensor_by_name(response, "drafted").as_numpy().tolist()
+    return text, ids, drafted
+
+
+def _error(sent) -> str:
+    assert len(sent) == 1
+    response, flags = sent[0]
+    assert flags == 1 and response.has_error()
+    return response.error().message()
+
+
+def test_streaming_equals_engine(model, engine, pb_utils, art):
+    prompt = "w105 w1 w105 w105"
+    request = _request(pb_utils, text=prompt, stream=True, sampling={"max_tokens": "12", "ignore_eos": True})
+    model.execute([request])
+    sent = request.sender.wait()
+    assert sent[-1] == (None, 1) and all(flags == 0 for _, flags in sent[:-1])
+    assert len(sent) > 2  # one response per engine step
+    text, ids, drafted = _outputs(pb_utils, sent)
+    want_ids, want_text = _direct(engine, encode_prompt(engine.tokenizer, prompt), 12)
+    assert ids == want_ids and text == want_text
+    assert len(drafted) == len(ids) and any(drafted)  # n-gram lookups get accepted in a repetitive output
+
+
+def test_non_streaming(model, engine, pb_utils):
+    ids = [5, 9, 13, 5, 9, 13, 5]
+    request = _request(pb_utils, ids=ids, sampling={"max_tokens": 9, "ignore_eos": True})
+    model.execute([request])
+    sent = request.sender.wait()
+    assert len(sent) == 1 and sent[0][1] == 1
+    _, got, drafted = _outputs(pb_utils, sent)
+    assert got == _direct(engine, ids, 9)[0] and len(drafted) == 9
+    # a text prompt comes back first unless exclude_input_in_output (vLLM's convention)
+    for exclude, prefix in ((None, "w3 w4"), (True, "")):
+        request = _request(pb_utils, text="w3 w4", sampling={"max_tokens": 4, "ignore_eos": True}, exclude=exclude)
+        model.execute([request])
+        text, got, _ = _outputs(pb_utils, request.sender.wait())
+        assert text == prefix + _direct(engine, encode_prompt(engine.tokenizer, "w3 w4"), 4)[1]
+
+
+def test_bad_requests_get_errors(model, engine, pb_utils):
+    bad = [(_request(pb_utils, text="w1", sampling="{not json"), "not valid JSON"),
+           (_request(pb_utils, text="w1", sampling={"temperature": -1}), "temperature"),
+           (_request(pb_utils, text="w1", sampling={"max_tokens": "many"}), "max_tokens must be an integer"),
+           (_request(pb_utils, text="w1", sampling={"max_new_tokens": 2}), "unknown key 'max_new_tokens'"),
+           (_request(pb_utils, text="w1", sampling={"best_of": 2}), "does not implement best_of"),
+           (_request(pb_utils, ids=list(range(4, 300))), "prompt"),
+           (_request(pb_utils, text="w1", ids=[4]), "exactly one of text_input and input_ids"),
+           (_request(pb_utils, text="w1", stream=True, exclude=False), "exclude_input_in_output")]
+    model.execute([r for r, _ in bad])
+    for request, words in bad:
+        message = _error(request.sender.wait())
+        assert words in message, message
+        assert "\n" not in message
+    good = _request(pb_utils, ids=[7, 8], sampling={"max_tokens": 3, "ignore_eos": True})
+    model.execute([good])  # the model keeps serving
+    assert _outputs(pb_utils, good.sender.wait())[1] == _direct(engine, [7, 8], 3)[0]
+
+
+def test_cancel_frees_the_slot(model, pb_utils):
+    """A client that goes away after the first streamed response: the request is aborted in the engine (not run to
+    its 100 tokens), gets a CANCELLED error as its final response, and its slot is free again."""
+    request = _request(pb_utils, ids=[4, 5, 6], stream=True, sampling={"max_tokens": 100, "ignore_eos": True})
+    request.sender.cancel_after = 1
+    aborted = model.loop.stats.aborted
+    model.execute([request])
+    sent = request.sender.wait()
+    response, flags = sent[-1]
+    assert flags == 1 and response.has_error() and "cancel" in response.error().message()
+    deadline = time.monotonic() + 10
+    while (model.engine.has_unfinished() or model.loop.stats.aborted == aborted) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert model.loop.stats.aborted == aborted + 1
+    assert not model.engine.has_unfinished()
+    assert len(_outputs(pb_utils, sent[:-1])[1]) < 100
+
+
+def test_concurrent_requests(model, engine, pb_utils):
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(4, 500, 3 + 2 * i)] for i in range(6)]
+    requests = [_request(pb_utils, ids=p, stream=i % 2 == 0, sampling={"max_tokens": 8, "ignore_eos": True})
+                for i, p in enumerate(prompts)]
+    model.execute(requests[:3])
+    model.execute(requests[3:])  # 6 requests on 4 slots: two wait for a slot
+    for p, r in zip(prompts, requests):
+        assert _outputs(pb_utils, r.sender.wait())[1] == _direct(engine, p, 8)[0]
+
+
+def test_finalize_stops_threads(repo, pb_utils, model):
+    engine_threads = [t for t in threading.enumerate() if t.name in ("specrt-engine", "specrt-triton-send")]
+    assert len(engine_threads) == 2
+    model.finalize()
+    assert not any(t.is_alive() for t in engine_threads)
