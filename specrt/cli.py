@@ -501,6 +501,51 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, slots: i
         loop.close()
 
 
+@main.command()
+@click.argument("url")
+@click.option("--clients", default=32, show_default=True, help="Concurrent streaming clients.")
+@click.option("--duration", default=60.0, show_default=True, help="Seconds to keep starting requests.")
+@click.option("--prompts", "prompt_files", multiple=True, type=click.Path(path_type=Path),
+              help='JSONL of {"turns": [...]} (first turns) [default: the five shipped prompt sets].')
+@click.option("--limit", type=int, default=8, show_default=True, help="Prompts taken from each file.")
+@click.option("--max-tokens", default=128, show_default=True, help="max_tokens of every request (greedy).")
+@click.option("--disconnect-every", default=8, show_default=True,
+              help="Every Nth request hangs up after a few chunks (0: never).")
+@click.option("--verify", "verify_art", type=click.Path(path_type=Path), default=None,
+              help="The served artifact: rerun each distinct request on a direct Engine and compare token ids.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def loadtest(url: str, clients: int, duration: float, prompt_files: tuple[Path, ...], limit: int, max_tokens: int,
+             disconnect_every: int, verify_art: Path | None, as_json: bool) -> None:
+    """Load a running `specrt serve` at URL with concurrent streaming clients; check that nothing is lost."""
+    from specrt.runtime.prompts import read_prompts_file
+    from specrt.serve.loadtest import run_loadtest
+
+    if clients < 1 or duration <= 0 or max_tokens < 1 or disconnect_every < 0:
+        raise SpecrtError("--clients, --duration and --max-tokens must be positive, --disconnect-every >= 0")
+    if not prompt_files:
+        from importlib import resources
+
+        root = resources.files("specrt.datasets")
+        prompt_files = tuple(Path(str(root / f"{n}.jsonl")) for n in ("humaneval", "gsm8k", "math500", "mbpp",
+                                                                        "mt-bench"))
+    prompts = [p for f in prompt_files for p in read_prompts_file(f, limit)]
+    report = run_loadtest(url, prompts, clients=clients, duration_s=duration, max_tokens=max_tokens,
+                          disconnect_every=disconnect_every, verify=verify_art, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        click.echo(f"{report['requests']} requests ({report['completed']} completed, {report['hung_up']} hung up) "
+                   f"from {clients} clients in {report['wall_s']} s: {report['throughput_tok_s']} tok/s, "
+                   f"{report['requests_per_s']} req/s")
+        click.echo(f"time to first token ms {report['ttft_ms']}; latency ms {report['latency_ms']}")
+        click.echo(f"active slots after: {report['active_slots_after']}, aborts counted: {report['aborted']:.0f}"
+                   + (f"; verified {report['verify']['checked']} streams against {report['verify']['distinct_requests']}"
+                      f" direct runs: {report['verify']['mismatches']} mismatches" if "verify" in report else ""))
+    if not report["ok"]:
+        raise SpecrtError("loadtest failed: " + json.dumps({k: report[k] for k in ("errors", "incomplete",
+                                                                                     "slots_settled", "aborted")}))
+
+
 def _bench_concurrency(artifact, prompt_files, limit, max_new_tokens, names, gamma, scheduler, schedulers, threshold,
                        concurrency, backend, threads, baselines, plot, as_json, *, device="cpu", dtype=None) -> None:
     """`specrt bench --concurrency`: runtime/concurrency.py."""
