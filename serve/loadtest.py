@@ -146,8 +146,11 @@ def run_loadtest(url: str, prompts: list[str], *, clients: int = 32, duration_s:
     for t in threads:
         t.start()
     bar = _progress(duration_s, progress)
+    loaded = None  # /metrics when the clients stop starting requests: the server's rate under full load
     while any(t.is_alive() for t in threads):
         time.sleep(0.5)
+        if loaded is None and time.perf_counter() >= stop_at:
+            loaded = _gauges(url), time.perf_counter() - t0
         if bar is not None:
             bar.n = min(round(time.perf_counter() - t0), int(duration_s))
             bar.set_postfix(requests=len(results), refresh=False)
@@ -167,6 +170,8 @@ def run_loadtest(url: str, prompts: list[str], *, clients: int = 32, duration_s:
         "incomplete": sum(not r.done for r in completed),
         "output_tokens": out_tokens, "throughput_tok_s": round(out_tokens / wall, 1),
         "requests_per_s": round(len(completed) / wall, 2),
+        "loaded_tok_s": round((loaded[0]["specrt_generation_tokens_total"] - before["specrt_generation_tokens_total"])
+                              / loaded[1], 1) if loaded else None,
         "ttft_ms": _pct([r.first_token_s for r in completed if r.first_token_s is not None]),
         "latency_ms": _pct([r.end_s for r in completed if r.end_s is not None]),
         "per_request_tok_s": {k: round(v / 1e3, 1) for k, v in _pct(
@@ -208,11 +213,16 @@ def _verify(art: Path, server: dict, completed: list[Result], progress: bool) ->
         requests = [Request(tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
                                        add_special_tokens=False), SamplingParams(max_new_tokens=n), id=i)
                     for i, (p, n) in enumerate(distinct)]
+        t0 = time.perf_counter()
         outputs, _ = engine.generate(requests)
+        wall = time.perf_counter() - t0
     expected = {key: out for key, out in zip(distinct, outputs)}
     bad = [r for r in completed if r.token_ids != expected[(r.prompt, r.max_tokens)].output_ids
            or r.text != expected[(r.prompt, r.max_tokens)].text]
     return {"distinct_requests": len(distinct), "checked": len(completed), "mismatches": len(bad),
+            # the same engine settings on the distinct requests, all queued at once: a throughput to set beside
+            # the server's (same machine, same run; no HTTP, no client threads)
+            "direct_tok_s": round(sum(len(o.output_ids) for o in outputs) / wall, 1),
             "first_mismatch": asdict(bad[0]) if bad else None}
 
 

@@ -536,7 +536,9 @@ def loadtest(url: str, clients: int, duration: float, prompt_files: tuple[Path, 
     else:
         click.echo(f"{report['requests']} requests ({report['completed']} completed, {report['hung_up']} hung up) "
                    f"from {clients} clients in {report['wall_s']} s: {report['throughput_tok_s']} tok/s, "
-                   f"{report['requests_per_s']} req/s")
+                   f"{report['requests_per_s']} req/s ({report['loaded_tok_s']} tok/s while all clients ran"
+                   + (f"; a direct engine run: {report['verify']['direct_tok_s']} tok/s" if "verify" in report else "")
+                   + ")")
         click.echo(f"time to first token ms {report['ttft_ms']}; latency ms {report['latency_ms']}")
         click.echo(f"active slots after: {report['active_slots_after']}, aborts counted: {report['aborted']:.0f}"
                    + (f"; verified {report['verify']['checked']} streams against {report['verify']['distinct_requests']}"
