@@ -2,6 +2,7 @@
 
     clients (threads) ── POST /v1/chat/completions (stream, greedy, token_marks) ──► server
         every --disconnect-every'th request hangs up after a few chunks
+        one more client sends bad requests (malformed, unknown model, bad values) every 0.5 s: each must get a 4xx
     after --duration: wait for in-flight requests, then
         every completed request ended with a finish reason and [DONE]
         /metrics: active slots back to 0, an abort counted per hang-up
@@ -91,6 +92,25 @@ class _Client:
         return r
 
 
+def bad_requests(model: str) -> list[tuple[str, str, bytes]]:
+    """(what, path, body) of requests the server must refuse with a 4xx and an OpenAI error body."""
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        ("malformed JSON", "/v1/chat/completions", b'{"model": '),
+        ("unknown model", "/v1/chat/completions", {**chat, "model": "no-such-model"}),
+        ("missing messages", "/v1/chat/completions", {"model": model}),
+        ("negative max_tokens", "/v1/chat/completions", {**chat, "max_tokens": -1}),
+        ("absurd max_tokens", "/v1/chat/completions", {**chat, "max_tokens": 10 ** 9}),
+        ("prompt too long", "/v1/completions", {"model": model, "prompt": "word " * 5000}),
+        ("temperature -1", "/v1/chat/completions", {**chat, "temperature": -1}),
+        ("top_p 2", "/v1/chat/completions", {**chat, "top_p": 2}),
+        ("n 2", "/v1/chat/completions", {**chat, "n": 2}),
+        ("logprobs", "/v1/chat/completions", {**chat, "logprobs": True}),
+    ]
+    return [(what, path, body if isinstance(body, bytes) else json.dumps(body).encode())
+            for what, path, body in cases]
+
+
 def _get(url: str, path: str) -> bytes:
     import urllib.request
 
@@ -120,7 +140,8 @@ def _pct(values: list[float]) -> dict[str, float]:
 
 
 def run_loadtest(url: str, prompts: list[str], *, clients: int = 32, duration_s: float = 60.0, max_tokens: int = 128,
-                 disconnect_every: int = 8, verify: Path | None = None, progress: bool = True) -> dict:
+                 disconnect_every: int = 8, bad: bool = True, verify: Path | None = None,
+                 progress: bool = True) -> dict:
     """Run the load; returns the measurements and checks (see the module docstring)."""
     url = url.rstrip("/")
     info = json.loads(_get(url, "/v1/models"))["data"][0]
@@ -130,6 +151,27 @@ def run_loadtest(url: str, prompts: list[str], *, clients: int = 32, duration_s:
     lock = threading.Lock()
     counter = iter(range(10 ** 9))
     stop_at = time.perf_counter() + duration_s
+
+    refused: dict[str, list[int]] = {}  # what -> statuses of the bad requests sent alongside the load
+
+    def bad_client() -> None:
+        cases = bad_requests(info["id"])
+        k = 0
+        while time.perf_counter() < stop_at:
+            what, path, body = cases[k % len(cases)]
+            k += 1
+            conn = http.client.HTTPConnection(client.host, client.port, timeout=60)
+            try:
+                conn.request("POST", path, body, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                payload = json.loads(resp.read())
+                ok = 400 <= resp.status < 500 and isinstance(payload.get("error", {}).get("message"), str)
+                refused.setdefault(what, []).append(resp.status if ok else -resp.status)
+            except (OSError, http.client.HTTPException, json.JSONDecodeError):
+                refused.setdefault(what, []).append(0)
+            finally:
+                conn.close()
+            time.sleep(0.5)
 
     def worker() -> None:
         while time.perf_counter() < stop_at:
@@ -143,6 +185,8 @@ def run_loadtest(url: str, prompts: list[str], *, clients: int = 32, duration_s:
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(clients)]
+    if bad:
+        threads.append(threading.Thread(target=bad_client, daemon=True))
     for t in threads:
         t.start()
     bar = _progress(duration_s, progress)
@@ -181,10 +225,14 @@ def run_loadtest(url: str, prompts: list[str], *, clients: int = 32, duration_s:
         "active_slots_after": after.get("specrt_active_slots"), "slots_settled": settled,
         "aborted": after.get("specrt_requests_aborted_total", 0) - before.get("specrt_requests_aborted_total", 0),
         "tau": after.get("specrt_tau"),
+        "bad_requests": {"sent": sum(map(len, refused.values())),
+                         "refused": sum(s > 0 for v in refused.values() for s in v),
+                         "statuses": {what: sorted(set(v)) for what, v in refused.items()}},
     }
     if verify is not None:
         report["verify"] = _verify(verify, info.get("specrt", {}), completed, progress)
     report["ok"] = (not report["errors"] and report["incomplete"] == 0 and settled
+                    and report["bad_requests"]["refused"] == report["bad_requests"]["sent"]
                     and report["aborted"] >= len(hung) and report.get("verify", {}).get("mismatches", 0) == 0)
     return report
 
@@ -208,7 +256,7 @@ def _verify(art: Path, server: dict, completed: list[Result], progress: bool) ->
 
     distinct = sorted({(r.prompt, r.max_tokens) for r in completed})
     with Engine(art, method=server.get("method", "ar"), gamma=server.get("gamma") or None,
-                scheduler=server.get("scheduler", "fixed")) as engine:
+                scheduler=server.get("scheduler", "fixed"), slots=server.get("slots")) as engine:
         tok = engine.tokenizer
         requests = [Request(tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
                                        add_special_tokens=False), SamplingParams(max_new_tokens=n), id=i)

@@ -58,11 +58,10 @@ class LoopStats:
 
 
 class _Rounds:
-    """A round observer: per request, the (accepted, committed) of its rounds in the current step."""
+    """A round observer: per request, the (accepted, committed, verify_len) of its rounds in the current step."""
 
-    def __init__(self, gamma: int) -> None:
-        self.pending: dict[int, list[tuple[int, int]]] = {}
-        self.gamma = gamma
+    def __init__(self) -> None:
+        self.pending: dict[int, list[tuple[int, int, int]]] = {}
 
     def on_round(self, record: RoundRecord) -> None:
         self.pending.setdefault(record.request, []).append((record.accepted, record.committed, record.verify_len))
@@ -77,8 +76,10 @@ class EngineLoop:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.stats = LoopStats(proposed_at=[0] * engine.gamma, accepted_at=[0] * engine.gamma)
-        self._rounds = _Rounds(engine.gamma)
+        self._rounds = _Rounds()
         engine.observers.append(self._rounds)
+        self.queue_depth = 0  # requests waiting for a slot, as of the last step (read by /metrics)
+        self.active = 0  # slots holding a request
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._listeners: dict[int, Callable[[Event], None]] = {}
         self._ids = 0
@@ -86,8 +87,6 @@ class EngineLoop:
         self._running = True
         self._thread = threading.Thread(target=self._run, name="specrt-engine", daemon=True)
         self._thread.start()
-        self.queue_depth = 0
-        self.active = 0
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, on_event: Callable[[Event], None]) -> int:
         """Queue a request; returns its id. Raises SpecrtError (now, on the caller's thread) if the engine

@@ -511,11 +511,13 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, slots: i
 @click.option("--max-tokens", default=128, show_default=True, help="max_tokens of every request (greedy).")
 @click.option("--disconnect-every", default=8, show_default=True,
               help="Every Nth request hangs up after a few chunks (0: never).")
+@click.option("--bad-requests/--no-bad-requests", default=True, show_default=True,
+              help="One more client sends malformed and invalid requests every 0.5 s; each must get a 4xx.")
 @click.option("--verify", "verify_art", type=click.Path(path_type=Path), default=None,
               help="The served artifact: rerun each distinct request on a direct Engine and compare token ids.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def loadtest(url: str, clients: int, duration: float, prompt_files: tuple[Path, ...], limit: int, max_tokens: int,
-             disconnect_every: int, verify_art: Path | None, as_json: bool) -> None:
+             disconnect_every: int, bad_requests: bool, verify_art: Path | None, as_json: bool) -> None:
     """Load a running `specrt serve` at URL with concurrent streaming clients; check that nothing is lost."""
     from specrt.runtime.prompts import read_prompts_file
     from specrt.serve.loadtest import run_loadtest
@@ -530,7 +532,8 @@ def loadtest(url: str, clients: int, duration: float, prompt_files: tuple[Path, 
                                                                         "mt-bench"))
     prompts = [p for f in prompt_files for p in read_prompts_file(f, limit)]
     report = run_loadtest(url, prompts, clients=clients, duration_s=duration, max_tokens=max_tokens,
-                          disconnect_every=disconnect_every, verify=verify_art, progress=not as_json)
+                          disconnect_every=disconnect_every, bad=bad_requests, verify=verify_art,
+                          progress=not as_json)
     if as_json:
         click.echo(json.dumps(report))
     else:
@@ -543,9 +546,11 @@ def loadtest(url: str, clients: int, duration: float, prompt_files: tuple[Path, 
         click.echo(f"active slots after: {report['active_slots_after']}, aborts counted: {report['aborted']:.0f}"
                    + (f"; verified {report['verify']['checked']} streams against {report['verify']['distinct_requests']}"
                       f" direct runs: {report['verify']['mismatches']} mismatches" if "verify" in report else ""))
+        bad = report["bad_requests"]
+        click.echo(f"bad requests refused with a 4xx: {bad['refused']} of {bad['sent']}")
     if not report["ok"]:
-        raise SpecrtError("loadtest failed: " + json.dumps({k: report[k] for k in ("errors", "incomplete",
-                                                                                     "slots_settled", "aborted")}))
+        raise SpecrtError("loadtest failed: " + json.dumps({k: report[k] for k in (
+            "errors", "incomplete", "slots_settled", "aborted", "bad_requests")}))
 
 
 def _bench_concurrency(artifact, prompt_files, limit, max_new_tokens, names, gamma, scheduler, schedulers, threshold,

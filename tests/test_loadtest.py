@@ -29,6 +29,9 @@ def test_loadtest_loses_nothing(served_art):
     assert report["completed"] == report["requests"] - report["hung_up"]
     assert report["errors"] == [] and report["incomplete"] == 0
     assert report["active_slots_after"] == 0 and report["aborted"] >= report["hung_up"]
+    bad = report["bad_requests"]  # sent alongside the load; every one refused with a 4xx
+    assert bad["sent"] >= 5 and bad["refused"] == bad["sent"]
+    assert bad["statuses"]["unknown model"] == [404] and bad["statuses"]["malformed JSON"] == [400]
     v = report["verify"]
     assert v["mismatches"] == 0 and v["checked"] == report["completed"] and v["distinct_requests"] <= 3
     assert 0 < report["output_tokens"] <= 24 * report["completed"]
