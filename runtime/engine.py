@@ -45,6 +45,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     id: int = 0
+    seed_offset: int | None = None  # the sampler is seeded with params.seed + this (None: + id, distinct per request)
 
 
 @dataclass
@@ -188,8 +189,9 @@ class Engine:
     # -- the online API ---------------------------------------------------------------------------
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                    request_id: int | None = None, raw: bool = False) -> int:
-        """Queue a request (token ids, or text: the chat template is applied unless `raw`); returns its id."""
+                    request_id: int | None = None, raw: bool = False, seed_offset: int | None = None) -> int:
+        """Queue a request (token ids, or text: the chat template is applied unless `raw`); returns its id.
+        A seeded request samples with seed + `seed_offset` (default: + its id)."""
         if isinstance(prompt, str):
             from specrt.runtime.prompts import encode_prompt
 
@@ -199,7 +201,7 @@ class Engine:
         rid = self._ids if request_id is None else request_id
         if rid in self._unfinished_ids():
             raise SpecrtError(f"request id {rid} is already in use")
-        request = Request(prompt_ids=ids, params=params or SamplingParams(), id=rid)
+        request = Request(prompt_ids=ids, params=params or SamplingParams(), id=rid, seed_offset=seed_offset)
         self.check(request)
         self._ids = max(self._ids, rid + 1)
         self.waiting.append(request)
@@ -254,7 +256,7 @@ class Engine:
             self.check(r)
         self.stats = RunStats(method=self.method, gamma=self.gamma)
         for r in requests:
-            self.add_request(r.prompt_ids, r.params, request_id=r.id)
+            self.add_request(r.prompt_ids, r.params, request_id=r.id, seed_offset=r.seed_offset)
         done: dict[int, RequestOutput] = {}
         while self.has_unfinished():
             for d in self.step():
@@ -321,7 +323,8 @@ class Engine:
         """Prefill `request` into slot `index` in chunks and sample its first token."""
         t0 = time.perf_counter()
         seed = request.params.seed
-        slot = Slot(request=request, rng=np.random.default_rng(None if seed is None else seed + request.id),
+        offset = request.id if request.seed_offset is None else request.seed_offset
+        slot = Slot(request=request, rng=np.random.default_rng(None if seed is None else seed + offset),
                     ids=np.zeros(self.capacity + 1, np.int64))
         if self.tokenizer:
             slot.stream = self.tokenizer.stream_decoder(skip_special_tokens=True)

@@ -94,7 +94,8 @@ class EngineLoop:
         with self._id_lock:
             rid = self._ids
             self._ids += 1
-        request = Request(prompt_ids=[int(t) for t in prompt_ids], params=params, id=rid)
+        # seed_offset 0: a seeded request draws the same tokens whatever id the loop gives it (OpenAI's `seed`)
+        request = Request(prompt_ids=[int(t) for t in prompt_ids], params=params, id=rid, seed_offset=0)
         self.engine.check(request)  # reads only the manifest: safe off the loop thread
         self._commands.put(("add", request, on_event))
         return rid
@@ -136,7 +137,7 @@ class EngineLoop:
     def _apply(self, op: str, arg, on_event) -> None:
         if op == "add":
             try:
-                self.engine.add_request(arg.prompt_ids, arg.params, request_id=arg.id)
+                self.engine.add_request(arg.prompt_ids, arg.params, request_id=arg.id, seed_offset=arg.seed_offset)
             except SpecrtError as e:
                 on_event(Event(arg.id, error=str(e)))
                 return

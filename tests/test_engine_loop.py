@@ -160,3 +160,26 @@ def test_a_failing_step_ends_the_requests_in_flight_and_the_loop_goes_on(art, mo
         assert ok.done.wait(30) and len(ok.tokens) == 20
     finally:
         loop.close()
+
+
+def test_a_seed_reproduces_a_sampled_request_whatever_its_id(art):
+    """OpenAI's `seed`: the loop seeds each request with its seed alone, so the same request draws the same tokens
+    (here: a direct run of it with seed_offset 0), while a different seed draws differently."""
+    sampled = SamplingParams(max_new_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
+    prompt = _prompts(1)[0]
+    with Engine(art, method="dspark", scheduler="fixed") as direct:
+        (want,), _ = direct.generate([Request(prompt, sampled, id=7, seed_offset=0)])
+        (other,), _ = direct.generate([Request(prompt, sampled, id=7)])  # the engine's default: seed + id
+    loop = EngineLoop(Engine(art, method="dspark", scheduler="fixed"))
+    try:
+        runs = [_Collector() for _ in range(3)]
+        loop.submit(prompt, sampled, runs[0])
+        loop.submit(_prompts(2)[1], sampled, _Collector())  # another request in between: ids move on
+        loop.submit(prompt, sampled, runs[1])
+        loop.submit(prompt, SamplingParams(max_new_tokens=24, temperature=1.0, seed=12, ignore_eos=True), runs[2])
+        for c in runs:
+            assert c.done.wait(30)
+        assert runs[0].tokens == runs[1].tokens == want.output_ids
+        assert runs[2].tokens != want.output_ids and other.output_ids != want.output_ids
+    finally:
+        loop.close()

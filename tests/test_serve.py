@@ -100,9 +100,13 @@ def test_stop_strings_and_seeded_sampling(client, model):
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count from 1 to 20."}],
                                        max_tokens=64, temperature=0, stop=["5"])
     assert "5" not in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
-    sampled = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTIONS[3]}],
-                                             max_tokens=24, temperature=0.8, top_p=0.9, seed=3)
-    assert sampled.usage.completion_tokens >= 1
+    sampled = [client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTIONS[3]}],
+                                              max_tokens=32, temperature=1.0, seed=seed)
+               for seed in (3, 3, 4)]
+    assert sampled[0].usage.completion_tokens >= 1
+    # a seed reproduces a sampled answer, whatever request id the server gives it
+    assert sampled[0].choices[0].message.content == sampled[1].choices[0].message.content
+    assert sampled[2].choices[0].message.content != sampled[0].choices[0].message.content
 
 
 def test_token_marks_stream_drafts_and_target_tokens(server, model):
