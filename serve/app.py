@@ -76,14 +76,19 @@ class _Call:
         n = len(self.parsed.prompt_ids)
         return {"prompt_tokens": n, "completion_tokens": completion_tokens, "total_tokens": n + completion_tokens}
 
+    def envelope(self, choices: list[dict], *, streamed: bool) -> dict[str, Any]:
+        """A response object (or a streamed chunk of one) around `choices`."""
+        kind = ("chat.completion.chunk" if streamed else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.name, "object": kind, "created": self.created, "model": self.server.model,
+                "choices": choices}
+
     def chunk(self, text: str, finish: str | None, ev: Event | None = None, *, first: bool = False) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        out = {"id": self.name, "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "created": self.created, "model": self.server.model, "choices": [choice]}
+        out = self.envelope([choice], streamed=True)
         if ev is not None and self.pieces is not None:
             out["specrt"] = {"tokens": self.marks(ev)}
         return out
@@ -182,9 +187,7 @@ class Server:
                       "finish_reason": finish}
         else:
             choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": finish}
-        return {"id": call.name, "object": "chat.completion" if call.chat else "text_completion",
-                "created": call.created, "model": self.model, "choices": [choice],
-                "usage": call.usage(len(out.output_ids))}
+        return {**call.envelope([choice], streamed=False), "usage": call.usage(len(out.output_ids))}
 
     async def _stream(self, call: _Call):
         """SSE: a chunk per engine step, the finish reason, usage if asked, then [DONE]."""
@@ -206,9 +209,7 @@ class Server:
                     out = ev.finished
                     yield sse(call.chunk("", FINISH_REASONS.get(out.finish_reason, out.finish_reason)))
                     if call.parsed.include_usage:
-                        yield sse({"id": call.name, "object": "chat.completion.chunk" if call.chat
-                                   else "text_completion", "created": call.created, "model": self.model,
-                                   "choices": [], "usage": call.usage(len(out.output_ids))})
+                        yield sse({**call.envelope([], streamed=True), "usage": call.usage(len(out.output_ids))})
                     break
             yield "data: [DONE]\n\n"
         finally:

@@ -14,6 +14,7 @@ request's tokens must not depend on what else was in the batch).
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import threading
 import time
@@ -149,7 +150,7 @@ def run_loadtest(url: str, prompts: list[str], *, clients: int = 32, duration_s:
     before = _gauges(url)
     results: list[Result] = []
     lock = threading.Lock()
-    counter = iter(range(10 ** 9))
+    counter = itertools.count()
     stop_at = time.perf_counter() + duration_s
 
     refused: dict[str, list[int]] = {}  # what -> statuses of the bad requests sent alongside the load

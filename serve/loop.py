@@ -20,6 +20,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.engine import Engine, Request, RequestOutput
 from specrt.runtime.observers import RoundRecord
 from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.stats import RunStats
 
 
 @dataclass
@@ -71,7 +72,8 @@ class _Rounds:
 
 
 class EngineLoop:
-    """Runs `engine` on a daemon thread; thread-safe `submit` / `abort`; `stats` and `load()` for metrics."""
+    """Runs `engine` on a daemon thread; thread-safe `submit` / `abort`; `stats`, `queue_depth`, `active` for
+    metrics."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -155,39 +157,35 @@ class EngineLoop:
 
     def _step(self) -> None:
         e = self.engine
-        draft0, verify0 = e.stats.draft_s, e.stats.verify_s
+        # the engine's stats cover one step (a server never calls generate(), which would reset them, and their
+        # per-round list would grow without end); the loop keeps the running totals
+        e.stats = RunStats(method=e.method, gamma=e.gamma)
         t0 = time.perf_counter()
         deltas = e.step()
         self.stats.step_s += time.perf_counter() - t0
-        self.stats.steps += 1
-        self.stats.draft_s += e.stats.draft_s - draft0
-        self.stats.verify_s += e.stats.verify_s - verify0
+        self._count(e.stats)
         rounds, self._rounds.pending = self._rounds.pending, {}
         for d in deltas:
-            drafted = self._marks(len(d.token_ids), rounds.get(d.id, ()))
-            self.stats.generated_tokens += len(d.token_ids)
             listener = self._listeners.get(d.id)
             if d.finished is not None:
                 self._listeners.pop(d.id, None)
             if listener is not None:
-                listener(Event(d.id, d.token_ids, d.text, drafted, d.finished))
+                listener(Event(d.id, d.token_ids, d.text, _marks(len(d.token_ids), rounds.get(d.id, ())), d.finished))
         self._gauges()
 
-    def _marks(self, n: int, rounds) -> list[bool]:
-        """Which of a step's n tokens were accepted drafts: per round, the first min(accepted, committed)."""
-        marks: list[bool] = []
-        for accepted, committed, verify_len in rounds:
-            self.stats.rounds += 1
-            self.stats.committed += committed
-            for k in range(min(verify_len, len(self.stats.proposed_at))):
-                self.stats.proposed_at[k] += 1
-                self.stats.accepted_at[k] += accepted > k
-            a = min(accepted, committed)
-            marks += [True] * a + [False] * (committed - a)
-        if not self.engine.spec:  # autoregressive: one target token per step
-            self.stats.rounds += n
-            self.stats.committed += n
-        return [False] * (n - len(marks)) + marks  # the prefill's first token comes before the round's
+    def _count(self, step: RunStats) -> None:
+        """Add one step's stats to the running totals (AR: a round per token)."""
+        s = self.stats
+        s.steps += 1
+        s.generated_tokens += step.generated_tokens
+        s.draft_s += step.draft_s
+        s.verify_s += step.verify_s
+        s.rounds += len(step.rounds) if self.engine.spec else step.decode_tokens
+        s.committed += sum(c for _, _, c in step.rounds) if self.engine.spec else step.decode_tokens
+        for verify_len, accepted, _ in step.rounds:
+            for k in range(min(verify_len, len(s.proposed_at))):
+                s.proposed_at[k] += 1
+                s.accepted_at[k] += accepted > k
 
     def _gauges(self) -> None:
         e = self.engine
@@ -199,3 +197,12 @@ class EngineLoop:
             self.engine.abort(rid)
             self._listeners.pop(rid)(Event(rid, error=message))
         self._gauges()
+
+
+def _marks(n: int, rounds: Sequence[tuple[int, int, int]]) -> list[bool]:
+    """Which of a step's n tokens were accepted drafts: per round, the first min(accepted, committed)."""
+    marks: list[bool] = []
+    for accepted, committed, _ in rounds:
+        a = min(accepted, committed)
+        marks += [True] * a + [False] * (committed - a)
+    return [False] * (n - len(marks)) + marks  # the prefill's first token comes before the round's

@@ -73,17 +73,13 @@ def parse(body: Any, *, chat: bool, model: str, tokenizer: Tokenizer | None, roo
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                  for t in stop_ids):
         raise APIError("stop_token_ids must be a list of token ids", param="stop_token_ids")
-    if body.get("top_p") == 0:
-        raise APIError("top_p must be a number in (0, 1], got 0", param="top_p")
-    try:
-        params = SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                                top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-                                top_k=0 if body.get("top_k") == -1 else _int(body, "top_k", default=0, low=0),
-                                seed=_int(body, "seed", default=None, low=0),
-                                max_new_tokens=max_tokens, stop_strings=tuple(stop),
-                                stop_token_ids=tuple(stop_ids), ignore_eos=_bool(body, "ignore_eos"))
-    except SpecrtError as e:  # what the number checks above let through (top_p == 0)
-        raise APIError(str(e).replace("--", "").replace("-", "_")) from None
+    # every value is checked above, in the request's own names; SamplingParams' checks cannot fail after them
+    params = SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                            top_p=_number(body, "top_p", 1.0, 0.0, 1.0, above_low=True),
+                            top_k=0 if body.get("top_k") == -1 else _int(body, "top_k", default=0, low=0),
+                            seed=_int(body, "seed", default=None, low=0),
+                            max_new_tokens=max_tokens, stop_strings=tuple(stop),
+                            stop_token_ids=tuple(stop_ids), ignore_eos=_bool(body, "ignore_eos"))
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise APIError("stream_options must be an object", param="stream_options")
@@ -165,13 +161,15 @@ def _completion_prompt(body: dict, tokenizer: Tokenizer | None) -> list[int]:
     raise APIError("prompt must be a non-empty string or a list of token ids", param="prompt")
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+def _number(body: dict, name: str, default: float, low: float, high: float, *, above_low: bool = False) -> float:
+    """A number in [low, high] (in (low, high] if `above_low`), or `default` when absent."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not low <= value <= high:
-        raise APIError(f"{name} must be a number between {low:g} and {high:g}, got {value!r}", param=name)
+            or not (low < value if above_low else low <= value) or value > high:
+        interval = f"({low:g}, {high:g}]" if above_low else f"[{low:g}, {high:g}]"
+        raise APIError(f"{name} must be a number in {interval}, got {value!r}", param=name)
     return float(value)
 
 
