@@ -81,6 +81,7 @@ def default_artifact(*, progress: bool = True) -> Path:
     from specrt.runtime.profile import measure, save_profile
 
     export_artifact(resolve_model("smollm2", progress=progress), art, settings, progress=progress, **heads)
-    # the cost table the default scheduler (sps) reads, measured once on this machine (a few seconds)
-    save_profile(art, measure(art, repeats=2, calls=2, progress=progress))
+    # the cost table the default scheduler (sps) reads, measured once on this machine, carefully (as `specrt
+    # export` does): the runtime refines it online, but it decides the first rounds
+    save_profile(art, measure(art, progress=progress))
     return art

@@ -22,6 +22,7 @@ import numpy as np
 from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.runtime.backends import BACKENDS, load_runner
+from specrt.runtime.costs import CostTable
 from specrt.runtime.device_round import DeviceRounds, unsupported
 from specrt.runtime.drafters import Context, Proposal, make_drafter
 from specrt.runtime.observers import RoundObserver, RoundRecord, TraceWriter
@@ -139,12 +140,14 @@ class Engine:
         self.target = load_runner(backend, self.art_dir, self.manifest, io.TARGET, threads=threads, spin=True, **where)
         self.spec: Speculator | None = None
         self.drafter = None
+        self.costs: CostTable | None = None  # what the cost-aware scheduler and the hybrid plan on
         if method != "ar":
             exported = self.manifest.gamma
             if gamma is not None and not 1 <= gamma <= exported:
                 raise SpecrtError(f"--gamma must be between 1 and {exported} (the artifact's verify length - 1), "
                                   f"got {gamma}")
             costs = self._costs(backend, threads) if scheduler.startswith("sps") or "+" in method else None
+            self.costs = costs
             self.drafter = make_drafter(method, self.art_dir, self.manifest, gamma=gamma or exported,
                                         backend=backend, threads=threads, ngram=ngram, costs=costs, **where)
             g = min(gamma or exported, self.drafter.steps)
@@ -171,20 +174,23 @@ class Engine:
         if slots is not None:
             self._allocate(min(max(1, slots), self.max_batch))
 
-    def _costs(self, backend: str, threads: int | None):
-        """The artifact's stored profile for this backend, or (with a warning) a quick one measured now."""
+    def _costs(self, backend: str, threads: int | None) -> CostTable:
+        """The artifact's stored profile for this backend, or (with a warning) a quick one measured now; either
+        is refined online by the rounds this engine times (runtime/costs.py)."""
         import sys
 
         from specrt.runtime.profile import load_profile, measure
 
         prof = load_profile(self.art_dir, backend=backend, threads=threads)
+        if prof is not None:
+            return CostTable(prof, f"artifact profile {prof.backend}/{prof.threads}")
         key = (str(self.art_dir.resolve()), backend, threads)
-        if prof is None and key not in _MEASURED:
+        if key not in _MEASURED:
             print(f"specrt: warning: {self.art_dir} has no {backend} cost profile; measuring a quick one "
                   f"(run `specrt profile {self.art_dir}` once to store a careful one)", file=sys.stderr)
             _MEASURED[key] = measure(self.art_dir, backend=backend, threads=threads, repeats=1, calls=2,
                                      progress=False, position=min(128, self.manifest.export.max_seq // 2))
-        return prof or _MEASURED[key]
+        return CostTable(_MEASURED[key], "quick measurement at start-up")
 
     # -- the online API ---------------------------------------------------------------------------
 
@@ -386,6 +392,10 @@ class Engine:
         live = self.slots[:n]
         load = Load(active=sum(s is not None for s in live), slots=len(self.slots), waiting=len(self.waiting))
         rnd = self.spec.round(live, load)
+        if self.costs is not None:
+            self.costs.observe_verify(n, rnd.verified, rnd.call_s * 1e3)
+            if rnd.proposal.head:
+                self.costs.observe_draft(rnd.proposal.head, n, rnd.draft_s * 1e3)
         self.stats.steps += 1
         self.stats.draft_s += rnd.draft_s
         self.stats.verify_s += rnd.verify_s

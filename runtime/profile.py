@@ -49,18 +49,18 @@ class Profile:
 
     def step_ms(self, batch: int) -> float:
         """The plain decoding step (one token per slot) at the smallest profiled batch holding `batch` slots."""
-        b = _ceil_key(self.verify, batch)
+        b = ceil_key(self.verify, batch)
         return self.verify[b][min(self.verify[b])]
 
     def verify_ms(self, batch: int, tokens: int) -> float:
         """A verify call of `batch` slots verifying `tokens` tokens in all (rounded up to profiled sizes)."""
-        b = _ceil_key(self.verify, batch)
-        return self.verify[b][_ceil_key(self.verify[b], tokens)]
+        b = ceil_key(self.verify, batch)
+        return self.verify[b][ceil_key(self.verify[b], tokens)]
 
     def draft_ms(self, head: str, batch: int) -> float:
         if head not in self.draft:
             return 0.0  # n-gram lookups: no graph call
-        return self.draft[head][_ceil_key(self.draft[head], batch)]
+        return self.draft[head][ceil_key(self.draft[head], batch)]
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -83,7 +83,7 @@ class Profile:
                 "draft_steps": {h: round(self.draft_ms(h, 1) / step, 3) for h in self.draft}}
 
 
-def _ceil_key(table: dict[int, object], n: int) -> int:
+def ceil_key(table: dict[int, object], n: int) -> int:
     keys = sorted(table)
     return next((k for k in keys if k >= n), keys[-1])
 

@@ -128,13 +128,15 @@ class ThresholdScheduler(_Base):
         return (self.survival(proposal) >= np.float32(self.threshold)).sum(axis=1).astype(np.int64)
 
 
-def admission(a: np.ndarray, active: np.ndarray, fixed_ms: float, costs: Costs) -> tuple[np.ndarray, float]:
+def admission(a: np.ndarray, active: np.ndarray, fixed_ms: float, costs: Costs, *, explore: bool = False
+              ) -> tuple[np.ndarray, float]:
     """Algorithm 1 on survivals a [n, gamma] of the `active` rows, for a round whose draft side cost `fixed_ms`:
     the admitted lengths [n] and the round's expected committed tokens per millisecond.
 
     Every active slot verifies its anchor and commits a bonus token; verification is packed, so each admitted
     draft adds one token to the call. Pairs are admitted in order of survival while the rate improves; the
-    first non-improvement ends admission."""
+    first non-improvement ends admission, unless `explore` and the cost table wants that call's cost measured
+    (runtime/costs.py): then the pair is admitted anyway, and admission ends after it."""
     n, gamma = a.shape
     lengths = np.zeros(n, np.int64)
     rows = np.flatnonzero(active)
@@ -146,6 +148,8 @@ def admission(a: np.ndarray, active: np.ndarray, fixed_ms: float, costs: Costs) 
     for value, k, r in sorted(cand, key=lambda c: (-c[0], c[1], c[2])):
         rate = (expected + value) / (fixed_ms + costs.verify_ms(n, tokens + 1))
         if rate <= best:
+            if explore and getattr(costs, "wants", None) is not None and costs.wants(n, tokens + 1):
+                lengths[r] = k + 1
             break
         best, expected, tokens = rate, expected + value, tokens + 1
         lengths[r] = k + 1
@@ -167,7 +171,7 @@ class SPSScheduler(_Base):
     def plan(self, a: np.ndarray, active: np.ndarray, head: str) -> np.ndarray:
         """Lengths [n] admitted by Algorithm 1 on survivals a [n, gamma] of the `active` rows; `head` drafted
         them (its call is part of the round's cost)."""
-        return admission(a, active, self.costs.draft_ms(head, len(a)), self.costs)[0]
+        return admission(a, active, self.costs.draft_ms(head, len(a)), self.costs, explore=True)[0]
 
     def schedule(self, slots: list[SlotView | None], proposal: Proposal, load: Load) -> np.ndarray:
         active = np.array([s is not None for s in slots])

@@ -44,7 +44,9 @@ class Round:
     proposal: Proposal
     outcomes: list[Outcome | None]  # per slot in [0, n); None for idle slots
     draft_s: float
-    verify_s: float
+    verify_s: float  # scheduling and the verify call
+    verified: int = 0  # tokens verified in all (anchors and drafts of the active slots)
+    call_s: float = 0.0  # the verify call alone (filling and running it): what the cost table learns from
 
 
 class SlotState(SlotView, Protocol):
@@ -66,15 +68,17 @@ class Speculator:
         proposal = self.drafter.propose(slots)
         t1 = time.perf_counter()
         lengths = self.schedule(slots, proposal, load)
+        ts = time.perf_counter()
         logits, features = self.verify(slots, proposal, lengths)
         t2 = time.perf_counter()
+        verified = sum(int(lengths[i]) + 1 for i, s in enumerate(slots) if s is not None)
         outcomes = [self.accept(s, proposal, i, int(lengths[i]), logits[i], features)
                     if s is not None else None for i, s in enumerate(slots)]
         for i, o in enumerate(outcomes):
             if o is not None:
                 self.scheduler.observe(o.verify_len, o.verdict.accepted)
                 self.drafter.observe(i, o.verify_len, o.verdict.accepted)
-        return Round(proposal, outcomes, draft_s=t1 - t0, verify_s=t2 - t1)
+        return Round(proposal, outcomes, draft_s=t1 - t0, verify_s=t2 - t1, verified=verified, call_s=t2 - ts)
 
     def schedule(self, slots: list[SlotState | None], proposal: Proposal, load: Load) -> np.ndarray:
         """The scheduler's lengths, capped by the drafts proposed and each request's budget."""

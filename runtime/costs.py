@@ -1,0 +1,125 @@
+"""The cost table the schedulers plan on: a stored profile, refined online from the rounds the engine times.
+
+A profile (`specrt profile`, stored by `specrt export`) is measured once, at one moment of a machine whose
+speed drifts; a quick one measured at start-up can be far off. `CostTable` starts from it and corrects it
+with what each round actually cost:
+
+    observed cell   (batch, verified tokens) or (head, batch) seen in a round: the lower median of its last
+                    WINDOW observations and PRIOR copies of the profile's value. Two observations outvote a
+                    profile that overstates a cost, three one that understates it, and one stall moves nothing.
+                    Erring low is deliberate: a cost believed too low gets admitted and so measured, while one
+                    believed too high would never be
+    unseen cell     the profile's value scaled as the nearest observed cell below it in the same row was scaled
+                    (the profile's shape, anchored where the rounds measured), or by the table's overall drift
+                    (the running geometric mean of observed / profiled) where nothing in the row was observed
+    exploration     a cost-aware scheduler stops admitting drafts where the table says the next one does not
+                    pay, so a table that overstates a verify would never be corrected by the rounds it
+                    prevents: `wants` lets the scheduler admit one pair past its stopping point, once every
+                    EXPLORE_EVERY rounds, until that cell has been seen SEEN times. Verify lengths never affect
+                    which tokens are committed, so exploring costs time, never exactness.
+
+`describe()` says which table decided: its source, the observations, and the table before and after, in
+decoding steps.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from specrt.runtime.profile import Profile, ceil_key
+
+PRIOR = 2  # the profile's value counts as this many observations
+WINDOW = 16  # observations kept per cell
+SEEN = 6  # observations after which a cell is no longer explored
+EXPLORE_EVERY = 8  # rounds between explorations
+
+
+class CostTable:
+    """A profile's verify and draft costs (ms), corrected online; read by the schedulers and the hybrid."""
+
+    def __init__(self, profile: Profile, source: str) -> None:
+        self.profile, self.source = profile, source
+        self.seen: dict[tuple, deque[float]] = {}  # cell -> its last observations (ms)
+        self.estimate: dict[tuple, float] = {}  # cell -> median of its observations and the prior
+        self.log_drift, self.observations, self.explored = 0.0, 0, 0
+        self._since_explore = 0
+
+    # -- what the schedulers read (runtime/schedulers.py Costs) ---------------------------------------
+
+    def verify_ms(self, batch: int, tokens: int) -> float:
+        b = ceil_key(self.profile.verify, batch)
+        row = self.profile.verify[b]
+        p = ceil_key(row, tokens)
+        if ("verify", b, p) in self.estimate:
+            return self.estimate[("verify", b, p)]
+        below = [q for q in row if q < p and ("verify", b, q) in self.estimate]
+        if below:  # the profile's shape from the nearest observed cell below
+            q = max(below)
+            return row[p] * self.estimate[("verify", b, q)] / row[q]
+        return row[p] * math.exp(self.log_drift)
+
+    def draft_ms(self, head: str, batch: int) -> float:
+        if head not in self.profile.draft:
+            return 0.0  # n-gram lookups: no graph call
+        b = ceil_key(self.profile.draft[head], batch)
+        return self.estimate.get(("draft", head, b), self.profile.draft[head][b] * math.exp(self.log_drift))
+
+    def step_ms(self, batch: int) -> float:
+        b = ceil_key(self.profile.verify, batch)
+        return self.verify_ms(b, min(self.profile.verify[b]))
+
+    def wants(self, batch: int, tokens: int) -> bool:
+        """Whether a scheduler should verify `tokens` in all this round to learn that cell's cost (see above)."""
+        b = ceil_key(self.profile.verify, batch)
+        row = self.profile.verify[b]
+        if tokens > max(row) or len(self.seen.get(("verify", b, ceil_key(row, tokens)), ())) >= SEEN:
+            return False
+        if self._since_explore < EXPLORE_EVERY:
+            return False
+        self._since_explore = 0
+        self.explored += 1
+        return True
+
+    # -- what the engine feeds it ----------------------------------------------------------------------
+
+    def observe_verify(self, batch: int, tokens: int, ms: float) -> None:
+        """A verify (or decode) call of `batch` slots over `tokens` tokens in all took `ms`."""
+        b = ceil_key(self.profile.verify, batch)
+        p = ceil_key(self.profile.verify[b], tokens)
+        self._observe(("verify", b, p), self.profile.verify[b][p], ms)
+        self._since_explore += 1
+
+    def observe_draft(self, head: str, batch: int, ms: float) -> None:
+        """A call of `head`'s draft graph for `batch` slots took `ms`."""
+        if head in self.profile.draft:
+            b = ceil_key(self.profile.draft[head], batch)
+            self._observe(("draft", head, b), self.profile.draft[head][b], ms)
+
+    def _observe(self, cell: tuple, profiled: float, ms: float) -> None:
+        if not (ms > 0 and math.isfinite(ms)):
+            return
+        seen = self.seen.setdefault(cell, deque(maxlen=WINDOW))
+        seen.append(ms)
+        values = sorted([profiled] * PRIOR + list(seen))
+        self.estimate[cell] = values[(len(values) - 1) // 2]  # the lower median: see above
+        self.observations += 1
+        if profiled > 0:  # clipped: one stall moves the drift by at most log(4) / its weight
+            ratio = max(-math.log(4), min(math.log(4), math.log(ms / profiled)))
+            self.log_drift += (ratio - self.log_drift) / min(self.observations, 4 * WINDOW)
+
+    # -- reporting --------------------------------------------------------------------------------------
+
+    def current(self) -> Profile:
+        """The table as it stands, as a Profile (unseen cells with the drift applied)."""
+        verify = {b: {p: round(self.verify_ms(b, p), 3) for p in row} for b, row in self.profile.verify.items()}
+        draft = {h: {b: round(self.draft_ms(h, b), 3) for b in row} for h, row in self.profile.draft.items()}
+        p = self.profile
+        return Profile(backend=p.backend, threads=p.threads, position=p.position, machine=p.machine,
+                       created=p.created, verify=verify, draft=draft)
+
+    def describe(self) -> dict:
+        """Which table decided: its source, how many rounds refined it, and the table before and after."""
+        return {"source": self.source, "created": self.profile.created, "threads": self.profile.threads,
+                "observations": self.observations, "explored_rounds": self.explored,
+                "drift": round(math.exp(self.log_drift), 4), "initial": self.profile.summary(),
+                "refined": self.current().summary()}
