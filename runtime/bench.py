@@ -1,71 +1,34 @@
-"""`specrt bench`: specrt and baselines on the same model and prompts, side by side in one run."""
+"""`specrt bench`: specrt's methods and baselines on the same model and prompts, interleaved in one run.
+
+    workers      every engine (each specrt method, each baseline) in a process of its own (bench_workers.py)
+    warm-up      each engine runs the first prompt once, unmeasured
+    passes       `repeats` passes over the prompts; on each prompt every engine runs in turn, the order rotating
+                 from one prompt to the next, so drift in the machine's speed lands on all engines alike
+    ratios       per prompt and pass, an engine's decode rate over the reference's on the same prompt, over the
+                 same number of tokens (the fewer of the two generated); reported as the median with a bootstrap
+                 95% interval (bench_stats.py), against `ar` and against every baseline
+    quiet check  load, steal and other processes' CPU during each request (machine.py); a warning when noisy
+
+Exact engines (specrt's methods, transformers) must produce `ar`'s tokens on every prompt and pass; engines
+that compute differently (llama.cpp, OpenVINO) have their first difference reported.
+"""
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
+import numpy as np
 from tqdm import tqdm
 
 from specrt.errors import SpecrtError
-from specrt.runtime.engine import Engine, Request, RunStats
-from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.bench_stats import median_ci
+from specrt.runtime.bench_workers import BASELINES, REPORTED_ONLY, EngineSpec, Generation, Worker
+from specrt.runtime.machine import CpuSample, QuietCheck, machine_info
+from specrt.runtime.stats import RunStats
 
-BASELINES = ("hf", "llama.cpp")
-# Baselines with their own arithmetic (llama.cpp: quantized weights, f16 KV cache): their tokens are reported
-# (first_difference), never required to equal specrt ar's. hf runs the same fp32 weights and must match.
-REPORTED_ONLY = ("llama.cpp",)
-LLAMA_CPP_INSTALL = "pip install 'specrt[llama]' (builds llama.cpp from source, ~15 min on 2 cores)"
-
-
-@dataclass
-class MethodResult:
-    method: str
-    outputs: list[list[int]] = field(default_factory=list)
-    generated_tokens: int = 0
-    decode_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    stats: RunStats | None = None  # speculative methods: rounds pooled over all prompts
-
-    def add(self, outputs: list[list[int]], generated: int, decoded: int, prefill_s: float, decode_s: float,
-            stats: RunStats | None) -> None:
-        """Accumulate more prompts: token and time sums; speculative rounds concatenated."""
-        self.outputs += outputs
-        self.generated_tokens += generated
-        self.decode_tokens += decoded
-        self.prefill_s += prefill_s
-        self.decode_s += decode_s
-        if stats is not None and self.stats is not None:
-            self.stats.gamma = stats.gamma
-            self.stats.rounds += stats.rounds
-            self.stats.decode_s += stats.decode_s
-            self.stats.draft_s += stats.draft_s
-            self.stats.verify_s += stats.verify_s
-
-    def row(self, reference: "MethodResult | None") -> dict:
-        tps = self.decode_tokens / self.decode_s if self.decode_s else 0.0
-        e2e = self.generated_tokens / (self.prefill_s + self.decode_s) if self.prefill_s + self.decode_s else 0.0
-        row = {"method": self.method, "tokens_per_s": round(tps, 3), "end_to_end_tokens_per_s": round(e2e, 3),
-               "generated_tokens": self.generated_tokens, "prefill_s": round(self.prefill_s, 3),
-               "decode_s": round(self.decode_s, 3)}
-        if self.stats is not None and self.stats.method != "ar":
-            spec = self.stats.to_dict()
-            row.update(tau=spec["tau"], rounds=spec["rounds"], gamma=spec["gamma"],
-                       per_position_acceptance=spec["per_position_acceptance"], draft_s=spec["draft_s"],
-                       verify_s=spec["verify_s"])
-        if reference is not None:
-            ref = reference.row(None)
-            row["speedup"] = round(tps / ref["tokens_per_s"], 3) if ref["tokens_per_s"] else None
-            row["end_to_end_speedup"] = (round(e2e / ref["end_to_end_tokens_per_s"], 3)
-                                         if ref["end_to_end_tokens_per_s"] else None)
-            if self.method in BASELINES:
-                row["first_difference"] = difference_summary(self.outputs, reference.outputs)
-        return row
-
+SETTLE_S = 0.02  # pause between two engines' runs (not measured)
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
     """Index of the first token where `a` and `b` differ (one ending early counts), or None when identical."""
@@ -84,34 +47,9 @@ def difference_summary(outputs: list[list[int]], reference: list[list[int]]) -> 
             "mean_index": round(sum(diff) / len(diff), 1) if diff else None, "per_prompt": per_prompt}
 
 
-def identical(results: list[MethodResult]) -> bool:
-    """Whether every result that must match (all but REPORTED_ONLY baselines) has the first one's tokens."""
-    return all(r.outputs == results[0].outputs for r in results if r.method not in REPORTED_ONLY)
-
-
-def run_specrt(engine: Engine, prompts: list[list[int]], params: SamplingParams,
-               progress: bool = True, desc: str | None = None) -> MethodResult:
-    """Batch-1 runs, one prompt at a time (the latency setting of the goals)."""
-    res = MethodResult(engine.method, stats=RunStats(method=engine.method))
-    desc = desc or f"specrt {engine.method}"
-    for i, ids in enumerate(tqdm(prompts, desc=desc, unit="prompt", disable=not progress)):
-        outputs, stats = engine.generate([Request(prompt_ids=ids, params=params, id=i)])
-        res.add([outputs[0].output_ids], stats.generated_tokens, stats.decode_tokens, stats.prefill_s,
-                stats.decode_s, stats)
-    return res
-
-
-def pooled(results: list[MethodResult]) -> MethodResult:
-    """One method's results over several prompt sets as one (token and time sums, rounds concatenated)."""
-    first = results[0]
-    res = MethodResult(first.method, stats=RunStats(method=first.method) if first.stats is not None else None)
-    for r in results:
-        res.add(r.outputs, r.generated_tokens, r.decode_tokens, r.prefill_s, r.decode_s, r.stats)
-    return res
-
-
 def plot_report(report: dict, path: str | Path) -> Path:
-    """Per-position conditional acceptance per method (pooled over the prompt sets) and τ per prompt set."""
+    """Each engine's speedup over `ar` with its 95% interval, per-position conditional acceptance per method (pooled
+    over the prompt sets) and τ per prompt set."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -120,7 +58,18 @@ def plot_report(report: dict, path: str | Path) -> Path:
     spec = [r for r in report["pooled"] if "per_position_acceptance" in r]
     if not spec:
         raise SpecrtError("--plot needs at least one speculative method (mtp or dspark) in --methods")
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (speed, left, right) = plt.subplots(1, 3, figsize=(16, 4.4))
+    rows = [r for r in report["pooled"] if r["method"] != "ar" and r.get("speedup_ci")]
+    for y, row in enumerate(rows):
+        lo, hi = row["speedup_ci"]
+        speed.errorbar(row["speedup"], y, xerr=[[row["speedup"] - lo], [hi - row["speedup"]]], fmt="o", capsize=4)
+        speed.annotate(f"{row['speedup']:.2f}x [{lo:.2f}, {hi:.2f}]", (row["speedup"], y), textcoords="offset points",
+                       xytext=(0, 7), ha="center", fontsize=7)
+    speed.axvline(1.0, color="k", lw=0.8)
+    speed.set_yticks(range(len(rows)), [r["method"] for r in rows])
+    speed.set(xlabel="decode speedup over specrt ar (median, 95% interval)",
+              title=f"Speedup, {report['prompts']} prompts x {report.get('repeats', 1)} passes")
+    speed.grid(axis="x", alpha=0.3)
     for row in spec:
         cond = row["per_position_acceptance"]["conditional"]
         left.plot(range(1, len(cond) + 1), cond, marker="o", label=f"{row['method']} (τ {row['tau']:.2f})")
@@ -167,15 +116,6 @@ def parse_baselines(values: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(n for n in names if n != "none"))
 
 
-def load_baselines(names: list[str], source: Path, *, threads: int | None = None, n_ctx: int = 2048,
-                   device: str = "cpu", dtype: str | None = None) -> dict[str, Callable]:
-    """Load each named baseline on the artifact's source model: {name: generate(ids, max_new, eos)}; hf on
-    `device` in `dtype` (default float32)."""
-    loaders = {"hf": lambda: hf_baseline(source, threads=threads, device=device, dtype=dtype),
-               "llama.cpp": lambda: llama_cpp_baseline(source, threads=threads, n_ctx=n_ctx)}
-    return {name: loaders[name]() for name in names}
-
-
 def load_hf_model(source: Path, threads: int | None = None):
     """transformers' fp32 model of an artifact's source (a GGUF is dequantized), in eval mode."""
     import torch
@@ -190,112 +130,9 @@ def load_hf_model(source: Path, threads: int | None = None):
     return model.eval()
 
 
-def hf_baseline(source: Path, threads: int | None = None, device: str = "cpu", dtype: str | None = None
-                ) -> Callable:
-    """Load the artifact's source model with transformers; returns generate(ids, max_new, eos) -> (ids, t_prefill, t_total).
-
-    t_total is a full generate(); t_prefill a 1-token generate() (prompt + first token) on the same prompt."""
-    import torch
-
-    model = load_hf_model(source, threads).to(device, getattr(torch, dtype or "float32"))
-    done = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
-
-    @torch.inference_mode()
-    def generate(ids: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], float, float]:
-        x = torch.tensor([ids], device=model.device)
-        kw = dict(do_sample=False, eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0,
-                  attention_mask=torch.ones_like(x))
-        t0 = time.perf_counter()
-        model.generate(x, max_new_tokens=1, **kw)
-        done()
-        t1 = time.perf_counter()
-        out = model.generate(x, max_new_tokens=max_new_tokens, **kw)
-        done()
-        t2 = time.perf_counter()
-        return out[0, len(ids):].tolist(), t1 - t0, t2 - t1
-
-    return generate
-
-
-def require_llama_cpp() -> ModuleType:
-    """The llama_cpp module, or a one-line SpecrtError saying how to install the optional extra."""
-    try:
-        import llama_cpp
-    except ModuleNotFoundError as e:
-        if e.name not in ("llama_cpp", None):
-            raise SpecrtError(f"--baseline llama.cpp: llama-cpp-python cannot be imported: {e}") from None
-        raise SpecrtError(f"--baseline llama.cpp needs llama-cpp-python: {LLAMA_CPP_INSTALL}") from None
-    except (ImportError, OSError) as e:  # e.g. the compiled libllama is missing or was built for another CPU
-        line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise SpecrtError(f"--baseline llama.cpp: llama-cpp-python cannot be loaded: {line}") from None
-    return llama_cpp
-
-
-def llama_cpp_baseline(source: Path, threads: int | None = None, n_ctx: int = 2048) -> Callable:
-    """Load the artifact's source GGUF with llama-cpp-python; returns generate(ids, max_new, eos) like hf_baseline's.
-
-    Greedy from the given token ids (never re-tokenized); t_prefill: prompt + first token, t_total: the whole run."""
-    llama_cpp = require_llama_cpp()
-    if source.suffix != ".gguf":
-        raise SpecrtError(f"--baseline llama.cpp runs GGUF models; the artifact's source is {source}")
-    n = threads or max(1, len(os.sched_getaffinity(0)))  # ONNX Runtime's default intra-op threads too
-    try:
-        llm = llama_cpp.Llama(model_path=str(source), n_threads=n, n_threads_batch=n, n_ctx=n_ctx,
-                              n_batch=min(n_ctx, 512), logits_all=False, verbose=False)
-    except (ValueError, RuntimeError) as e:
-        raise SpecrtError(f"llama.cpp cannot load {source}: {e}") from None
-
-    def generate(ids: list[int], max_new_tokens: int, eos: list[int]) -> tuple[list[int], float, float]:
-        stop, out = set(eos), []
-        llm.reset()  # a fresh context per prompt: no KV prefix reuse from the previous prompt
-        # temp 0: llama.cpp's greedy sampler (argmax); neutral penalties make its penalties sampler a no-op
-        tokens = llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, frequency_penalty=0.0,
-                              presence_penalty=0.0, reset=False)
-        t0 = time.perf_counter()
-        t_first = None
-        for token in tokens:
-            if t_first is None:
-                t_first = time.perf_counter()
-            out.append(int(token))
-            if token in stop or len(out) >= max_new_tokens:  # like specrt: the EOS that ends a request is kept
-                break
-        t_end = time.perf_counter()
-        tokens.close()
-        return out, (t_first or t_end) - t0, t_end - t0
-
-    return generate
-
-
-def run_baseline(method: str, generate: Callable, prompts: list[list[int]], max_new_tokens: int, eos: list[int],
-                 progress: bool = True) -> MethodResult:
-    """Batch-1 runs of a baseline's generate(); decode time is its total minus its prefill (prompt + first token)."""
-    res = MethodResult(method)
-    desc = {"hf": "transformers"}.get(method, method)
-    for ids in tqdm(prompts, desc=desc, unit="prompt", disable=not progress):
-        out, t_prefill, t_total = generate(ids, max_new_tokens, eos)
-        res.outputs.append(out)
-        res.generated_tokens += len(out)
-        res.decode_tokens += len(out) - 1
-        res.prefill_s += t_prefill
-        res.decode_s += max(t_total - t_prefill, 1e-9)
-    return res
-
-
-def run_hf(generate: Callable, prompts: list[list[int]], max_new_tokens: int, eos: list[int],
-           progress: bool = True) -> MethodResult:
-    """transformers generate() (see hf_baseline), one prompt at a time."""
-    return run_baseline("hf", generate, prompts, max_new_tokens, eos, progress)
-
-
-def run_llama_cpp(generate: Callable, prompts: list[list[int]], max_new_tokens: int, eos: list[int],
-                  progress: bool = True) -> MethodResult:
-    """llama.cpp greedy generation (see llama_cpp_baseline), one prompt at a time."""
-    return run_baseline("llama.cpp", generate, prompts, max_new_tokens, eos, progress)
-
-
-def artifact_source(engine: Engine) -> Path:
-    """The source model the artifact was exported from (a GGUF file or a Hugging Face directory)."""
-    sources = engine.manifest.sources
+def artifact_source(manifest) -> Path:
+    """The source model an artifact (its manifest) was exported from (a GGUF file or a Hugging Face directory)."""
+    sources = manifest.sources
     if not sources:
         raise SpecrtError("the artifact records no source model, so no --baseline can be loaded")
     path = Path(sources[0].path)
@@ -304,3 +141,139 @@ def artifact_source(engine: Engine) -> Path:
     if not path.exists():
         raise SpecrtError(f"the artifact's source model {path} no longer exists (needed for --baseline)")
     return path
+
+
+# -- the interleaved run --------------------------------------------------------------------------------------
+
+@dataclass
+class Runs:
+    """Every engine's generations: runs[dataset][engine][prompt][pass]."""
+
+    sets: dict[str, list[list[int]]]
+    runs: dict[str, dict[str, list[list[Generation]]]]
+    quiet: dict
+    engines: dict[str, dict]
+
+
+def start_workers(specs: list[EngineSpec]) -> dict[str, Worker]:
+    """Start every engine's process (they load side by side) and wait until each is ready."""
+    workers = {s.name: Worker(s) for s in specs}
+    try:
+        for w in workers.values():
+            w.ready()
+    except BaseException:
+        for w in workers.values():
+            w.close()
+        raise
+    return workers
+
+
+def run_interleaved(workers: dict[str, Worker], sets: dict[str, list[list[int]]], *, max_new_tokens: int,
+                    eos: list[int], repeats: int = 1, progress: bool = True,
+                    on_run: Callable[[str, str, int, int], None] | None = None) -> Runs:
+    """Warm every engine up on the first prompt, then `repeats` passes: each prompt by every engine in a
+    rotating order. Only one engine runs at a time; the CPU the others use meanwhile is recorded."""
+    import psutil
+
+    names = list(workers)
+    me = psutil.Process()
+    first = next((ids for prompts in sets.values() for ids in prompts), None)
+    if first is None:
+        raise SpecrtError("no prompts to run")
+    for w in workers.values():  # warm-up, excluded: first-use allocations, caches, JIT
+        w.run(first, max_new_tokens, eos)
+    runs = {d: {n: [[] for _ in prompts] for n in names} for d, prompts in sets.items()}
+    jobs = [(d, i) for _ in range(repeats) for d, prompts in sets.items() for i in range(len(prompts))]
+    check = QuietCheck()
+    with tqdm(total=len(jobs) * len(names), desc="bench", unit="run", disable=not progress) as bar:
+        for j, (d, i) in enumerate(jobs):
+            for name in names[j % len(names):] + names[:j % len(names)]:
+                if on_run is not None:
+                    on_run(d, name, i, len(runs[d][name][i]))
+                before = {n: w.cpu_seconds() for n, w in workers.items()}
+                mine, s0, t0 = sum(me.cpu_times()[:2]), CpuSample.now(), time.perf_counter()
+                gen = workers[name].run(sets[d][i], max_new_tokens, eos)
+                wall, s1 = time.perf_counter() - t0, CpuSample.now()
+                used = {n: w.cpu_seconds() - before[n] for n, w in workers.items()}
+                bench_s = sum(used.values()) + sum(me.cpu_times()[:2]) - mine
+                busy = s1.busy_s - s0.busy_s if s0.busy_s is not None and s1.busy_s is not None else None
+                check.add(wall, busy, bench_s, sum(v for n, v in used.items() if n != name))
+                runs[d][name][i].append(gen)
+                bar.update(1)
+                time.sleep(SETTLE_S)  # the engine's thread pool stops spinning before the next engine starts
+    return Runs(sets, runs, check.report(), {n: w.describe() for n, w in workers.items()})
+
+
+# -- the report -----------------------------------------------------------------------------------------------
+
+def _pair_ratios(gens: list[list[Generation]], refs: list[list[Generation]]) -> np.ndarray:
+    """[prompts, passes]: rate over rate on the same prompt and pass, each over the tokens both generated."""
+    out = np.full((len(gens), max((len(g) for g in gens), default=0)), np.nan)
+    for i, (row, ref_row) in enumerate(zip(gens, refs)):
+        for r, (g, ref) in enumerate(zip(row, ref_row)):
+            k = min(len(g.tokens), len(ref.tokens))
+            a, b = g.decode_rate(k), ref.decode_rate(k)
+            if a and b:
+                out[i, r] = a / b
+    return out
+
+
+def engine_row(name: str, gens: list[list[Generation]], gamma: int = 0) -> dict:
+    """Pooled figures of one engine over prompts and passes: decode tokens/s, tokens, τ and acceptance."""
+    flat = [g for row in gens for g in row]
+    decode_tokens = sum(max(len(g.tokens) - 1, 0) for g in flat)
+    decode_s = sum(g.times[-1] - g.times[0] for g in flat if len(g.tokens) > 1)
+    total_s = sum(g.times[-1] for g in flat if g.tokens)
+    row = {"method": name, "tokens_per_s": round(decode_tokens / decode_s, 3) if decode_s else 0.0,
+           "end_to_end_tokens_per_s": round(sum(len(g.tokens) for g in flat) / total_s, 3) if total_s else 0.0,
+           "generated_tokens": sum(len(row[0].tokens) for row in gens if row),  # one pass's
+           "prefill_s": round(sum(g.times[0] for g in flat if g.tokens), 3), "decode_s": round(decode_s, 3),
+           "passes": max((len(r) for r in gens), default=0)}
+    rounds = [r for g in flat for r in g.rounds]
+    if rounds:
+        stats = RunStats(method=name, gamma=gamma, rounds=rounds, draft_s=sum(g.draft_s for g in flat),
+                         verify_s=sum(g.verify_s for g in flat))
+        spec = stats.to_dict()
+        row.update(tau=spec["tau"], rounds=spec["rounds"], gamma=gamma, mean_verify_len=spec["mean_verify_len"],
+                   per_position_acceptance=spec["per_position_acceptance"], draft_s=spec["draft_s"],
+                   verify_s=spec["verify_s"])
+    return row
+
+
+def compare(runs: dict[str, list[list[Generation]]], engines: dict[str, dict]) -> tuple[bool, list[dict]]:
+    """One prompt set (or all, concatenated): whether every exact engine matched `ar`, and a row per engine with
+    its speedup over `ar` and over each baseline (median and 95% interval of the paired ratios)."""
+    ref = runs["ar"]
+    baselines = [n for n in runs if n in BASELINES]
+    first_pass = {n: [row[0].tokens for row in gens] for n, gens in runs.items()}
+    rows, identical = [], True
+    for name, gens in runs.items():
+        row = engine_row(name, gens, engines.get(name, {}).get("gamma", 0))
+        same = all(g.tokens == r[0].tokens for row_, r in zip(gens, ref) for g in row_)
+        if name not in REPORTED_ONLY:
+            row["identical"] = same
+            identical &= same
+        if name in BASELINES:
+            row["first_difference"] = difference_summary(first_pass[name], first_pass["ar"])
+        ci = median_ci(_pair_ratios(gens, ref)) if name != "ar" else None
+        row["speedup"] = ci["median"] if ci else (1.0 if name == "ar" else None)
+        row["speedup_ci"] = [ci["low"], ci["high"]] if ci else None
+        row["vs"] = {b: median_ci(_pair_ratios(gens, runs[b])) for b in baselines if b != name}
+        rows.append(row)
+    return identical, rows
+
+
+def report(r: Runs, max_new_tokens: int, repeats: int) -> dict:
+    """The bench's JSON: per prompt set and pooled over all, plus the machine, the quiet check and the engines."""
+    names = list(next(iter(r.runs.values())))
+    datasets = []
+    for d, per_engine in r.runs.items():
+        same, rows = compare(per_engine, r.engines)
+        datasets.append({"dataset": d, "prompts": len(r.sets[d]), "identical": same,
+                         "results": [dict(row, dataset=d) for row in rows]})
+    pooled_runs = {n: [row for d in r.runs for row in r.runs[d][n]] for n in names}
+    identical, pooled = compare(pooled_runs, r.engines)
+    return {"identical": identical, "prompts": sum(len(v) for v in r.sets.values()), "repeats": repeats,
+            "max_new_tokens": max_new_tokens, "order": "interleaved: every engine per prompt, rotating",
+            "machine": machine_info(), "quiet": r.quiet, "engines": r.engines,
+            "results": [row for d in datasets for row in d["results"]], "datasets": datasets, "pooled": pooled}

@@ -114,10 +114,13 @@ def _settings(batch: int, max_seq_len: int, prefill_chunk: int, verify_len: int 
               help="Token counts (.npy, from `specrt distill`) for --draft-vocab [default: token_counts.npy beside "
                    "each head or in its parent directory]")
 @click.option("--force", is_flag=True, help="Replace an existing artifact directory.")
+@click.option("--no-profile", is_flag=True,
+              help="Do not measure the cost profile the sps scheduler and the hybrids plan on (`specrt profile` "
+                   "stores one later; without one, every run measures a quick one).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feedback: str, no_heads: bool,
            weights: str, accuracy_level: str, draft_vocab: int | None, token_counts: Path | None, force: bool,
-           quiet: bool, **opts) -> None:
+           no_profile: bool, quiet: bool, **opts) -> None:
     """Export MODEL (HF directory, .gguf file, or preset name `smollm2`) into an artifact directory.
 
     A preset comes with the draft heads specrt ships for it (DSpark and MTP) unless --draft/--mtp or
@@ -148,6 +151,14 @@ def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feed
                                    accuracy_level=int(accuracy_level), draft_vocab=draft_vocab)
     path = export_artifact(resolve_model(model, progress=not quiet), out, settings, draft=draft, mtp=mtp,
                            mtp_feedback=mtp_feedback, token_counts=token_counts, progress=not quiet, force=force)
+    if not no_profile:
+        from specrt.runtime.profile import measure, save_profile
+
+        # the table sps and the hybrids plan on, measured carefully once here (the runtime refines it online)
+        try:
+            save_profile(path, measure(path, progress=not quiet, position=min(128, settings.max_seq // 2)))
+        except SpecrtError as e:
+            click.echo(f"specrt: warning: no cost profile stored ({e}); runs will measure a quick one", err=True)
     click.echo(f"wrote {path}")
 
 
@@ -299,7 +310,7 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
               help='JSONL of {"turns": [...]}; repeat for several prompt sets (reported one by one).')
 @click.option("--limit", type=int, default=None, help="Use the first N prompts of each file.")
 @click.option("--max-new-tokens", default=128, help="Tokens to generate per prompt (greedy, batch 1).")
-@click.option("--methods", default="ar", help="Comma-separated specrt methods to run: ar, ngram, mtp, dspark.")
+@click.option("--methods", default="ar", help="Comma-separated specrt methods to run: " + ", ".join(METHOD_NAMES) + ".")
 @click.option("--gamma", type=int, default=None, help="Drafts verified per round [default: the artifact's].")
 @click.option("--scheduler", type=click.Choice(SCHEDULER_NAMES), default=None,
               help=f"Verify lengths per round (see `specrt run --help`) [default: {DEFAULT_SCHEDULER}; "
@@ -318,25 +329,32 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="--backend torch: the modules' precision [default: the artifact's]; the hf baseline's too.")
 @click.option("--baseline", "baselines", multiple=True, default=["none"],
-              help="Also run on the artifact's source model: hf (transformers generate()), llama.cpp "
-                   "(llama-cpp-python on the source GGUF; optional extra specrt[llama]); repeat or comma-separate.")
+              help="Also run on the artifact's source model, each in its own process: hf (transformers generate()), "
+                   "llama.cpp (llama-cpp-python on the source GGUF; optional extra specrt[llama]), openvino and "
+                   "openvino-lookup (OpenVINO GenAI on the source GGUF, plain and with its prompt lookup; optional "
+                   "extra specrt[openvino]); repeat or comma-separate.")
+@click.option("--repeats", default=1, show_default=True,
+              help="Passes over the prompts (each pass interleaves every engine prompt by prompt, rotating).")
 @click.option("--threads", type=int, default=None,
-              help="Threads for ONNX Runtime, torch and llama.cpp (default: all cores).")
+              help="Threads for ONNX Runtime, torch, llama.cpp and OpenVINO (default: all cores).")
 @click.option("--plot", type=click.Path(path_type=Path), default=None,
-              help="Write a PNG: per-position conditional acceptance per method, and tau per prompt set.")
+              help="Write a PNG: speedups with their intervals, per-position conditional acceptance per method, "
+                   "and tau per prompt set.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens: int, methods: str, gamma,
           scheduler: str, threshold: float, concurrency: str | None, schedulers: str | None, ngram: int,
-          backend: str, device: str, dtype: str | None, baselines: tuple[str, ...], threads, plot: Path | None,
-          as_json: bool) -> None:
-    """Benchmark methods and baselines on the same prompts, side by side in one run (greedy, batch 1).
+          backend: str, device: str, dtype: str | None, baselines: tuple[str, ...], repeats: int, threads,
+          plot: Path | None, as_json: bool) -> None:
+    """Benchmark methods and baselines on the same prompts, interleaved in one run (greedy, batch 1).
 
-    Every method (and the hf baseline) must produce the same greedy tokens as `ar`; if any differs the command
-    fails (exit 1). llama.cpp computes differently (quantized weights): where it first differs is only reported."""
+    Every engine runs in a process of its own; on each prompt every engine runs in turn (rotating order), over
+    --repeats passes after a warm-up. Speedups are medians of per-prompt ratios with a bootstrap 95% interval,
+    against ar and every baseline, over the tokens both engines generated. Every method (and the hf baseline)
+    must produce the same greedy tokens as `ar`; if any differs the command fails (exit 1). llama.cpp and OpenVINO
+    compute differently (quantized weights): where they first differ is reported."""
     from specrt.runtime import bench as b
-    from specrt.runtime.engine import METHODS, Engine
-    from specrt.runtime.prompts import encode_prompt, read_prompts_file
-    from specrt.runtime.sampling import SamplingParams
+    from specrt.runtime.bench_workers import require
+    from specrt.runtime.engine import METHODS
 
     names = [m.strip() for m in methods.split(",") if m.strip()]
     bad = [m for m in names if m not in METHODS]
@@ -356,64 +374,108 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
                                   device=device, dtype=dtype)
     if schedulers is not None:
         raise SpecrtError("--schedulers goes with --concurrency; for one scheduler at batch 1 use --scheduler")
-    if "llama.cpp" in baselines:
-        b.require_llama_cpp()  # a missing optional extra fails before anything is loaded
-    engines = [Engine(artifact, method=m, gamma=gamma if m != "ar" else None, scheduler=scheduler, ngram=ngram,
-                      backend=backend, threads=threads, threshold=threshold, device=device, dtype=dtype)
-               for m in names]
-    engine = engines[0]
-    sets = {p.stem: [encode_prompt(engine.tokenizer, t) for t in read_prompts_file(p, limit)] for p in prompt_files}
-    params = SamplingParams(max_new_tokens=max_new_tokens)
-    progress = not as_json
-    longest = max((len(ids) for prompts in sets.values() for ids in prompts), default=0)
-    runs = b.load_baselines(baselines, b.artifact_source(engine), threads=threads, n_ctx=longest + max_new_tokens,
-                            device=device, dtype=dtype) if baselines else {}
-    per_set: dict[str, list] = {}
-    for name, ids in sets.items():
-        results = [b.run_specrt(e, ids, params, progress=progress, desc=f"{name} {e.method}") for e in engines]
-        results += [b.run_baseline(m, generate, ids, max_new_tokens, sorted(engine.eos_ids), progress=progress)
-                    for m, generate in runs.items()]
-        per_set[name] = results
-    datasets = [{"dataset": name, "prompts": len(sets[name]), "identical": b.identical(results),
-                 "results": [dict(r.row(results[0]), dataset=name) for r in results]}
-                for name, results in per_set.items()]
-    columns = list(zip(*per_set.values()))  # per method: its result on every set
-    pooled = [b.pooled(list(col)) for col in columns]
-    identical = all(d["identical"] for d in datasets)
-    report = {"identical": identical, "prompts": sum(len(v) for v in sets.values()), "max_new_tokens": max_new_tokens,
-              "results": [row for d in datasets for row in d["results"]], "datasets": datasets,
-              "pooled": [r.row(pooled[0]) for r in pooled]}
+    if repeats < 1:
+        raise SpecrtError(f"--repeats must be >= 1, got {repeats}")
+    for name in baselines:
+        if name != "hf":
+            require(name)  # a missing optional extra fails before anything is loaded
+    report = _bench_interleaved(artifact, prompt_files, limit, max_new_tokens, names, baselines, repeats, threads,
+                                progress=not as_json,
+                                options=dict(gamma=gamma, scheduler=scheduler, ngram=ngram, backend=backend,
+                                             threshold=threshold, device=device, dtype=dtype))
     if plot is not None:
         report["plot"] = str(b.plot_report(report, plot))
     if as_json:
         click.echo(json.dumps(report))
     else:
-        rows = [(d["dataset"], row) for d in datasets for row in d["results"]]
-        if len(datasets) > 1:
-            rows += [("all", row) for row in report["pooled"]]
-        click.echo(f"{'prompts':10s} {'method':9s} {'tau':>6s} {'decode tok/s':>13s} {'e2e tok/s':>10s} "
-                   f"{'speedup':>8s} {'tokens':>7s}")
-        for name, row in rows:
-            tau = f"{row['tau']:6.2f}" if "tau" in row else f"{'-':>6s}"
-            click.echo(f"{name[:10]:10s} {row['method']:9s} {tau} {row['tokens_per_s']:13.2f} "
-                       f"{row['end_to_end_tokens_per_s']:10.2f} {row['speedup']:8.2f} {row['generated_tokens']:7d}")
-        for row in report["pooled"]:
-            if "per_position_acceptance" in row:
-                cond = ", ".join(f"{a:.2f}" for a in row["per_position_acceptance"]["conditional"])
-                click.echo(f"{row['method']} conditional acceptance per position: {cond}")
-            if "first_difference" in row:
-                d = row["first_difference"]
-                where = (f"; first differs at token {d['min_index']} (min), {d['mean_index']} (mean)"
-                         if d["min_index"] is not None else "")
-                click.echo(f"{row['method']} vs ar: identical tokens on {d['identical_prompts']}/{d['prompts']} "
-                           f"prompts{where}")
-        click.echo(f"identical greedy outputs: {identical}")
-        if plot is not None:
-            click.echo(f"wrote {report['plot']}")
-    if not identical:
-        bad_sets = ", ".join(d["dataset"] for d in datasets if not d["identical"])
+        _print_bench(report)
+    if not report["identical"]:
+        bad_sets = ", ".join(d["dataset"] for d in report["datasets"] if not d["identical"])
         click.echo(f"specrt: error: methods produced different greedy tokens (on {bad_sets})", err=True)
         sys.exit(1)
+
+
+def _bench_interleaved(artifact: Path, prompt_files, limit, max_new_tokens: int, names: list[str],
+                       baselines: list[str], repeats: int, threads, *, progress: bool, options: dict) -> dict:
+    """Every method and baseline in its own worker process, interleaved prompt by prompt (runtime/bench.py)."""
+    from specrt import artifact as io
+    from specrt.runtime import bench as b
+    from specrt.runtime.bench_workers import EngineSpec
+    from specrt.runtime.prompts import encode_prompt, read_prompts_file
+    from specrt.runtime.tokenizer import Tokenizer
+
+    manifest = io.load_manifest(artifact)
+    tokenizer = (Tokenizer.from_dir(Path(artifact) / io.TOKENIZER_DIR, manifest.tokenizer)
+                 if manifest.tokenizer else None)
+    sets = {p.stem: [encode_prompt(tokenizer, t) for t in read_prompts_file(p, limit)] for p in prompt_files}
+    capacity = manifest.export.max_seq - 1 - manifest.gamma
+    for stem, prompts in sets.items():
+        for i, ids in enumerate(prompts):
+            if len(ids) + max_new_tokens > capacity:
+                raise SpecrtError(f"{stem} prompt {i + 1}: {len(ids)} tokens + --max-new-tokens {max_new_tokens} "
+                                  f"exceed the artifact's cache ({capacity} positions for a request)")
+    longest = max((len(ids) for prompts in sets.values() for ids in prompts), default=0)
+    source = str(b.artifact_source(manifest)) if baselines else None
+    exact = {k: v for k, v in options.items() if k in ("backend", "device", "dtype")}
+    specs = [EngineSpec(m, str(artifact), threads=threads,
+                        options=tuple(sorted(dict(options, gamma=options["gamma"] if m != "ar" else None).items())))
+             for m in names]
+    specs += [EngineSpec(n, str(artifact), source=source, threads=threads, n_ctx=longest + max_new_tokens + 8,
+                         options=tuple(sorted((k, v) for k, v in exact.items() if k != "backend")))
+              for n in baselines]
+    workers = b.start_workers(specs)
+    try:
+        runs = b.run_interleaved(workers, sets, max_new_tokens=max_new_tokens, eos=sorted(manifest.eos_ids),
+                                 repeats=repeats, progress=progress)
+    finally:
+        for w in workers.values():
+            w.close()
+    return b.report(runs, max_new_tokens, repeats)
+
+
+def _print_bench(report: dict) -> None:
+    """The bench's table: per prompt set (and all), each engine's rate, τ, tokens and speedup with its interval."""
+    from specrt.runtime.bench_stats import fmt
+
+    datasets = report["datasets"]
+    rows = [(d["dataset"], row) for d in datasets for row in d["results"]]
+    if len(datasets) > 1:
+        rows += [("all", row) for row in report["pooled"]]
+    baselines = [r["method"] for r in report["pooled"] if r["method"] in ("hf", "llama.cpp", "openvino",
+                                                                           "openvino-lookup")]
+    head = f"{'prompts':10s} {'engine':15s} {'tau':>6s} {'decode tok/s':>13s} {'tokens':>7s} {'vs ar (95% CI)':>24s}"
+    click.echo(head + "".join(f" {'vs ' + n:>24s}" for n in baselines))
+    for name, row in rows:
+        tau = f"{row['tau']:6.2f}" if "tau" in row else f"{'-':>6s}"
+        ar = (fmt({"median": row["speedup"], "low": row["speedup_ci"][0], "high": row["speedup_ci"][1]})
+              if row.get("speedup_ci") else "1.00x" if row["method"] == "ar" else "-")
+        cells = "".join(f" {fmt(row['vs'].get(n)) if n != row['method'] else '-':>24s}" for n in baselines)
+        click.echo(f"{name[:10]:10s} {row['method']:15s} {tau} {row['tokens_per_s']:13.2f} "
+                   f"{row['generated_tokens']:7d} {ar:>24s}{cells}")
+    for row in report["pooled"]:
+        if "per_position_acceptance" in row:
+            cond = ", ".join(f"{a:.2f}" for a in row["per_position_acceptance"]["conditional"])
+            click.echo(f"{row['method']} conditional acceptance per position: {cond}")
+        if "first_difference" in row:
+            d = row["first_difference"]
+            where = (f"; first differs at token {d['min_index']} (min), {d['mean_index']} (mean)"
+                     if d["min_index"] is not None else "")
+            click.echo(f"{row['method']} vs ar: identical tokens on {d['identical_prompts']}/{d['prompts']} "
+                       f"prompts{where}")
+    for name, info in report["engines"].items():
+        if "cost_table" in info:
+            c = info["cost_table"]
+            click.echo(f"{name}: cost table from {c['source']}, refined by {c['observations']} observations "
+                       f"({c['explored_rounds']} exploring rounds), drift x{c['drift']:.2f}")
+    q = report["quiet"]
+    click.echo(f"{report['prompts']} prompts x {report['repeats']} passes, interleaved; other processes used "
+               f"{q['other_cores_mean']} cores on average (max {q['other_cores_max']}), idle engines "
+               f"{q['idle_engines_cpu_s']} CPU s, load {q['load_before']} -> {q['load_after']}")
+    if not q["quiet"]:
+        click.echo(f"specrt: warning: {q['warning']}", err=True)
+    click.echo(f"identical greedy outputs: {report['identical']}")
+    if "plot" in report:
+        click.echo(f"wrote {report['plot']}")
 
 
 @main.command()
@@ -774,8 +836,8 @@ def parity(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens
 
     with Engine(artifact, threads=threads) as engine:
         prompts = [encode_prompt(engine.tokenizer, t) for f in prompt_files for t in read_prompts_file(f, limit)]
-        report = p.parity(engine, prompts, max_new_tokens=max_new_tokens, source=artifact_source(engine),
-                          threads=threads, progress=not as_json)
+        report = p.parity(engine, prompts, max_new_tokens=max_new_tokens,
+                          source=artifact_source(engine.manifest), threads=threads, progress=not as_json)
     if as_json:
         click.echo(json.dumps(report))
         return
@@ -829,19 +891,27 @@ def demo(prompt: str, max_new_tokens: int, method: str) -> None:
 
 
 def _demo_llama_cpp(engine, ids: list[int], max_new_tokens: int, specrt_tps: float) -> None:
-    """llama.cpp's greedy decode tokens/s on the artifact's source GGUF, beside specrt's (when installed)."""
-    from specrt.runtime import bench
+    """llama.cpp's greedy decode tokens/s on the artifact's source GGUF, in a process of its own, beside specrt's
+    (when installed)."""
+    from specrt.runtime.bench import artifact_source
+    from specrt.runtime.bench_workers import LLAMA_CPP_INSTALL, EngineSpec, Worker, require
 
     try:
-        bench.require_llama_cpp()
+        require("llama.cpp")
     except SpecrtError:
-        click.echo(f"llama.cpp: not installed, no comparison; to compare: {bench.LLAMA_CPP_INSTALL}")
+        click.echo(f"llama.cpp: not installed, no comparison; to compare: {LLAMA_CPP_INSTALL}")
         return
-    source = bench.artifact_source(engine)
-    gen = bench.llama_cpp_baseline(source, n_ctx=engine.manifest.export.max_seq)
-    r = bench.run_llama_cpp(gen, [ids], max_new_tokens, sorted(engine.eos_ids), progress=False)
-    tps = r.decode_tokens / r.decode_s if r.decode_s else 0.0
-    click.echo(f"llama.cpp on {source.name}, same prompt tokens: decode {tps:.1f} tokens/s "
+    source = artifact_source(engine.manifest)
+    worker = Worker(EngineSpec("llama.cpp", str(engine.art_dir), source=str(source),
+                               n_ctx=engine.manifest.export.max_seq))
+    try:
+        worker.ready()
+        eos = sorted(engine.eos_ids)
+        worker.run(ids, 8, eos)  # warm-up
+        tps = worker.run(ids, max_new_tokens, eos).decode_rate() or 0.0
+    finally:
+        worker.close()
+    click.echo(f"llama.cpp on {source.name}, same prompt tokens, its own process: decode {tps:.1f} tokens/s "
                f"(specrt {specrt_tps / tps:.2f}x)" if tps else "llama.cpp: produced no decode tokens")
 
 

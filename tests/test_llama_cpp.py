@@ -10,6 +10,7 @@ import pytest
 
 from specrt.errors import SpecrtError
 from specrt.runtime import bench as b
+from specrt.runtime.bench_workers import LOADERS, EngineSpec
 from test_cli import EXPORT_FLAGS, assert_one_line_error, cli
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
@@ -108,7 +109,7 @@ def test_missing_extra_is_one_line_error(monkeypatch, tmp_path):
     p = prompts_file(tmp_path / "p.jsonl", "the cat")
     # fails before the artifact is opened, so a missing artifact does not hide it
     assert_one_line_error(cli("bench", tmp_path / "no-art", "--prompts", p, "--baseline", "hf,llama.cpp"),
-                          "--baseline llama.cpp needs llama-cpp-python: pip install 'specrt[llama]'",
+                          "--baseline llama.cpp needs llama_cpp: pip install 'specrt[llama]'",
                           "builds llama.cpp from source")
     assert_one_line_error(cli("bench", tmp_path / "no-art", "--prompts", p, "--baseline", "hf,vllm"),
                           "--baseline: unknown baseline 'vllm'")
@@ -132,14 +133,17 @@ def tiny_art(tiny_gguf, tmp_path_factory) -> Path:
 
 
 def test_greedy_stops_at_max_new_tokens_and_eos(tiny_gguf):
-    generate = b.llama_cpp_baseline(tiny_gguf, threads=1, n_ctx=64)
+    generate, describe = LOADERS["llama.cpp"](EngineSpec("llama.cpp", "", source=str(tiny_gguf), threads=1, n_ctx=64))
     ids = [4, 5, 6, 7, 8]
-    out, t_prefill, t_total = generate(ids, 12, [])
-    assert len(out) == 12 and 0 < t_prefill <= t_total
-    assert generate(ids, 12, [])[0] == out  # a fresh context per prompt: the same tokens again
+    g = generate(ids, 12, [])
+    out = g.tokens
+    assert len(out) == 12 and len(g.times) == 12 and 0 < g.times[0] <= g.times[-1]
+    assert g.times == sorted(g.times) and g.decode_rate() > 0
+    assert generate(ids, 12, []).tokens == out  # a fresh context per prompt: the same tokens again
     stop = out[3]
-    cut = generate(ids, 12, [stop])[0]
+    cut = generate(ids, 12, [stop]).tokens
     assert cut == out[:out.index(stop) + 1]  # the EOS that ends it is kept, like specrt's output_ids
+    assert describe()["threads"] == 1
 
 
 def test_bench_llama_cpp_next_to_specrt(tiny_art, tmp_path):

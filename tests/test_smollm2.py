@@ -192,3 +192,30 @@ def test_shipped_heads_are_trained_and_lossless(shipped_art, method):
         assert spec.output_ids == ar.output_ids
         # an untrained head gets tau ~1.0 on these prompts; a trained one accepts drafts
         assert stats.to_dict()["tau"] > 1.3, stats.to_dict()
+
+
+def test_bench_openvino_baselines_on_the_default_model(smollm2_art, tmp_path):
+    """OpenVINO GenAI (plain and prompt lookup) on the default GGUF, each in its own process, given specrt's prompt
+    ids, stop tokens and budget; reported beside specrt's ar with the first difference and paired ratios."""
+    pytest.importorskip("openvino_genai", reason="OpenVINO GenAI is the optional extra specrt[openvino]")
+    from click.testing import CliRunner
+
+    from specrt.cli import main
+    from specrt.runtime.bench_workers import OPENVINO_LOOKUP
+
+    lines = PROMPTS.read_text().splitlines()[:2]
+    p = tmp_path / "p.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    r = CliRunner().invoke(main, ["bench", str(smollm2_art), "--prompts", str(p), "--max-new-tokens", "24",
+                                  "--baseline", "openvino,openvino-lookup", "--threads", "2", "--json"])
+    assert r.exit_code == 0, (r.output, r.stderr)
+    report = json.loads(r.stdout)
+    rows = {row["method"]: row for row in report["pooled"]}
+    assert list(rows) == ["ar", "openvino", "openvino-lookup"]
+    for name in ("openvino", "openvino-lookup"):
+        row = rows[name]
+        assert row["tokens_per_s"] > 0 and 2 <= row["generated_tokens"] <= 2 * 24
+        assert row["first_difference"]["prompts"] == 2 and "identical" not in row  # reported, not required
+        assert rows["ar"]["vs"][name]["median"] > 0 and row["speedup_ci"][0] <= row["speedup"]
+    assert report["engines"]["openvino-lookup"]["prompt_lookup"] == OPENVINO_LOOKUP
+    assert len({info["pid"] for info in report["engines"].values()}) == 3

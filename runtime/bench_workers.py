@@ -1,0 +1,319 @@
+"""The engines `specrt bench` compares, each in a process of its own.
+
+An engine's threads must not slow another's: ONNX Runtime's and llama.cpp's thread pools spin after a call,
+so two engines in one process (or two busy processes) measure each other. Every engine here (a specrt method,
+or a baseline: transformers, llama.cpp, OpenVINO GenAI) is loaded in a worker process started with `spawn`;
+the bench sends it one prompt at a time and waits, so exactly one engine runs at any moment, and it can
+check (from the workers' CPU times) that the others stayed idle meanwhile.
+
+Every engine gets the same work: the prompt's token ids (never re-templated text), the same stop tokens
+and the same token budget, greedy. A worker returns the tokens with the time each became available
+(seconds from the request's start), so engines can be compared over the same number of tokens.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specrt.errors import SpecrtError
+
+BASELINES = ("hf", "llama.cpp", "openvino", "openvino-lookup")
+# Baselines with their own arithmetic (quantized weights, their own kernels and caches): their tokens are reported
+# (first difference), never required to equal specrt ar's. hf runs the same fp32 weights and must match.
+REPORTED_ONLY = ("llama.cpp", "openvino", "openvino-lookup")
+LLAMA_CPP_INSTALL = "pip install 'specrt[llama]' (builds llama.cpp from source, ~15 min on 2 cores)"
+OPENVINO_INSTALL = "pip install 'specrt[openvino]'"
+# OpenVINO GenAI's prompt lookup: drafts per round and the longest n-gram looked up (specrt's ngram default: 3)
+OPENVINO_LOOKUP = {"num_assistant_tokens": 5, "max_ngram_size": 3}
+
+
+@dataclass
+class Generation:
+    """One prompt run by one engine."""
+
+    tokens: list[int]
+    times: list[float]  # seconds from the request's start until each token was available
+    rounds: list[tuple[int, int, int]] = field(default_factory=list)  # specrt rounds (verify_len, accepted, committed)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    def decode_rate(self, k: int | None = None) -> float | None:
+        """Tokens per second after the first, over the first `k` tokens (all by default); None below 2 tokens."""
+        k = len(self.tokens) if k is None else min(k, len(self.tokens))
+        if k < 2 or self.times[k - 1] <= self.times[0]:
+            return None
+        return (k - 1) / (self.times[k - 1] - self.times[0])
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a worker loads: a specrt method on an artifact, or a baseline on the artifact's source model."""
+
+    name: str  # the method ("ar", "dspark+ngram", ...) or the baseline's name
+    artifact: str
+    source: str | None = None  # the source model (baselines)
+    threads: int | None = None
+    n_ctx: int = 2048
+    options: tuple = ()  # specrt: Engine keyword arguments as (key, value) pairs; hf: device, dtype
+
+    @property
+    def baseline(self) -> bool:
+        return self.name in BASELINES
+
+
+# -- in the worker ------------------------------------------------------------------------------------
+
+def _specrt(spec: EngineSpec):
+    from specrt.runtime.engine import Engine, Request
+    from specrt.runtime.sampling import SamplingParams
+
+    engine = Engine(spec.artifact, method=spec.name, threads=spec.threads, **dict(spec.options))
+
+    def generate(ids: list[int], max_new_tokens: int, eos: list[int]) -> Generation:
+        times: list[float] = []
+        t0 = time.perf_counter()
+
+        def on_token(_, n: int) -> None:
+            now = time.perf_counter() - t0
+            if not times:  # the first step also ran the prefill: its first token came when the prefill ended
+                times.append(engine.stats.prefill_s)
+                n -= 1
+            times.extend([now] * n)
+
+        params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=tuple(eos))
+        outputs, stats = engine.generate([Request(prompt_ids=ids, params=params)], on_token=on_token)
+        return Generation(outputs[0].output_ids, times, rounds=list(stats.rounds), draft_s=stats.draft_s,
+                          verify_s=stats.verify_s)
+
+    def describe() -> dict:
+        info = {"engine": "specrt", "pid": os.getpid(), "method": spec.name, "gamma": engine.gamma,
+                "scheduler": engine.scheduler_name, "backend": engine.backend}
+        if engine.costs is not None:
+            info["cost_table"] = engine.costs.describe()
+        return info
+
+    return generate, describe
+
+
+def _hf(spec: EngineSpec):
+    import torch
+
+    from specrt.runtime.bench import load_hf_model
+
+    opts = dict(spec.options)
+    model = load_hf_model(Path(spec.source), spec.threads).to(opts.get("device", "cpu"),
+                                                               getattr(torch, opts.get("dtype") or "float32"))
+    done = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+
+    @torch.inference_mode()
+    def generate(ids: list[int], max_new_tokens: int, eos: list[int]) -> Generation:
+        # transformers' own loop; a streamer timestamps each token as generate() hands it over
+        times: list[float] = []
+
+        class Clock:
+            prompt = True  # the first put() is the prompt itself
+
+            def put(self, value):
+                if self.prompt:
+                    self.prompt = False
+                    return
+                done()
+                times.extend([time.perf_counter() - t0] * value.numel())
+
+            def end(self):
+                pass
+
+        x = torch.tensor([ids], device=model.device)
+        t0 = time.perf_counter()
+        out = model.generate(x, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos or None,
+                             pad_token_id=eos[0] if eos else 0, attention_mask=torch.ones_like(x), streamer=Clock())
+        tokens = out[0, len(ids):].tolist()
+        return Generation(tokens, times[:len(tokens)])
+
+    return generate, lambda: {"engine": "transformers", "pid": os.getpid(), "device": str(model.device),
+                              "dtype": str(model.dtype)}
+
+
+def _llama_cpp(spec: EngineSpec):
+    llama_cpp = require("llama.cpp")
+    n = spec.threads or max(1, len(os.sched_getaffinity(0)))
+    try:
+        llm = llama_cpp.Llama(model_path=spec.source, n_threads=n, n_threads_batch=n, n_ctx=spec.n_ctx,
+                              n_batch=min(spec.n_ctx, 512), logits_all=False, verbose=False)
+    except (ValueError, RuntimeError) as e:
+        raise SpecrtError(f"llama.cpp cannot load {spec.source}: {e}") from None
+
+    def generate(ids: list[int], max_new_tokens: int, eos: list[int]) -> Generation:
+        stop, out, times = set(eos), [], []
+        llm.reset()  # a fresh context per prompt: no KV prefix reuse from the previous prompt
+        t0 = time.perf_counter()
+        # temp 0: llama.cpp's greedy sampler (argmax); neutral penalties make its penalties sampler a no-op
+        tokens = llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, frequency_penalty=0.0,
+                              presence_penalty=0.0, reset=False)
+        for token in tokens:
+            times.append(time.perf_counter() - t0)
+            out.append(int(token))
+            if token in stop or len(out) >= max_new_tokens:  # like specrt: the EOS that ends a request is kept
+                break
+        tokens.close()
+        return Generation(out, times)
+
+    return generate, lambda: {"engine": "llama.cpp", "pid": os.getpid(),
+                              "version": getattr(llama_cpp, "__version__", "?"), "threads": n, "n_ctx": spec.n_ctx}
+
+
+def _openvino(spec: EngineSpec):
+    genai = require(spec.name)
+    import numpy as np
+    import openvino as ov
+
+    lookup = spec.name == "openvino-lookup"
+    props = {"INFERENCE_NUM_THREADS": spec.threads} if spec.threads else {}
+    try:
+        pipe = genai.LLMPipeline(spec.source, "CPU", **props, **({"prompt_lookup": True} if lookup else {}))
+    except Exception as e:  # noqa: BLE001 - its C++ errors surface as RuntimeError, IndexError, ...
+        line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SpecrtError(f"OpenVINO GenAI cannot load {spec.source}: {line}") from None
+
+    class Clock(genai.StreamerBase):
+        def __init__(self, t0: float) -> None:
+            super().__init__()
+            self.t0, self.tokens, self.times = t0, [], []
+
+        def write(self, token):
+            now = time.perf_counter() - self.t0
+            new = token if isinstance(token, list) else [token]
+            self.tokens += new
+            self.times += [now] * len(new)
+            return genai.StreamingStatus.RUNNING
+
+        def end(self):
+            pass
+
+    def generate(ids: list[int], max_new_tokens: int, eos: list[int]) -> Generation:
+        cfg = pipe.get_generation_config()
+        cfg.max_new_tokens, cfg.do_sample, cfg.apply_chat_template = max_new_tokens, False, False
+        cfg.stop_token_ids, cfg.ignore_eos = set(eos), False
+        cfg.repetition_penalty, cfg.presence_penalty, cfg.frequency_penalty = 1.0, 0.0, 0.0
+        if lookup:
+            cfg.num_assistant_tokens = OPENVINO_LOOKUP["num_assistant_tokens"]
+            cfg.max_ngram_size = OPENVINO_LOOKUP["max_ngram_size"]
+        clock = Clock(time.perf_counter())
+        result = pipe.generate(ov.Tensor(np.asarray([ids], np.int64)), cfg, clock)
+        tokens = [int(t) for t in result.tokens[0]]
+        if clock.tokens != tokens:
+            raise SpecrtError("OpenVINO GenAI streamed other tokens than it returned")
+        return Generation(tokens, clock.times)
+
+    info = {"engine": "openvino-genai", "pid": os.getpid(), "version": getattr(genai, "__version__", "?"),
+            "threads": spec.threads}
+    if lookup:
+        info["prompt_lookup"] = dict(OPENVINO_LOOKUP)
+    return generate, lambda: info
+
+
+LOADERS = {"hf": _hf, "llama.cpp": _llama_cpp, "openvino": _openvino, "openvino-lookup": _openvino}
+
+
+def require(baseline: str):
+    """The module an optional baseline needs, or a one-line SpecrtError saying how to install it."""
+    module, install = (("llama_cpp", LLAMA_CPP_INSTALL) if baseline == "llama.cpp"
+                       else ("openvino_genai", OPENVINO_INSTALL))
+    try:
+        return __import__(module)
+    except ModuleNotFoundError as e:
+        if e.name not in (module, None):
+            raise SpecrtError(f"--baseline {baseline}: {module} cannot be imported: {e}") from None
+        raise SpecrtError(f"--baseline {baseline} needs {module}: {install}") from None
+    except (ImportError, OSError) as e:  # e.g. a compiled library missing or built for another CPU
+        line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SpecrtError(f"--baseline {baseline}: {module} cannot be loaded: {line}") from None
+
+
+def _serve(conn, spec: EngineSpec) -> None:
+    """The worker's loop: load, say ready, then run each request sent until told to close."""
+    try:
+        generate, describe = (LOADERS[spec.name] if spec.baseline else _specrt)(spec)
+    except SpecrtError as e:
+        conn.send(("error", str(e)))
+        return
+    except Exception as e:  # noqa: BLE001 - reported to the bench, which fails with it
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        try:
+            if msg[0] == "run":
+                conn.send(("ok", generate(*msg[1:])))
+            elif msg[0] == "describe":
+                conn.send(("ok", describe()))
+            else:
+                return
+        except SpecrtError as e:
+            conn.send(("error", str(e)))
+        except Exception as e:  # noqa: BLE001
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+# -- in the bench ---------------------------------------------------------------------------------------
+
+class Worker:
+    """One engine in its own process."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        ctx = mp.get_context("spawn")  # a fresh interpreter: nothing (threads, sessions) inherited from the bench
+        self.spec = spec
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, spec), daemon=True, name=f"bench {spec.name}")
+        self.process.start()
+        child.close()
+
+    def _answer(self):
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            raise SpecrtError(f"{self.spec.name}: its worker process died (exit code "
+                              f"{self.process.exitcode})") from None
+        if status == "error":
+            raise SpecrtError(f"{self.spec.name}: {value}")
+        return value
+
+    def ready(self) -> None:
+        self._answer()
+
+    def run(self, ids: list[int], max_new_tokens: int, eos: list[int]) -> Generation:
+        self.conn.send(("run", ids, max_new_tokens, eos))
+        return self._answer()
+
+    def describe(self) -> dict:
+        self.conn.send(("describe",))
+        return self._answer()
+
+    def cpu_seconds(self) -> float:
+        """CPU time the worker process (all its threads) has used."""
+        import psutil
+
+        try:
+            t = psutil.Process(self.process.pid).cpu_times()
+        except psutil.Error:
+            return 0.0
+        return t.user + t.system
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("close",))
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
