@@ -88,7 +88,7 @@ def plot_report(report: dict, path: str | Path) -> Path:
     right.set_xticks(range(len(names)), names, rotation=15)
     right.set(ylabel="τ (tokens per target call)", title="τ per prompt set")
     right.grid(axis="y", alpha=0.3)
-    right.legend()
+    right.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"greedy, batch 1, {report['max_new_tokens']} new tokens", fontsize=9)
     return save_figure(fig, path)
 
@@ -197,7 +197,8 @@ def run_interleaved(workers: dict[str, Worker], sets: dict[str, list[list[int]]]
                 used = {n: w.cpu_seconds() - before[n] for n, w in workers.items()}
                 bench_s = sum(used.values()) + sum(me.cpu_times()[:2]) - mine
                 busy = s1.busy_s - s0.busy_s if s0.busy_s is not None and s1.busy_s is not None else None
-                check.add(wall, busy, bench_s, sum(v for n, v in used.items() if n != name))
+                idle = {n: v for n, v in used.items() if n != name}
+                check.add(wall, busy, bench_s, sum(idle.values()), idle)
                 runs[d][name][i].append(gen)
                 bar.update(1)
                 time.sleep(SETTLE_S)  # the engine's thread pool stops spinning before the next engine starts

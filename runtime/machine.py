@@ -75,14 +75,18 @@ class QuietCheck:
         self.start = CpuSample.now()
         self.requests = self.windows = self.noisy = 0
         self.other_s = self.wall_s = self.idle_engines_s = 0.0
+        self.idle_by_engine: dict[str, float] = {}
         self.worst = 0.0
         self._window = [0.0, 0.0]  # wall and other CPU seconds of the requests not judged yet
 
-    def add(self, wall_s: float, busy_s: float | None, bench_s: float, idle_engines_s: float) -> None:
+    def add(self, wall_s: float, busy_s: float | None, bench_s: float, idle_engines_s: float,
+            idle_by_engine: dict[str, float] | None = None) -> None:
         """One request: its wall time, the machine's busy CPU seconds during it, what the bench's own processes
-        used (the parent and every engine) and what the engines not running used."""
+        used (the parent and every engine) and what the engines not running used (in all, and by engine)."""
         self.requests += 1
         self.idle_engines_s += idle_engines_s
+        for name, s in (idle_by_engine or {}).items():
+            self.idle_by_engine[name] = self.idle_by_engine.get(name, 0.0) + s
         if busy_s is None or wall_s <= 0:
             return
         self.wall_s += wall_s
@@ -119,6 +123,7 @@ class QuietCheck:
                "requests": self.requests, "windows": self.windows, "noisy_windows": self.noisy,
                "other_cores_mean": round(self.other_s / self.wall_s, 3) if self.wall_s else None,
                "other_cores_max": round(self.worst, 3), "idle_engines_cpu_s": round(self.idle_engines_s, 3),
+               "idle_cpu_s_by_engine": {k: round(v, 3) for k, v in self.idle_by_engine.items()},
                "noisy_threshold_cores": NOISY_CORES, "window_s": WINDOW_S}
         if not quiet:
             why = []
