@@ -2,8 +2,10 @@
 # The README's weight-format table: SmolLM2-135M-Instruct exported in every weight format, each benchmarked
 # (`ar`, greedy, batch 1, 2 threads, the first 5 prompts of each shared set, 128 new tokens) side by side with
 # llama.cpp on the same GGUF in the same run, then compared with transformers' fp32 dequantization of that GGUF
-# (`specrt parity`). llama.cpp needs the optional extra: pip install 'specrt[llama]'.
-# Writes docs/formats/{bench,parity}_<format>.json.
+# (`specrt parity`). llama.cpp needs the optional extra: pip install 'specrt[llama]'. Each engine runs in its own
+# process, interleaved prompt by prompt over two passes (see the README's "Measurement").
+# Writes docs/formats/{bench,parity}_<format>.json; PARITY=0 skips the parity runs (their numerics do not change
+# between runs of the same artifact).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p docs/formats
@@ -14,10 +16,12 @@ for FORMAT in ${FORMATS:-gguf int4 int8 float}; do
     [ -f "$ART/manifest.json" ] || specrt export smollm2 --out "$ART" --weights "$FORMAT" --attention cpu \
         --batch 1 --force --quiet >&2
     specrt bench "$ART" "${SETS[@]}" --limit 5 --max-new-tokens 128 --methods ar --baseline llama.cpp \
-        --threads 2 --json > "docs/formats/bench_$FORMAT.json"
+        --repeats 2 --threads 2 --json > "docs/formats/bench_$FORMAT.json"
+    [ "${PARITY:-1}" = 0 ] && continue
     specrt parity "$ART" "${SETS[@]}" --limit 5 --max-new-tokens 64 --threads 2 --json \
         > "docs/formats/parity_$FORMAT.json"
 done
+[ "${PARITY:-1}" = 0 ] && exit 0
 # gguf with fp32 activations (MatMulNBits accuracy level 0): numerics only (its 8-bit LM head has no fast path
 # in ONNX Runtime, ~0.4 s a token), so parity on the first prompt of each set
 ART=art/smollm2-gguf-acc0

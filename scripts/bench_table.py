@@ -72,7 +72,8 @@ def across(reports: list[tuple[str, dict]]) -> str:
                 cells.append("–")
                 continue
             tau = f"τ {r['tau']:.3f}, " if "tau" in r else ""
-            cells.append(f"{tau}{r['tokens_per_s']:.1f} tok/s, {speedup(r)}")
+            ll = f"; vs llama.cpp {ci(r['vs'].get('llama.cpp'))}" if r["vs"].get("llama.cpp") else ""
+            cells.append(f"{tau}{r['tokens_per_s']:.1f} tok/s, vs ar {speedup(r)}{ll}")
         out.append(f"| {e} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
