@@ -433,6 +433,10 @@ def _bench_interleaved(artifact: Path, prompt_files, limit, max_new_tokens: int,
     return b.report(runs, max_new_tokens, repeats)
 
 
+def _load(avg) -> str:
+    return "?" if avg is None else "/".join(f"{x:.2f}" for x in avg)
+
+
 def _print_bench(report: dict) -> None:
     """The bench's table: per prompt set (and all), each engine's rate, τ, tokens and speedup with its interval."""
     from specrt.runtime.bench_stats import fmt
@@ -470,7 +474,7 @@ def _print_bench(report: dict) -> None:
     q = report["quiet"]
     click.echo(f"{report['prompts']} prompts x {report['repeats']} passes, interleaved; other processes used "
                f"{q['other_cores_mean']} cores on average (max {q['other_cores_max']}), idle engines "
-               f"{q['idle_engines_cpu_s']} CPU s, load {q['load_before']} -> {q['load_after']}")
+               f"{q['idle_engines_cpu_s']} CPU s, load {_load(q['load_before'])} -> {_load(q['load_after'])}")
     if not q["quiet"]:
         click.echo(f"specrt: warning: {q['warning']}", err=True)
     click.echo(f"identical greedy outputs: {report['identical']}")
