@@ -7,7 +7,8 @@
     ratios       per prompt and pass, an engine's decode rate over the reference's on the same prompt, over the
                  same number of tokens (the fewer of the two generated); reported as the median with a bootstrap
                  95% interval (bench_stats.py), against `ar` and against every baseline
-    quiet check  load, steal and other processes' CPU during each request (machine.py); a warning when noisy
+    quiet check  load, steal, other processes' CPU over windows of requests, idle engines' CPU (machine.py);
+                 a warning when noisy
 
 Exact engines (specrt's methods, transformers) must produce `ar`'s tokens on every prompt and pass; engines
 that compute differently (llama.cpp, OpenVINO) have their first difference reported.

@@ -41,6 +41,14 @@ METHODS = ("ar", "ngram", "mtp", "dspark", "dspark+ngram", "mtp+ngram")
 _MEASURED: dict[tuple, object] = {}  # quick cost profiles measured in this process, for artifacts without one
 
 
+def check_room(manifest: io.Manifest, prompt_tokens: int, max_new_tokens: int, gamma: int) -> None:
+    """Reject a request whose prompt, token budget and `gamma` drafts do not fit one slot of the artifact's cache."""
+    capacity = manifest.export.max_seq - 1  # the last position absorbs padding writes
+    if prompt_tokens + max_new_tokens + gamma > capacity:
+        raise SpecrtError(f"prompt of {prompt_tokens} tokens + max_new_tokens {max_new_tokens} exceeds the "
+                          f"artifact's {capacity} cache positions (re-export with a larger --max-seq-len)")
+
+
 @dataclass
 class Request:
     prompt_ids: list[int]
@@ -284,10 +292,7 @@ class Engine:
         bad = [t for t in (*request.prompt_ids, *request.params.stop_token_ids) if not 0 <= t < self.vocab_size]
         if bad:
             raise SpecrtError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
-        if n + request.params.max_new_tokens + self.gamma > self.capacity:
-            raise SpecrtError(f"prompt of {n} tokens + max_new_tokens {request.params.max_new_tokens} exceeds "
-                              f"the artifact's {self.capacity} cache positions (re-export with a larger "
-                              f"--max-seq-len)")
+        check_room(self.manifest, n, request.params.max_new_tokens, self.gamma)
 
     def close(self) -> None:
         """Close the observers (trace files)."""

@@ -31,22 +31,22 @@ def _read(path: str) -> str | None:
         return None
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def machine_info() -> dict:
     """CPU model, usable cores, frequency governor and MHz (None where not readable)."""
-    model = None
-    for line in (_read("/proc/cpuinfo") or "").splitlines():
-        if line.startswith("model name"):
-            model = line.split(":", 1)[1].strip()
-            break
+    cpuinfo = (_read("/proc/cpuinfo") or "").splitlines()
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), None)
     freq = _read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_cur_freq")
     if freq is None:  # VMs often expose no cpufreq: /proc/cpuinfo's current MHz
-        mhz = [line.split(":", 1)[1] for line in (_read("/proc/cpuinfo") or "").splitlines()
-               if line.startswith("cpu MHz")]
-        freq_mhz = round(float(mhz[0]), 1) if mhz else None
+        mhz = next((line.split(":", 1)[1] for line in cpuinfo if line.startswith("cpu MHz")), None)
+        freq_mhz = round(float(mhz), 1) if mhz else None
     else:
         freq_mhz = round(int(freq) / 1000, 1)
-    return {"cpu": model or platform.processor() or platform.machine(),
-            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    return {"cpu": model or platform.processor() or platform.machine(), "cores": cores(),
             "governor": _read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor"), "cpu_mhz": freq_mhz,
             "platform": platform.platform()}
 
@@ -113,8 +113,7 @@ class QuietCheck:
         end = CpuSample.now()
         steal = (end.steal_s - self.start.steal_s) if end.steal_s is not None and self.start.steal_s is not None \
             else None
-        cores = machine_info()["cores"] or 1
-        steal_fraction = steal / (self.wall_s * cores) if steal is not None and self.wall_s else None
+        steal_fraction = steal / (self.wall_s * cores()) if steal is not None and self.wall_s else None
         quiet = self.noisy == 0 and (steal_fraction is None or steal_fraction <= STEAL_FRACTION)
         out = {"quiet": quiet, "load_before": self.load_before,
                "load_after": os.getloadavg() if hasattr(os, "getloadavg") else None,

@@ -401,6 +401,7 @@ def _bench_interleaved(artifact: Path, prompt_files, limit, max_new_tokens: int,
     from specrt import artifact as io
     from specrt.runtime import bench as b
     from specrt.runtime.bench_workers import EngineSpec
+    from specrt.runtime.engine import check_room
     from specrt.runtime.prompts import encode_prompt, read_prompts_file
     from specrt.runtime.tokenizer import Tokenizer
 
@@ -408,12 +409,12 @@ def _bench_interleaved(artifact: Path, prompt_files, limit, max_new_tokens: int,
     tokenizer = (Tokenizer.from_dir(Path(artifact) / io.TOKENIZER_DIR, manifest.tokenizer)
                  if manifest.tokenizer else None)
     sets = {p.stem: [encode_prompt(tokenizer, t) for t in read_prompts_file(p, limit)] for p in prompt_files}
-    capacity = manifest.export.max_seq - 1 - manifest.gamma
-    for stem, prompts in sets.items():
+    for stem, prompts in sets.items():  # before any worker starts: the rule every engine applies
         for i, ids in enumerate(prompts):
-            if len(ids) + max_new_tokens > capacity:
-                raise SpecrtError(f"{stem} prompt {i + 1}: {len(ids)} tokens + --max-new-tokens {max_new_tokens} "
-                                  f"exceed the artifact's cache ({capacity} positions for a request)")
+            try:
+                check_room(manifest, len(ids), max_new_tokens, manifest.gamma if names != ["ar"] else 0)
+            except SpecrtError as e:
+                raise SpecrtError(f"{stem} prompt {i + 1}: {e}") from None
     longest = max((len(ids) for prompts in sets.values() for ids in prompts), default=0)
     source = str(b.artifact_source(manifest)) if baselines else None
     exact = {k: v for k, v in options.items() if k in ("backend", "device", "dtype")}
@@ -440,13 +441,13 @@ def _load(avg) -> str:
 def _print_bench(report: dict) -> None:
     """The bench's table: per prompt set (and all), each engine's rate, τ, tokens and speedup with its interval."""
     from specrt.runtime.bench_stats import fmt
+    from specrt.runtime.bench_workers import BASELINES
 
     datasets = report["datasets"]
     rows = [(d["dataset"], row) for d in datasets for row in d["results"]]
     if len(datasets) > 1:
         rows += [("all", row) for row in report["pooled"]]
-    baselines = [r["method"] for r in report["pooled"] if r["method"] in ("hf", "llama.cpp", "openvino",
-                                                                           "openvino-lookup")]
+    baselines = [r["method"] for r in report["pooled"] if r["method"] in BASELINES]
     head = f"{'prompts':10s} {'engine':15s} {'tau':>6s} {'decode tok/s':>13s} {'tokens':>7s} {'vs ar (95% CI)':>24s}"
     click.echo(head + "".join(f" {'vs ' + n:>24s}" for n in baselines))
     for name, row in rows:
