@@ -178,7 +178,7 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
         raise SpecrtError("give at least one --prompts FILE.jsonl")
     # everything is checked before the work directory is made: a failed start leaves nothing behind
     source = resolve_model(target, progress=progress)
-    check_out(out, sources=[source, work, *prompt_files], force=force)
+    check_out(out, sources=[source, work, *prompt_files], force=force, command="distill")
     if work.resolve() == out.resolve() or out.resolve() in work.resolve().parents:
         raise SpecrtError(f"--work {work} is inside --out {out}; writing the checkpoint would delete it")
     check_writable(out)
@@ -229,7 +229,7 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
     train_dir = work / f"train-{s.head}"
     result = timed("train", lambda: _train(s, cache, loaded, train_dir, ids, progress))
 
-    with staged(out) as staging:  # written beside `out`, swapped in at the end; removed on any failure
+    with staged(out, "distill") as staging:  # beside `out`, swapped in at the end; removed on any failure
         timed("save", lambda: _save_compact(s, train_dir, staging, loaded))
         train = set(splits["train"])  # what `specrt export --draft-vocab` ranks tokens by
         counts = count_tokens((r["response_ids"] for r in read_responses(responses) if r["index"] in train),

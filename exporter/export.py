@@ -34,10 +34,17 @@ def _write_graph(art: Path, g: GraphBuilder, name: str, signature: tuple, s: io.
                  buckets: dict[str, tuple[io.Bucket, ...]], bar: tqdm) -> io.GraphSpec:
     """Save one graph family as `{name}.onnx` (named axes) with the buckets it is run at."""
     file = f"{name}.onnx"
-    onnx.save(g.model(name), art / file)
-    bar.update(1)
     inputs, outputs = signature
-    return io.GraphSpec(name=name, file=file, max_seq=s.max_seq, inputs=inputs, outputs=outputs, buckets=buckets)
+    spec = io.GraphSpec(name=name, file=file, max_seq=s.max_seq, inputs=inputs, outputs=outputs, buckets=buckets)
+    _save(g.model(name), spec, art / file)
+    bar.update(1)
+    return spec
+
+
+def _save(model: onnx.ModelProto, spec: io.GraphSpec, path: Path) -> None:
+    """Save a graph file that records the cache length and buckets it was exported for (io.check_graph_meta)."""
+    onnx.helper.set_model_props(model, {io.GRAPH_META: io.graph_meta(spec)})
+    onnx.save(model, path)
 
 
 def _write_target(art: Path, store: WeightStore, cfg: ModelConfig, s: io.ExportSettings,
@@ -59,7 +66,7 @@ def _write_head(art: Path, store: WeightStore, head: HeadPlan, s: io.ExportSetti
     greedy = GraphBuilder(store, accuracy_level=s.accuracy_level)
     head.build(greedy, True)
     file = f"{head.name}.greedy.onnx"
-    onnx.save(greedy.model(f"{head.name}.greedy"), art / file)
+    _save(greedy.model(f"{head.name}.greedy"), spec, art / file)
     bar.update(1)
     return dataclasses.replace(spec, greedy_file=file)
 
@@ -91,12 +98,12 @@ def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSett
     an interrupted export never leaves a directory that looks like a finished artifact.
     """
     out = Path(out)
-    check_out(out, sources=[source, draft, mtp], force=force)  # before anything is touched
+    check_out(out, sources=[source, draft, mtp], force=force, command="export")  # before anything is written
     if settings.draft_vocab and draft is None and mtp is None:
         raise SpecrtError("--draft-vocab reduces a draft head's vocabulary; give --draft or --mtp (or a preset "
                           "with heads)")
     dtype = np.dtype(settings.dtype)
-    with staged(out) as tmp:  # written beside `out`, swapped in at the end; removed on any failure or SIGTERM
+    with staged(out, "export") as tmp:  # beside `out`, swapped in at the end; removed on any failure or SIGTERM
         n_graphs = 1 + 2 * (draft is not None) + 2 * (mtp is not None)  # a head: its graph and greedy variant
         steps = 2 + 2 * n_graphs + 1
         with tqdm(total=steps, desc=f"export {Path(source).name}", unit="step", disable=not progress) as bar:

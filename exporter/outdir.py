@@ -1,13 +1,18 @@
 """Output directories written whole or not at all (artifacts, distilled checkpoints).
 
-    check_out(out, sources)  refuse an `out` that is, or holds, an input or the working directory
+    check_out(out, sources, force, command)  refuse an `out` that is, or holds, an input or the working
+                             directory; with `force`, replace only an empty directory or an earlier output
+                             of the same command (its MARKER lists every file it wrote, and nothing else
+                             may have been added since)
     check_writable(out)      fail early (before a long run) where `out` could not be created
-    staged(out) as tmp       write into `.NAME.partial-PID` beside `out`; on success it replaces `out`,
-                             on any failure (Ctrl-C and SIGTERM included) it is removed, with the
-                             parent directories it created; partials of killed runs are removed first
+    staged(out, command) as tmp  write into `.NAME.partial-PID` beside `out`; on success MARKER is written
+                             and it replaces `out`, on any failure (Ctrl-C and SIGTERM included) it is
+                             removed, with the parent directories it created; partials of killed runs are
+                             removed first
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -19,6 +24,7 @@ from pathlib import Path
 from specrt.errors import SpecrtError
 
 STAGING_KINDS = ("partial", "old")  # .NAME.partial-PID: being written; .NAME.old-PID: the replaced output
+MARKER = ".specrt-output.json"  # in every output: the command that wrote it and the files it wrote
 
 
 class Terminated(KeyboardInterrupt):
@@ -29,9 +35,11 @@ def _holds(outer: Path, inner: Path) -> bool:
     return outer == inner or outer in inner.parents
 
 
-def check_out(out: str | Path, *, sources: Sequence[str | Path | None] = (), force: bool = False) -> None:
+def check_out(out: str | Path, *, sources: Sequence[str | Path | None] = (), force: bool = False,
+              command: str) -> None:
     """Raise SpecrtError unless `out` may be written: not (containing) an input or the current directory,
-    and, if it exists, only with `force` and only as a directory (a file there is never an earlier output)."""
+    and, if it exists, only with `force` and only when it is empty or an earlier output of `specrt
+    {command}` holding nothing but the files that run wrote (its MARKER); anything else is the user's."""
     out = Path(out)
     try:
         real = out.resolve()
@@ -45,9 +53,69 @@ def check_out(out: str | Path, *, sources: Sequence[str | Path | None] = (), for
         raise SpecrtError(f"cannot access {e.filename or out}: {e.strerror or e}") from None
     if exists and not force:
         raise SpecrtError(f"{out} already exists; pass --force to replace it")
-    if exists and not out.is_dir():
-        raise SpecrtError(f"{out} exists and is not a directory; --force replaces an earlier output directory, "
-                          "never a file (remove it yourself or choose another --out)")
+    if exists:
+        _check_replaceable(out, command)
+
+
+def _check_replaceable(out: Path, command: str) -> None:
+    """`--force` on an existing `out`: only an empty directory or an untouched earlier output of `command`."""
+    keep = "remove it yourself or choose another --out"
+    if not out.is_dir():
+        raise SpecrtError(f"{out} exists and is not a directory; --force replaces only an earlier output of "
+                          f"`specrt {command}`, never a file ({keep})")
+    try:
+        present = set(_files(out))
+        if not present and not any(out.iterdir()):
+            return
+        marker = out / MARKER
+        written = json.loads(marker.read_text()) if marker.is_file() else None
+    except (OSError, ValueError, RecursionError) as e:
+        raise SpecrtError(f"cannot check what {out} holds before replacing it: {getattr(e, 'strerror', None) or e}"
+                          ) from None
+    if not isinstance(written, dict) or written.get("command") != command \
+            or not isinstance(written.get("files"), list):
+        what = f"by `specrt {written['command']}`" if isinstance(written, dict) and "command" in written \
+            and written["command"] != command else "by specrt"
+        raise SpecrtError(f"{out} was not written {what} (no {MARKER} from `specrt {command}`); --force replaces "
+                          f"only an earlier output of `specrt {command}`, so it is left as it is ({keep})")
+    added = sorted(present - set(written["files"]) - {MARKER})
+    if added:
+        shown = ", ".join(added[:3]) + (f" and {len(added) - 3} more" if len(added) > 3 else "")
+        raise SpecrtError(f"{out} holds files `specrt {command}` did not write ({shown}); --force would delete "
+                          f"them, so it is left as it is ({keep})")
+
+
+def _files(root: Path) -> Iterator[str]:
+    """Every entry under `root` that is not a directory (links to directories included, never followed), as
+    a relative POSIX path."""
+    for parent, dirs, names in os.walk(root, onerror=_raise):
+        rel = Path(parent).relative_to(root)
+        for name in names + [d for d in dirs if (Path(parent) / d).is_symlink()]:
+            yield (rel / name).as_posix()
+
+
+def _raise(e: OSError) -> None:
+    raise e
+
+
+def note_written(out: str | Path, *files: str) -> None:
+    """Add `files` (relative to `out`) to an earlier output's MARKER: what a later command (`specrt profile`,
+    `specrt build`) adds to an artifact stays replaceable. Without a marker, nothing is recorded."""
+    marker = Path(out) / MARKER
+    try:
+        written = json.loads(marker.read_text())
+        written["files"] = sorted({*written["files"], *files})
+        tmp = marker.with_name(f"{MARKER}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(written, indent=1) + "\n")
+        os.replace(tmp, marker)
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+
+
+def write_marker(out: Path, command: str) -> None:
+    """Record in `out` (a staging directory about to be swapped in) the command and every file it holds."""
+    files = sorted(_files(out))
+    (out / MARKER).write_text(json.dumps({"command": command, "files": files}, indent=1) + "\n")
 
 
 def _alive(pid: int) -> bool:
@@ -185,8 +253,9 @@ def check_writable(out: str | Path) -> None:
 
 
 @contextmanager
-def staged(out: str | Path) -> Iterator[Path]:
-    """An empty staging directory beside `out`, moved into place as `out` when the block succeeds."""
+def staged(out: str | Path, command: str) -> Iterator[Path]:
+    """An empty staging directory beside `out`, moved into place as `out` when the block succeeds (with a
+    MARKER naming `command` and the files written, so a later `--force` knows it may replace it)."""
     shown, out = Path(out), Path(os.path.abspath(out))
     with sigterm_as_interrupt():
         made = _make_parents(out, shown)
@@ -194,6 +263,7 @@ def staged(out: str | Path) -> Iterator[Path]:
             clean_stale(out)
             tmp = _make_staging(out, shown)
             yield tmp
+            write_marker(tmp, command)
             _swap(tmp, out)
         except BaseException:
             _remove(_staging_path(out))

@@ -25,6 +25,7 @@ import onnx
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
+from specrt.exporter.outdir import note_written
 from specrt.plugins.confidence_truncate import DOMAIN, OP
 
 PRECISIONS = {"fp16": "float16", "bf16": "bfloat16"}
@@ -161,4 +162,5 @@ def build_engines(art_dir: str | Path, *, precision: str = "fp16", workspace_gb:
     tmp = art / (io.MANIFEST + ".tmp")
     tmp.write_text(dataclasses.replace(manifest, engines=record).to_json())
     os.replace(tmp, art / io.MANIFEST)
+    note_written(art, *(f["engine"] for f in record["families"].values()))
     return record

@@ -18,6 +18,7 @@ count; `load_profile` reads it back.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
@@ -213,6 +214,9 @@ def save_profile(art: str | Path, profile: Profile) -> Path:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise SpecrtError(f"cannot write {path}: {e.strerror or e}") from None
+    from specrt.exporter.outdir import note_written
+
+    note_written(art, PROFILE_FILE)  # `specrt export --force` may replace the artifact with its profile
     return path
 
 
@@ -222,17 +226,32 @@ def _read(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
         return dict(data["profiles"]) if data.get("version") == VERSION else {}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise SpecrtError(f"{path} is not a specrt profile; delete it and run `specrt profile` again") from None
+
+
+def _entry(d: object, path: Path, key: str) -> Profile:
+    """One stored entry, validated: a verify table with a decoding step per batch, finite positive costs."""
+    try:
+        prof = Profile.from_dict(d)
+        rows = [*prof.verify.values(), *prof.draft.values()]
+        if not prof.verify or not all(rows) or not all(math.isfinite(ms) and ms > 0 for r in rows for ms in r.values()):
+            raise ValueError("empty or non-positive costs")
+        if not isinstance(prof.threads, int) or prof.threads < 1:
+            raise ValueError(f"threads {prof.threads!r}")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        what = f"no {e}" if isinstance(e, KeyError) else str(e)
+        raise SpecrtError(f"{path}: entry {key} is malformed ({what}); run `specrt profile` again") from None
+    return prof
 
 
 def load_profile(art: str | Path, *, backend: str = "ort", threads: int | None = None) -> Profile | None:
     """The stored profile for this backend and thread count (or, failing that, for this backend), if any."""
     entries = _read(Path(art) / PROFILE_FILE)
     threads = threads or default_threads()
-    d = entries.get(_key(backend, threads)) or next((v for k, v in entries.items() if k.startswith(backend + "/")),
-                                                    None)
-    return Profile.from_dict(d) if d else None
+    key = _key(backend, threads) if _key(backend, threads) in entries else \
+        next((k for k in entries if k.startswith(backend + "/")), None)
+    return _entry(entries[key], Path(art) / PROFILE_FILE, key) if key is not None else None
 
 
 def plot_profile(profile: Profile, path: str | Path) -> Path:

@@ -8,6 +8,7 @@ from typing import Any, Iterable, Sequence
 
 from specrt.errors import SpecrtError
 
+MAX_RENDER_CHARS = 1 << 22  # a chat template's output (and any string or list it builds) is bounded by this
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                       "cls_token", "mask_token")
 
@@ -84,8 +85,26 @@ def _compile_template(template: str):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        """The sandbox, plus bounds on what `*` and `**` may build: a template comes with the artifact, which
+        may come from someone else (`{{ 'x' * 4000000000 }}` would otherwise take all memory)."""
+
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context, operator, left, right):  # type: ignore[no-untyped-def]
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) \
+                            and len(seq) * n > MAX_RENDER_CHARS:
+                        raise jinja2.exceptions.SecurityError(
+                            f"the template repeats a sequence to more than {MAX_RENDER_CHARS} items")
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
+                    and right * max(abs(left).bit_length(), 1) > 4096:
+                raise jinja2.exceptions.SecurityError("the template raises a number to too large a power")
+            return super().call_binop(context, operator, left, right)
+
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                             extensions=[GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -106,6 +125,7 @@ class Tokenizer:
         self.bos_token_id: int | None = info.get("bos_token_id")
         self.eos_token_ids: list[int] = list(info.get("eos_token_ids") or [])
         self._template = None
+        self._max_chars: int | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path, info: dict[str, Any] | None = None) -> "Tokenizer":
@@ -121,6 +141,14 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON
             raise SpecrtError(f"{path / 'tokenizer.json'}: cannot load: {e}") from None
         return cls(tok, info)
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for (its longest vocabulary entry: byte-level and byte-
+        fallback entries are at least as long as what they decode to); a cheap bound on a text's token count."""
+        if self._max_chars is None:
+            self._max_chars = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return self._max_chars
 
     @property
     def vocab_size(self) -> int:
@@ -146,11 +174,19 @@ class Tokenizer:
         variables = {**self.special_tokens, **kwargs}
         variables.setdefault("tools", None)
         variables.setdefault("documents", None)
-        try:
-            return self._template.render(messages=messages,
-                                         add_generation_prompt=add_generation_prompt, **variables)
+        try:  # rendered piece by piece, so an output past MAX_RENDER_CHARS stops as soon as it gets there
+            pieces, size = [], 0
+            for piece in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                 **variables):
+                size += len(piece)
+                if size > MAX_RENDER_CHARS:
+                    raise SpecrtError(f"the chat template's output exceeds {MAX_RENDER_CHARS} characters")
+                pieces.append(piece)
+            return "".join(pieces)
         except jinja2.TemplateError as e:
             raise SpecrtError(f"chat template error: {e}") from None
+        except (MemoryError, RecursionError, OverflowError) as e:
+            raise SpecrtError(f"chat template error: {type(e).__name__} while rendering") from None
 
     def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)

@@ -333,6 +333,131 @@ class Manifest:
                    runtime_shapes=d.get("runtime_shapes", "symbolic"), engines=dict(d.get("engines") or {}))
 
 
+GRAPH_META = "specrt.graph"  # ONNX metadata_props key: the cache length and buckets the graph was exported for
+
+
+def graph_meta(spec: GraphSpec) -> str:
+    """What a graph file records about itself (metadata_props[GRAPH_META]), for `check_graph_meta` on load."""
+    return json.dumps({"max_seq": spec.max_seq, "buckets": spec.buckets}, sort_keys=True)
+
+
+def check_graph_meta(graph: GraphSpec, meta: dict[str, str], file: str) -> None:
+    """The manifest's max_seq and buckets for `graph` must be what its file was exported with (files exported
+    before graphs carried GRAPH_META are checked by their declared shapes only)."""
+    if GRAPH_META not in meta:
+        return
+    try:
+        recorded = json.loads(meta[GRAPH_META])
+        max_seq = recorded["max_seq"]
+        buckets = {use: tuple(dict(b) for b in bs) for use, bs in recorded["buckets"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        raise SpecrtError(f"{file}: its {GRAPH_META} metadata is malformed (corrupt artifact? re-export it)") from None
+    if max_seq != graph.max_seq:
+        raise SpecrtError(f"{file} was exported for {max_seq} cache positions but the manifest says max_seq "
+                          f"{graph.max_seq} (manifest and graphs disagree; re-export the artifact)")
+    if buckets != graph.buckets:
+        raise SpecrtError(f"{file} was exported for other shapes than the manifest's {graph.name} buckets "
+                          f"(manifest and graphs disagree; re-export the artifact)")
+
+
+def external_locations(model: Any) -> list[str]:
+    """The external data files an ONNX ModelProto's tensors name (relative to its file), weights not read."""
+    from onnx import TensorProto
+
+    found: set[str] = set()
+
+    def tensors(graph):
+        yield from graph.initializer
+        for node in graph.node:
+            for a in node.attribute:
+                yield from ([a.t] if a.HasField("t") else []) + list(a.tensors)
+                for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    yield from tensors(g)
+
+    for t in tensors(model.graph):
+        if t.data_location == TensorProto.EXTERNAL:
+            found.update(e.value for e in t.external_data if e.key == "location")
+    return sorted(found)
+
+
+def inside(art: Path, name: Any, what: str) -> Path:
+    """`art / name` for a path the artifact names, refused unless it is relative and resolves (symlinks
+    followed) inside the artifact folder: an artifact may come from someone else."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute():
+        raise SpecrtError(f"{art}: the {what} {name!r} is not a path inside the artifact; refusing it")
+    root, full = art.resolve(), (art / name).resolve()
+    if full != root and root not in full.parents:
+        raise SpecrtError(f"{art}: the {what} {name!r} leads outside the artifact (to {full}); refusing it")
+    return art / name
+
+
+def _check_paths(art: Path, m: "Manifest") -> None:
+    """Every file the manifest names, and the fixed ones the runtime reads, stay inside the artifact."""
+    for g in m.graphs.values():
+        for file in filter(None, (g.file, g.greedy_file)):
+            inside(art, file, f"{g.name} graph file")
+    inside(art, m.weights.file, "weights file")
+    for name in (TOKENIZER_DIR, f"{TOKENIZER_DIR}/tokenizer.json", "profile.json", "engines"):
+        if (art / name).exists() or (art / name).is_symlink():
+            inside(art, name, "file")
+    for family, spec in ((m.engines or {}).get("families") or {}).items():
+        if isinstance(spec, dict) and spec.get("engine"):
+            inside(art, spec["engine"], f"{family} TensorRT engine")
+
+
+def _check_sizes(m: "Manifest") -> None:
+    """Numbers the runtime sizes buffers and checks ids by must agree with each other and with what the
+    exporter derives from the export settings (absurd ones would be trusted otherwise)."""
+    want = {TARGET: target_buckets(m.export)}
+    for name in m.graphs:
+        if name != TARGET:
+            want[name] = head_buckets(m.export)
+    for name, g in m.graphs.items():
+        if g.max_seq != m.export.max_seq:
+            raise SpecrtError(f"graph {name}: max_seq {g.max_seq} differs from export.max_seq {m.export.max_seq}")
+        if g.buckets != want[name]:
+            raise SpecrtError(f"graph {name}: its buckets are not those of the export settings (batch "
+                              f"{m.export.batch}, prefill chunk {m.export.prefill_chunk}, verify length "
+                              f"{m.export.verify_len})")
+    logits = next((t for t in m.graphs[TARGET].outputs if t.name == LOGITS), None)
+    if logits is None or logits.shape[-1] != m.model.vocab_size:
+        got = logits.shape[-1] if logits is not None else "no logits"
+        raise SpecrtError(f"model.vocab_size {m.model.vocab_size} differs from the target graph's logits ({got})")
+    for h in m.heads.values():
+        if h.name not in m.graphs:
+            raise SpecrtError(f"head {h.name!r} has no graph family")
+        if any(not isinstance(t, int) or not 0 <= t < m.model.vocab_size for t in h.vocab_ids):
+            raise SpecrtError(f"head {h.name}: its vocab_ids leave the vocabulary (0..{m.model.vocab_size - 1})")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the system could give a new allocation (MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def check_memory(nbytes: int, what: str) -> None:
+    """Refuse (one line naming `what`, the size and the memory available) an allocation that cannot fit, before
+    making it: sizes come from the manifest, which may come from someone else."""
+    avail = available_memory()
+    if avail is not None and nbytes > avail:
+        raise SpecrtError(f"{what} needs {_size(nbytes)}, more than the {_size(avail)} of memory available")
+
+
 def load_manifest(art_dir: str | Path) -> Manifest:
     """Read and validate an artifact's manifest; any problem is a one-line SpecrtError."""
     art = Path(art_dir)
@@ -345,6 +470,8 @@ def load_manifest(art_dir: str | Path) -> Manifest:
         d = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SpecrtError(f"{path} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise SpecrtError(f"{path} is malformed: nested too deeply") from None
     except OSError as e:
         raise SpecrtError(f"cannot read {path}: {e.strerror or e}") from None
     if not isinstance(d, dict):
@@ -361,6 +488,13 @@ def load_manifest(art_dir: str | Path) -> Manifest:
         raise SpecrtError(f"{path} is malformed: {type(e).__name__} {e}") from None
     if TARGET not in m.graphs:
         raise SpecrtError(f"{path} is malformed: no {TARGET!r} graph")
+    try:
+        _check_sizes(m)
+    except SpecrtError as e:
+        raise SpecrtError(f"{path} is inconsistent: {e}") from None
+    except (TypeError, ValueError, AttributeError, IndexError) as e:
+        raise SpecrtError(f"{path} is malformed: {type(e).__name__} {e}") from None
+    _check_paths(art, m)
     for g in m.graphs.values():
         for file in filter(None, (g.file, g.greedy_file)):
             if not (art / file).is_file():

@@ -126,6 +126,39 @@ def test_export_onto_a_file_is_refused_even_with_force(model_dir, tmp_path):
     assert f.read_text() == "precious" and names(tmp_path) == ["notes.txt"]
 
 
+@pytest.mark.parametrize("command", ["export", "triton"])
+def test_force_replaces_only_an_earlier_output_of_the_same_command(model_dir, art, tmp_path, command):
+    """--force once deleted any directory at --out (a user's thesis included): now only an empty one or an
+    untouched earlier output of the same command, whose marker lists the files it wrote."""
+    from specrt.exporter.outdir import MARKER
+
+    def run(out: Path, force: bool = True):
+        src = (model_dir,) if command == "export" else (art,)
+        extra = EXPORT_FLAGS if command == "export" else ()
+        return cli(command, *src, "--out", out, *extra, *(("--force",) if force else ()))
+
+    user = tmp_path / "u"
+    user.mkdir()
+    (user / "thesis.tex").write_text("keep")
+    assert_one_line_error(run(user), "left as it is", "no .specrt-output.json")
+    assert names(user) == ["thesis.tex"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run(empty).exit_code == 0
+    written = json.loads((empty / MARKER).read_text())
+    assert written["command"] == command and sorted(written["files"]) == sorted(
+        str(p.relative_to(empty)) for p in empty.rglob("*") if p.is_file() and p != empty / MARKER)
+    assert run(empty).exit_code == 0  # an earlier output of the same command is replaced
+    (empty / "sub").mkdir(exist_ok=True)
+    (empty / "sub" / "notes.md").write_text("mine")  # ... unless the user added to it since
+    assert_one_line_error(run(empty), "did not write (sub/notes.md)")
+    assert (empty / "sub" / "notes.md").read_text() == "mine"
+    other = "triton" if command == "export" else "export"
+    (empty / "sub" / "notes.md").unlink()
+    (empty / MARKER).write_text(json.dumps({**written, "command": other}))
+    assert_one_line_error(run(empty), f"not written by `specrt {other}`")
+
+
 # -- export: unwritable --out ------------------------------------------------------------------------------
 
 
@@ -197,7 +230,7 @@ def test_staged_removes_its_directory_on_sigterm(tmp_path):
     from specrt.exporter.outdir import Terminated, staged
 
     with pytest.raises(Terminated):
-        with staged(tmp_path / "x" / "art") as tmp:
+        with staged(tmp_path / "x" / "art", "export") as tmp:
             (tmp / "half.bin").write_bytes(b"0" * 100)
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # the handler raises before this ends
@@ -371,3 +404,134 @@ def test_bench_without_tokenizer_does_not_suggest_input_ids(art, tmp_path):
     line = assert_one_line_error(cli_process("bench", art, "--prompts", p, "--max-new-tokens", "4"),
                                  "no tokenizer", "text prompts need one")
     assert "--input-ids" not in line
+
+
+# -- artifacts are input too (a user may run an artifact someone else exported) ---------------------------------
+
+
+def _edit_manifest(art: Path, dest: Path, edit) -> Path:
+    from specrt import artifact as io
+
+    copy = Path(shutil.copytree(art, dest))
+    d = json.loads((copy / io.MANIFEST).read_text())
+    edit(d)
+    (copy / io.MANIFEST).write_text(json.dumps(d))
+    return copy
+
+
+@pytest.mark.parametrize("file, fragment", [
+    ("../../etc/passwd", "leads outside the artifact"),
+    ("/etc/passwd", "is not a path inside the artifact"),
+    ("../other/target.onnx", "leads outside the artifact"),  # another artifact's graph
+])
+def test_graph_paths_must_stay_inside_the_artifact(art, tmp_path, file, fragment):
+    shutil.copytree(art, tmp_path / "other")
+    bad = _edit_manifest(art, tmp_path / "bad", lambda d: d["graphs"]["target"].update(file=file))
+    assert_one_line_error(cli_process("run", bad, "--input-ids", "1,2", "--max-new-tokens", "2"), fragment)
+    assert_one_line_error(cli("inspect", bad), fragment)
+
+
+def test_links_and_external_data_leaving_the_artifact_are_refused(art, tmp_path):
+    import onnx
+
+    from specrt import artifact as io
+
+    elsewhere = Path(shutil.copytree(art, tmp_path / "elsewhere"))
+    linked = Path(shutil.copytree(art, tmp_path / "linked"))
+    (linked / "target.onnx").unlink()
+    (linked / "target.onnx").symlink_to(elsewhere / "target.onnx")
+    assert_one_line_error(cli("run", linked, "--input-ids", "1,2"), "target graph file 'target.onnx' leads outside")
+    (linked / "tokenizer").mkdir(exist_ok=True)
+    (linked / "target.onnx").unlink()
+    shutil.copy(art / "target.onnx", linked / "target.onnx")
+    (linked / "tokenizer" / "tokenizer.json").symlink_to(tmp_path / "host.json")
+    assert_one_line_error(cli("run", linked, "--input-ids", "1,2"), "tokenizer/tokenizer.json' leads outside")
+    # a graph whose tensors read their weights from a file outside the artifact
+    moved = Path(shutil.copytree(art, tmp_path / "moved" / "art"))
+    model = onnx.load(str(moved / "target.onnx"), load_external_data=False)
+    for t in model.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = "../weights.bin"
+    onnx.save(model, str(moved / "target.onnx"))
+    shutil.copy(moved / io.WEIGHTS_FILE, moved.parent / "weights.bin")
+    assert_one_line_error(cli("run", moved, "--input-ids", "1,2"), "target.onnx's external data", "leads outside")
+
+
+def _regenerate_buckets(d: dict) -> None:
+    from specrt import artifact as io
+
+    s = io.ExportSettings(**d["export"])
+    for name, g in d["graphs"].items():
+        g["buckets"] = io.target_buckets(s) if name == io.TARGET else io.head_buckets(s)
+        g["max_seq"] = s.max_seq
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (lambda d: d["model"].update(vocab_size=10 ** 12), "model.vocab_size 1000000000000 differs from the target"),
+    (lambda d: d["graphs"]["target"]["buckets"]["prefill"][0].update(T=10 ** 9, P=10 ** 9),
+     "buckets are not those of the export settings"),
+    (lambda d: d["graphs"]["target"].update(max_seq=10 ** 9), "max_seq 1000000000 differs from export.max_seq"),
+    # every field agreeing, and only the graph files telling the truth
+    (lambda d: (d["export"].update(batch=10 ** 9), _regenerate_buckets(d)), "exported for other shapes"),
+    (lambda d: (d["export"].update(max_seq=10 ** 9), _regenerate_buckets(d)), "disagree"),
+])
+def test_absurd_numbers_in_a_manifest_are_refused(art, tmp_path, edit, fragment):
+    bad = _edit_manifest(art, tmp_path / "bad", edit)
+    assert_one_line_error(cli_process("run", bad, "--input-ids", "1,2", "--max-new-tokens", "2"), fragment)
+
+
+def test_allocations_are_estimated_before_they_are_made(art, tmp_path):
+    """Graphs exported before they recorded their shapes are checked by the memory estimate: a batch of 10^9
+    slots is one line naming the size and the memory available, not an attempt at 15 TiB."""
+    import onnx
+
+    from specrt.errors import SpecrtError
+    from specrt.runtime.engine import Engine
+
+    def edit(d):
+        d["export"]["batch"] = 10 ** 9
+        _regenerate_buckets(d)
+
+    bad = _edit_manifest(art, tmp_path / "bad", edit)
+    model = onnx.load(str(bad / "target.onnx"), load_external_data=False)
+    del model.metadata_props[:]
+    onnx.save(model, str(bad / "target.onnx"))
+    with pytest.raises(SpecrtError, match=r"needs [\d.]+ [GT]iB, more than the [\d.]+ GiB of memory available"):
+        Engine(bad, slots=10 ** 9)
+    from serving import free_port
+
+    assert_one_line_error(cli_process("serve", bad, "--port", str(free_port())), "of memory available")
+
+
+def test_deep_manifest_and_broken_profile(art, tmp_path):
+    from specrt import artifact as io
+
+    deep = Path(shutil.copytree(art, tmp_path / "deep"))
+    (deep / io.MANIFEST).write_text('{"format_version": 4, "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert_one_line_error(cli_process("inspect", deep), "nested too deeply")
+    assert_one_line_error(cli_process("run", deep, "--input-ids", "1,2"), "nested too deeply")
+    prof = Path(shutil.copytree(art, tmp_path / "prof"))
+    d = json.loads((prof / "profile.json").read_text())
+    for entry in d["profiles"].values():
+        del entry["verify"]
+    (prof / "profile.json").write_text(json.dumps(d))
+    assert_one_line_error(cli_process("run", prof, "--input-ids", "1,2", "--method", "ngram", "--scheduler", "sps"),
+                          "profile.json: entry", "malformed (no 'verify')")
+
+
+def test_chat_template_output_is_bounded(tok_art, tmp_path):
+    from specrt import artifact as io
+    from specrt.errors import SpecrtError
+    from specrt.runtime.tokenizer import Tokenizer
+
+    for template, fragment in [("{{ 'x' * 4000000000 }}", "repeats a sequence"),
+                               ("{{ 2 ** 100000000 }}", "too large a power"),
+                               ("{% for i in range(10000) %}{{ 'y' * 1000 }}{% endfor %}", "output exceeds")]:
+        with pytest.raises(SpecrtError, match=fragment):
+            Tokenizer(None, {"chat_template": template}).apply_chat_template([{"role": "user", "content": "hi"}])
+    bad = _edit_manifest(tok_art, tmp_path / "bad",
+                         lambda d: d["tokenizer"].update(chat_template="{{ 'x' * 4000000000 }}"))
+    assert_one_line_error(cli_process("run", bad, "--prompt", "the cat", "--max-new-tokens", "2"),
+                          "chat template error", "repeats a sequence")
+    assert (bad / io.MANIFEST).is_file()

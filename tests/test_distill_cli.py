@@ -90,7 +90,7 @@ def test_dspark_checkpoint_is_compact_calibrated_and_reported(target, distilled)
     assert len(cal["temperatures"]) == len(cal["ece_before"]) == len(cal["ece_after"]) == 3
     assert report["prompts"]["train"] + report["prompts"]["calib"] == 24
     assert set(report["seconds"]) == {"target", "generate", "features", "train", "save", "calibrate", "total"}
-    assert report["checkpoint_bytes"] == sum(f.stat().st_size for f in ck.iterdir() if f.name != "report.json")
+    assert report["checkpoint_bytes"] == sum(f.stat().st_size for f in ck.iterdir() if f.name not in ("report.json", ".specrt-output.json"))
     assert json.loads((ck / "report.json").read_text())["tau"] == report["tau"]
     counts = read_counts(ck / COUNTS_FILE, tcfg.vocab_size)  # the train responses' tokens, for --draft-vocab
     rows = read_responses(distilled["work"] / "responses.jsonl")

@@ -427,14 +427,16 @@ def test_bucket_rounds_up(tiny):
 
 @pytest.mark.parametrize("case", ["llama_untied", HEADED])
 def test_no_unused_files_exported(tiny, case):
-    """The artifact holds the manifest, the weights, tokenizer/ when the model has one, one .onnx per family and
-    a greedy variant per draft family."""
+    """The artifact holds the manifest, the weights, tokenizer/ when the model has one, one .onnx per family, a
+    greedy variant per draft family, and the marker listing them (what `--force` may replace)."""
+    from specrt.exporter.outdir import MARKER
+
     t = tiny(case)
     m = t.manifest
     assert all(g.file == f"{family}.onnx" for family, g in m.graphs.items())
     assert all(g.greedy_file == (f"{family}.greedy.onnx" if family in m.heads else "")
                for family, g in m.graphs.items())
-    want = [io.MANIFEST, io.WEIGHTS_FILE, *(f for g in m.graphs.values() for f in (g.file, g.greedy_file) if f)]
+    want = [MARKER, io.MANIFEST, io.WEIGHTS_FILE, *(f for g in m.graphs.values() for f in (g.file, g.greedy_file) if f)]
     if m.tokenizer:
         want.append(io.TOKENIZER_DIR)
         assert sorted(p.name for p in (t.art / io.TOKENIZER_DIR).iterdir()) == m.tokenizer["files"]
@@ -723,15 +725,19 @@ def test_interrupted_forced_export_keeps_old_artifact(tiny, tmp_path, monkeypatc
 
 
 def test_export_onto_existing_dir(tiny, tmp_path):
+    """A directory of the user's is never replaced, --force or not; an earlier export is, with --force."""
     t = tiny("llama_tied")
     out = tmp_path / "art"
     out.mkdir()
     (out / "keep.txt").write_text("x")
     with pytest.raises(SpecrtError, match="already exists.*--force"):
         export_artifact(t.model_dir, out, SETTINGS, progress=False)
-    assert (out / "keep.txt").exists()
-    export_artifact(t.model_dir, out, SETTINGS, progress=False, force=True)
-    assert not (out / "keep.txt").exists()
+    with pytest.raises(SpecrtError, match="not written by specrt"):
+        export_artifact(t.model_dir, out, SETTINGS, progress=False, force=True)
+    assert (out / "keep.txt").read_text() == "x"
+    (out / "keep.txt").unlink()
+    export_artifact(t.model_dir, out, SETTINGS, progress=False, force=True)  # empty: fine
+    export_artifact(t.model_dir, out, SETTINGS, progress=False, force=True)  # an earlier export: replaced
     assert io.load_manifest(out).export == SETTINGS
     assert _leftovers(tmp_path) == []
 

@@ -23,7 +23,9 @@ from specrt.exporter.export import export_artifact
 from specrt.runtime.engine import Engine, Request
 from specrt.runtime.prompts import encode_prompt
 from specrt.runtime.sampling import SamplingParams
+from specrt.errors import SpecrtError
 from specrt.serve.triton.check import check_repository
+from specrt.serve.triton.config import engine_settings
 from specrt.serve.triton.repository import write_repository
 
 pytest.importorskip("tritonclient.grpc.model_config_pb2")
@@ -64,7 +66,7 @@ def _copy(repo: Path, tmp_path: Path) -> Path:
 
 
 def test_layout(art, repo):
-    names = sorted(p.name for p in repo.iterdir())
+    names = sorted(p.name for p in repo.iterdir() if p.name != ".specrt-output.json")
     assert names == ["specrt", "specrt_dspark", "specrt_dspark_greedy", "specrt_target"]
     assert (repo / "specrt/1/model.py").read_text() == (
         Path(__file__).parents[1] / "serve/triton/model.py").read_text()
@@ -126,6 +128,53 @@ def test_check_finds_problems(repo, tmp_path):
     result = CliRunner().invoke(main, ["triton", "--check", str(bad)])
     assert result.exit_code == 1
     assert result.output.strip().splitlines()[:len(problems)] == problems
+
+
+@pytest.mark.parametrize("param, value, fragment", [
+    ("method", "nonsense", "parameter method: 'nonsense' is not one of ar, ngram"),
+    ("slots", "-5", "parameter slots: '-5' is not a whole number >= 1"),
+    ("max_tokens", "abc", "parameter max_tokens: 'abc' is not a whole number >= 1"),
+    ("scheduler", "fast", "parameter scheduler: 'fast' is not one of"),
+    ("backend", "torch", "parameter backend: 'torch' is not one of ort, tensorrt"),
+    ("artifact", "../../elsewhere", "must be a folder inside the model's version folder"),
+])
+def test_check_parses_the_specrt_parameters_as_model_py_does(repo, tmp_path, param, value, fragment):
+    """--check once passed parameters model.py could not load: both now parse them with engine_settings."""
+    import re
+
+    bad = _copy(repo, tmp_path)
+    spec = bad / "specrt/config.pbtxt"
+    text, n = re.subn(rf'(key: "{param}"\s*value: {{ string_value: )"[^"]*"', rf'\1"{value}"', spec.read_text())
+    assert n == 1, spec.read_text()
+    spec.write_text(text)
+    problems = check_repository(bad)["problems"]
+    assert any(fragment in p and "model.py could not load" in p for p in problems), problems
+    with pytest.raises(SpecrtError, match=re.escape(fragment)):
+        engine_settings({param: value})
+
+
+def test_writer_refuses_an_output_inside_the_artifact(art, tmp_path):
+    """Each rerun used to copy the previous repository into the next one."""
+    copy = Path(shutil.copytree(art, tmp_path / "art"))
+    result = CliRunner().invoke(main, ["triton", str(copy), "--out", str(copy / "repo")])
+    assert result.exit_code == 1 and "is inside the artifact" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (copy / "repo").exists()
+
+
+def test_writer_refuses_links_that_leave_the_artifact(art, tmp_path):
+    """A link to a host file would ship that file's content in the repository."""
+    copy = Path(shutil.copytree(art, tmp_path / "art"))
+    host = tmp_path / "host_secret.txt"
+    host.write_text("secret")
+    (copy / "notes.txt").symlink_to(host)
+    result = CliRunner().invoke(main, ["triton", str(copy), "--out", str(tmp_path / "r")])
+    assert result.exit_code == 1 and "notes.txt' leads outside the artifact" in result.output
+    assert not (tmp_path / "r").exists()
+    (copy / "notes.txt").unlink()
+    (copy / "notes.txt").symlink_to(copy / "manifest.json")  # a link inside the artifact is fine
+    result = CliRunner().invoke(main, ["triton", str(copy), "--out", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "r/specrt/1/artifact/notes.txt").read_text() == (copy / "manifest.json").read_text()
 
 
 def test_writer_errors(art, repo, tmp_path):

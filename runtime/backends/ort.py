@@ -76,6 +76,9 @@ class OrtRunner:
             reason = (getattr(e, "strerror", None) or str(e)).splitlines()[0] if str(e) else type(e).__name__
             raise SpecrtError(f"cannot load {graph.file}: {reason} (corrupt artifact? re-export it)") from None
         io.check_graph_io(graph, _declared_shapes(model), graph.file)
+        io.check_graph_meta(graph, {p.key: p.value for p in model.metadata_props}, graph.file)
+        for location in io.external_locations(model):
+            io.inside(art_dir, str(Path(graph.file).parent / location), f"{graph.file}'s external data")
         # Loaded from bytes, so tell ORT where the external weights live.
         so = session_options(threads, spin=spin)
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(art_dir))
@@ -95,9 +98,13 @@ class OrtRunner:
     def _resize(self, length: int) -> None:
         """(Re)allocate the caches at `length` positions, keeping what they hold; bindings start over."""
         old = self._cache
+        specs = self.spec.cache_inputs()
+        io.check_memory(sum(int(np.prod(t.resolve({"B": self.slots, io.CACHE_LEN: length}), dtype=np.float64))
+                            * np.dtype(t.dtype).itemsize for t in specs),
+                        f"the {self.spec.name} KV cache for {self.slots} slots x {length} positions")
         self.cache_length = length
         self._cache = {t.name: np.zeros(t.resolve({"B": self.slots, io.CACHE_LEN: length}), dtype=t.dtype)
-                       for t in self.spec.cache_inputs()}
+                       for t in specs}
         for name, buf in old.items():
             n = min(buf.shape[2], length)
             self._cache[name][:, :, :n] = buf[:, :, :n]

@@ -267,6 +267,8 @@ class TorchRunner:
             self.slots = slots
             past = self.spec.cache_inputs()
             size = {"B": slots, io.CACHE_LEN: self.spec.max_seq}  # a sized cache: all of it (eager torch)
+            io.check_memory(sum(int(np.prod(t.resolve(size), dtype=np.float64)) for t in past) * self.dtype.itemsize,
+                            f"the {self.spec.name} KV cache for {slots} slots x {self.spec.max_seq} positions")
             self._calls.clear()
             self._cache = []  # the old cache's memory is free before the new one is taken
             self._cache = [tuple(torch.zeros(t.resolve(size), dtype=self.dtype, device=self.device) for t in kv)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from specrt.errors import SpecrtError
-from specrt.serve.triton.config import MODEL_FILES, PYTHON_INPUTS, PYTHON_OUTPUTS, TensorIO, graph_io
+from specrt.serve.triton.config import MODEL_FILES, PYTHON_INPUTS, PYTHON_OUTPUTS, TensorIO, engine_settings, graph_io
 
 PLATFORM_BACKENDS = {"onnxruntime_onnx": "onnxruntime", "tensorrt_plan": "tensorrt", "pytorch_libtorch": "pytorch",
                      "tensorflow_savedmodel": "tensorflow", "tensorflow_graphdef": "tensorflow", "ensemble": ""}
@@ -153,6 +153,10 @@ def _check_specrt(name: str, cfg, folder: Path, versions: list[str], problems: l
     if not cfg.model_transaction_policy.decoupled:
         problems.append(f"{name}: the specrt model streams; set model_transaction_policy {{ decoupled: true }}")
     artifact = cfg.parameters["artifact"].string_value
+    try:  # what model.py's initialize parses, with the same function
+        engine_settings({k: p.string_value for k, p in cfg.parameters.items()})
+    except SpecrtError as e:
+        problems.append(f"{name}: {e}; model.py could not load")
     for v in versions:
         if not (folder / v / artifact / "manifest.json").is_file():
             problems.append(f"{name}/{v}/{artifact}: no specrt artifact (manifest.json) there")

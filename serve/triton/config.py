@@ -3,6 +3,7 @@
     graph_io(model.onnx)        -> inputs, outputs as Triton sees them (TYPE_*, dims with -1 for named axes)
     graph_config(name, ...)     -> a debugging model: an ONNX graph (onnxruntime_onnx) or TensorRT engine (tensorrt_plan)
     python_config(name, ...)    -> the decoupled Python model that owns a specrt engine (vLLM backend's I/O names)
+    engine_settings(parameters) -> that model's parameters parsed as model.py loads its engine (and --check checks)
 
 The text is written by hand (no tritonclient needed to write a repository); `specrt triton --check` parses it
 with Triton's own ModelConfig protobuf.
@@ -12,12 +13,49 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from specrt.errors import SpecrtError
 
 # ONNX TensorProto element types -> Triton data types (those an exported graph can carry)
 ONNX_TO_TRITON = {1: "TYPE_FP32", 2: "TYPE_UINT8", 3: "TYPE_INT8", 5: "TYPE_INT16", 6: "TYPE_INT32", 7: "TYPE_INT64",
                   9: "TYPE_BOOL", 10: "TYPE_FP16", 11: "TYPE_FP64", 16: "TYPE_BF16"}
 PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "tensorrt": "tensorrt_plan"}  # repository backend -> platform
 MODEL_FILES = {"onnxruntime_onnx": "model.onnx", "tensorrt_plan": "model.plan", "python": "model.py"}
+
+
+ENGINE_BACKENDS = {"onnxruntime": "ort", "tensorrt": "tensorrt"}  # repository backend -> specrt Engine backend
+DEFAULT_MAX_TOKENS = 128
+
+
+def engine_settings(params: dict[str, str]) -> dict[str, Any]:
+    """The specrt Python model's parameters (config.pbtxt string values) as its engine settings: artifact, backend,
+    method, scheduler, gamma, threads, slots, max_tokens. A bad value is a SpecrtError naming it; model.py loads
+    its engine from exactly this, and `specrt triton --check` runs it on a repository's values."""
+    from specrt.runtime.engine import METHODS
+    from specrt.runtime.schedulers import SCHEDULERS
+
+    def choice(name: str, allowed, default: str) -> str:
+        value = params.get(name) or default
+        if value not in allowed:
+            raise SpecrtError(f"parameter {name}: {value!r} is not one of {', '.join(allowed)}")
+        return value
+
+    def count(name: str, default: int | None) -> int | None:
+        value = (params.get(name) or "").strip()
+        if not value:
+            return default
+        if not value.isdigit() or int(value) < 1:
+            raise SpecrtError(f"parameter {name}: {value!r} is not a whole number >= 1")
+        return int(value)
+
+    artifact = params.get("artifact") or "artifact"
+    if Path(artifact).is_absolute() or ".." in Path(artifact).parts:
+        raise SpecrtError(f"parameter artifact: {artifact!r} must be a folder inside the model's version folder")
+    return {"artifact": artifact, "backend": choice("backend", tuple(ENGINE_BACKENDS.values()), "ort"),
+            "method": choice("method", METHODS, "ar"), "scheduler": choice("scheduler", tuple(SCHEDULERS), "fixed"),
+            "gamma": count("gamma", None), "threads": count("threads", None), "slots": count("slots", None),
+            "max_tokens": count("max_tokens", DEFAULT_MAX_TOKENS)}
 
 
 @dataclass(frozen=True, slots=True)

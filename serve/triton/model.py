@@ -27,6 +27,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.engine import Engine
 from specrt.runtime.prompts import encode_prompt
 from specrt.serve.loop import EngineLoop, Event
+from specrt.serve.triton.config import engine_settings
 from specrt.serve.triton.sampling import sampling_params
 
 
@@ -49,17 +50,15 @@ class TritonPythonModel:
 
     def initialize(self, args: dict[str, str]) -> None:
         config = json.loads(args["model_config"])
-        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-        art = Path(args["model_repository"]) / args["model_version"] / (params.get("artifact") or "artifact")
-        backend = params.get("backend") or "ort"
-        if backend == "tensorrt" and args.get("model_instance_kind") == "GPU":
+        s = engine_settings({k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()})
+        art = Path(args["model_repository"]) / args["model_version"] / s["artifact"]
+        if s["backend"] == "tensorrt" and args.get("model_instance_kind") == "GPU":
             import torch
 
             torch.cuda.set_device(int(args.get("model_instance_device_id") or 0))
-        self.max_tokens = int(params.get("max_tokens") or 128)
-        self.engine = Engine(art, method=params.get("method") or "ar", gamma=_int_or_none(params.get("gamma")),
-                             scheduler=params.get("scheduler") or "fixed", backend=backend,
-                             threads=_int_or_none(params.get("threads")), slots=_int_or_none(params.get("slots")))
+        self.max_tokens = s["max_tokens"]
+        self.engine = Engine(art, method=s["method"], gamma=s["gamma"], scheduler=s["scheduler"], backend=s["backend"],
+                             threads=s["threads"], slots=s["slots"])
         self.loop = EngineLoop(self.engine)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="specrt-triton-send", daemon=True)
@@ -175,7 +174,3 @@ def _sampling_json(request) -> str | None:
         return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
     parameters = getattr(request, "parameters", None)
     return parameters() if parameters is not None else None
-
-
-def _int_or_none(value: str | None) -> int | None:
-    return int(value) if value else None

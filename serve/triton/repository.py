@@ -20,13 +20,11 @@ from typing import Any
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.serve.triton.config import PLATFORMS, graph_config, graph_io, python_config
+from specrt.serve.triton.config import ENGINE_BACKENDS, PLATFORMS, graph_config, graph_io, python_config
 
 PYTHON_MODEL = "specrt"
 VERSION = "1"
 ARTIFACT_DIR = "artifact"  # in the Python model's version folder
-ENGINE_BACKENDS = {"onnxruntime": "ort", "tensorrt": "tensorrt"}  # repository backend -> specrt Engine backend
-SCHEDULERS = ("fixed", "threshold", "sps", "sps-async")
 
 
 def write_repository(art_dir: str | Path, out: str | Path, *, backend: str = "onnxruntime", instances: int = 1,
@@ -40,13 +38,17 @@ def write_repository(art_dir: str | Path, out: str | Path, *, backend: str = "on
     _check_settings(manifest, backend=backend, instances=instances, method=method, gamma=gamma,
                     scheduler=scheduler, max_tokens=max_tokens, threads=threads)
     graphs = _graph_models(art, manifest, backend)
-    check_out(out, sources=[art], force=force)
+    check_out(out, sources=[art], force=force, command="triton")
+    if art.resolve() in out.resolve().parents:
+        raise SpecrtError(f"--out {out} is inside the artifact {art}; write the repository elsewhere (each run would "
+                          "copy the previous repository into the next)")
+    files = _artifact_files(art)
     counts = {"linked": 0, "copied": 0}
     models = []
-    with staged(out) as tmp:
+    with staged(out, "triton") as tmp:
         version = tmp / PYTHON_MODEL / VERSION
-        for f in sorted(p for p in art.rglob("*") if p.is_file()):
-            _place(f, version / ARTIFACT_DIR / f.relative_to(art), counts)
+        for rel in files:
+            _place(art / rel, version / ARTIFACT_DIR / rel, counts)
         shutil.copyfile(Path(__file__).with_name("model.py"), version / "model.py")
         params = {"artifact": ARTIFACT_DIR, "backend": ENGINE_BACKENDS[backend], "method": method,
                   "gamma": "" if gamma is None else str(gamma), "scheduler": scheduler, "max_tokens": str(max_tokens),
@@ -72,6 +74,7 @@ def _check_settings(manifest: io.Manifest, *, backend: str, instances: int, meth
                     scheduler: str, max_tokens: int, threads: int | None) -> None:
     """The settings the Python model will load the engine with, checked now rather than at tritonserver start."""
     from specrt.runtime.engine import METHODS
+    from specrt.runtime.schedulers import SCHEDULERS
 
     if backend not in PLATFORMS:
         raise SpecrtError(f"--backend must be one of {', '.join(PLATFORMS)}, got {backend!r}")
@@ -111,21 +114,26 @@ def external_data(onnx_path: str | Path) -> list[str]:
     """The external data files an ONNX graph's tensors name (relative to the graph), weights not read."""
     import onnx
 
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    found: set[str] = set()
+    return io.external_locations(onnx.load(str(onnx_path), load_external_data=False))
 
-    def tensors(graph):
-        yield from graph.initializer
-        for node in graph.node:
-            for a in node.attribute:
-                yield from ([a.t] if a.HasField("t") else []) + list(a.tensors)
-                for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                    yield from tensors(g)
 
-    for t in tensors(model.graph):
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            found.update(e.value for e in t.external_data if e.key == "location")
-    return sorted(found)
+def _artifact_files(art: Path) -> list[str]:
+    """The artifact's files to ship (relative paths): a link must stay inside the artifact (one to a host file
+    would put that file in the repository), and a link to a folder is refused."""
+    from specrt.exporter.outdir import MARKER
+
+    files = []
+    for parent, dirs, names in os.walk(art):
+        for name in sorted(dirs + names):
+            path = Path(parent) / name
+            rel = path.relative_to(art).as_posix()
+            if path.is_symlink():
+                io.inside(art, rel, "link")
+                if path.is_dir():
+                    raise SpecrtError(f"{art}: {rel} is a link to a folder; replace it with the folder itself")
+            if not path.is_dir() and rel != MARKER:
+                files.append(rel)
+    return sorted(files)
 
 
 def _place(src: Path, dst: Path, counts: dict[str, int]) -> None:
