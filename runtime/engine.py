@@ -11,9 +11,11 @@ finished slots are refilled with waiting requests (continuous batching) without 
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,6 +180,9 @@ class Engine:
         self.slots: list[Slot | None] = []
         self.waiting: deque[Request] = deque()
         self._ids = 0
+        self._closed = False
+        self._lock = threading.Lock()  # held by the thread inside add_request / step / abort / generate
+        self._user: int | None = None  # that thread (it may call in again: generate's callbacks, generate -> step)
         self._fixed_slots = slots is not None
         if slots is not None:
             self._allocate(min(max(1, slots), self.max_batch))
@@ -202,10 +207,36 @@ class Engine:
 
     # -- the online API ---------------------------------------------------------------------------
 
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """One thread at a time drives the engine; a second one gets a clear error instead of corrupting the
+        slots and queue half-way through a round."""
+        if self._closed:
+            raise SpecrtError("this engine is closed")
+        me = threading.get_ident()
+        if self._user == me:
+            yield
+            return
+        if not self._lock.acquire(blocking=False):
+            raise SpecrtError("this Engine is in use by another thread: an Engine is driven by one thread at a time; "
+                              "to serve requests from several threads, share it through "
+                              "specrt.serve.loop.EngineLoop (submit and abort are thread-safe)")
+        self._user = me
+        try:
+            yield
+        finally:
+            self._user = None
+            self._lock.release()
+
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: int | None = None, raw: bool = False, seed_offset: int | None = None) -> int:
         """Queue a request (token ids, or text: the chat template is applied unless `raw`); returns its id.
         A seeded request samples with seed + `seed_offset` (default: + its id)."""
+        with self._exclusive():
+            return self._add_request(prompt, params, request_id=request_id, raw=raw, seed_offset=seed_offset)
+
+    def _add_request(self, prompt: str | Sequence[int], params: SamplingParams | None, *, request_id: int | None,
+                     raw: bool, seed_offset: int | None) -> int:
         if isinstance(prompt, str):
             from specrt.runtime.prompts import encode_prompt
 
@@ -225,6 +256,10 @@ class Engine:
     def step(self) -> list[RequestDelta]:
         """Admit waiting requests into free slots (prefill), then one decode step or round over all
         active slots. Returns what happened to each request touched, finished ones with their output."""
+        with self._exclusive():
+            return self._step()
+
+    def _step(self) -> list[RequestDelta]:
         deltas: dict[int, RequestDelta] = {}
         self._admit(deltas)
         if any(self.slots):
@@ -244,6 +279,10 @@ class Engine:
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """Drop a request now (its slot is free for the next step); None if it is not unfinished."""
+        with self._exclusive():
+            return self._abort(request_id)
+
+    def _abort(self, request_id: int) -> RequestOutput | None:
         for r in self.waiting:
             if r.id == request_id:
                 self.waiting.remove(r)
@@ -262,6 +301,12 @@ class Engine:
                  on_token: TokenCallback | None = None, on_finish: FinishCallback | None = None
                  ) -> tuple[list[RequestOutput], RunStats]:
         """Generate for all requests (up to B at a time) and return their outputs and this run's stats."""
+        with self._exclusive():
+            return self._generate(requests, on_text=on_text, on_token=on_token, on_finish=on_finish)
+
+    def _generate(self, requests: Sequence[Request], *, on_text: TextCallback | None,
+                  on_token: TokenCallback | None, on_finish: FinishCallback | None
+                  ) -> tuple[list[RequestOutput], RunStats]:
         if len({r.id for r in requests}) != len(requests):  # outputs and callbacks are keyed by id
             raise SpecrtError("request ids must be unique within one generate() call")
         if self.has_unfinished():
@@ -295,9 +340,13 @@ class Engine:
         check_room(self.manifest, n, request.params.max_new_tokens, self.gamma)
 
     def close(self) -> None:
-        """Close the observers (trace files)."""
-        for o in self.observers:
-            o.close()
+        """Close the observers (trace files); the engine takes no more calls (they raise "engine is closed")."""
+        if self._closed:
+            return
+        with self._exclusive():
+            self._closed = True
+            for o in self.observers:
+                o.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -312,6 +361,7 @@ class Engine:
 
     def _allocate(self, n: int) -> None:
         n = next(b for b in io.batch_sizes(self.max_batch) if b >= n)
+        io.check_memory(n * (self.capacity + 1) * 8, f"token ids for {n} slots x {self.capacity + 1} positions")
         self.target.allocate(n)
         if self.drafter:
             self.drafter.allocate(n)

@@ -7,6 +7,10 @@ import numpy as np
 
 from specrt.errors import SpecrtError
 
+# Below this a temperature is greedy, as in vLLM: dividing logits by it would overflow to inf (and the softmax to
+# NaN) long before 1e-307, and its distribution is the argmax's to within exp(-gap / 1e-5) for any logit gap.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -24,6 +28,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not np.isfinite(self.temperature) or self.temperature < 0:
             raise SpecrtError(f"--temperature must be a finite number >= 0, got {self.temperature}")
+        if self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         if self.top_k < 0:
             raise SpecrtError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
@@ -86,6 +92,9 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     the zeros between them are never drawn)."""
     live = np.flatnonzero(probs)
     cdf = np.cumsum(probs[live])
+    if not len(cdf) or not 0.0 < cdf[-1] < np.inf:  # NaN fails this too: never draw from a broken distribution
+        raise SpecrtError("sampling got an invalid distribution (NaN, inf or all zero); the logits or parameters "
+                          "are broken")
     return int(live[min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(live) - 1)])
 
 

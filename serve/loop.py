@@ -10,6 +10,7 @@ an asyncio queue, a Triton response sender).
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -21,6 +22,8 @@ from specrt.runtime.engine import Engine, Request, RequestOutput
 from specrt.runtime.observers import RoundRecord
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.stats import RunStats
+
+log = logging.getLogger("specrt.serve")
 
 
 @dataclass
@@ -92,7 +95,10 @@ class EngineLoop:
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, on_event: Callable[[Event], None]) -> int:
         """Queue a request; returns its id. Raises SpecrtError (now, on the caller's thread) if the engine
-        cannot serve it (prompt too long for the cache, token ids outside the vocabulary)."""
+        cannot serve it (prompt too long for the cache, token ids outside the vocabulary), or if the loop is closed
+        or has stopped."""
+        if not self._running or not self._thread.is_alive():
+            raise SpecrtError("the engine loop is closed; it takes no more requests")
         with self._id_lock:
             rid = self._ids
             self._ids += 1
@@ -141,7 +147,7 @@ class EngineLoop:
             try:
                 self.engine.add_request(arg.prompt_ids, arg.params, request_id=arg.id, seed_offset=arg.seed_offset)
             except SpecrtError as e:
-                on_event(Event(arg.id, error=str(e)))
+                self._deliver(on_event, Event(arg.id, error=str(e)))
                 return
             self._listeners[arg.id] = on_event
             self.stats.requests += 1
@@ -152,7 +158,7 @@ class EngineLoop:
             if out is not None:
                 self.stats.aborted += 1
                 if listener is not None:
-                    listener(Event(arg, finished=out))
+                    self._deliver(listener, Event(arg, finished=out))
         self._gauges()
 
     def _step(self) -> None:
@@ -170,8 +176,29 @@ class EngineLoop:
             if d.finished is not None:
                 self._listeners.pop(d.id, None)
             if listener is not None:
-                listener(Event(d.id, d.token_ids, d.text, _marks(len(d.token_ids), rounds.get(d.id, ())), d.finished))
+                event = Event(d.id, d.token_ids, d.text, _marks(len(d.token_ids), rounds.get(d.id, ())), d.finished)
+                if not self._deliver(listener, event) and d.finished is None:
+                    self._listeners.pop(d.id, None)
+                    self.engine.abort(d.id)  # its listener failed: the request ends here, the loop serves on
+                    self.stats.aborted += 1
         self._gauges()
+
+    @staticmethod
+    def _deliver(listener: Callable[[Event], None], event: Event) -> bool:
+        """Call a request's listener; one that raises is logged in one line and told the request failed (its
+        caller ends it), and never stops the loop thread."""
+        try:
+            listener(event)
+            return True
+        except Exception as e:  # noqa: BLE001 - a caller's callback must not take the loop down
+            log.error("specrt: request %d: its on_event callback raised %s: %s; the request is ended", event.id,
+                      type(e).__name__, e)
+            if event.error is None:
+                try:
+                    listener(Event(event.id, error=f"on_event raised {type(e).__name__}: {e}"))
+                except Exception:  # noqa: BLE001 - it failed once already; the request is over either way
+                    pass
+            return False
 
     def _count(self, step: RunStats) -> None:
         """Add one step's stats to the running totals (AR: a round per token)."""
@@ -195,7 +222,7 @@ class EngineLoop:
     def _fail(self, message: str) -> None:
         for rid in list(self._listeners):
             self.engine.abort(rid)
-            self._listeners.pop(rid)(Event(rid, error=message))
+            self._deliver(self._listeners.pop(rid), Event(rid, error=message))
         self._gauges()
 
 

@@ -125,3 +125,44 @@ def test_trace_file_is_closed(art, tmp_path):
         Engine(art, method="dspark", trace=tmp_path)
     with pytest.raises(SpecrtError, match="cannot write --trace"):
         Engine(art, method="dspark", trace=tmp_path / "missing" / "t.jsonl")
+
+
+def test_an_engine_driven_from_a_second_thread_at_once_says_to_use_the_loop(art):
+    """Two threads in one Engine once failed with incidental `deque mutated during iteration` errors."""
+    import threading
+
+    engine = Engine(art, method="ngram", threads=1)
+    inside, tried, errors = threading.Event(), threading.Event(), []
+
+    def on_token(rid: int, n: int) -> None:  # the first thread holds the engine here, inside generate()
+        inside.set()
+        tried.wait(30)
+
+    def second() -> None:
+        inside.wait(30)
+        for call in (engine.step, lambda: engine.add_request([5, 6, 7], GREEDY), lambda: engine.abort(0)):
+            try:
+                call()
+            except SpecrtError as e:
+                errors.append(str(e))
+        tried.set()
+
+    t = threading.Thread(target=second)
+    t.start()
+    outputs, _ = engine.generate([Request(_prompts(1)[0], GREEDY)], on_token=on_token)
+    t.join(30)
+    assert len(errors) == 3 and all("in use by another thread" in e and "EngineLoop" in e for e in errors)
+    assert outputs[0].output_ids == Engine(art, threads=1).generate([Request(_prompts(1)[0], GREEDY)])[0][0].output_ids
+    assert engine.add_request([5, 6, 7], GREEDY) >= 0  # once the first thread is done, the engine is free again
+
+
+def test_calls_after_close_say_the_engine_is_closed(art, tmp_path):
+    engine = Engine(art, method="dspark", threads=1, trace=tmp_path / "t.jsonl")
+    engine.add_request(_prompts(1)[0], GREEDY)
+    engine.step()
+    engine.close()
+    for call in (engine.step, lambda: engine.add_request([5, 6], GREEDY), lambda: engine.abort(0),
+                 lambda: engine.generate([Request(_prompts(1)[0], GREEDY)])):
+        with pytest.raises(SpecrtError, match="this engine is closed"):
+            call()
+    engine.close()  # twice is fine

@@ -183,3 +183,37 @@ def test_a_seed_reproduces_a_sampled_request_whatever_its_id(art):
         assert runs[2].tokens != want.output_ids and other.output_ids != want.output_ids
     finally:
         loop.close()
+
+
+def test_submit_after_close_raises(art):
+    loop = EngineLoop(Engine(art))
+    loop.close()
+    with pytest.raises(SpecrtError, match="the engine loop is closed"):
+        loop.submit(_prompts(1)[0], PARAMS, _Collector())
+
+
+def test_a_raising_callback_ends_its_request_and_the_loop_serves_on(art, caplog):
+    """A callback that raised once killed the loop thread: later submits were accepted and never answered."""
+    loop = EngineLoop(Engine(art))
+    try:
+        calls: list[Event] = []
+        first = threading.Event()
+
+        def broken(ev: Event) -> None:
+            calls.append(ev)
+            first.set()
+            if ev.error is None:
+                raise ValueError("client bug")
+
+        with caplog.at_level("ERROR", logger="specrt.serve"):
+            loop.submit(_prompts(1)[0], PARAMS, broken)
+            assert first.wait(30)
+            ok = _Collector()
+            loop.submit(_prompts(2)[1], PARAMS, ok)
+            assert ok.done.wait(30) and len(ok.tokens) == 20 and ok.events[-1].finished is not None
+        assert loop.alive and loop.active == 0
+        assert calls[-1].error == "on_event raised ValueError: client bug"  # told once that it is over
+        assert [r.getMessage() for r in caplog.records if "client bug" in r.getMessage()] == [
+            f"specrt: request {calls[0].id}: its on_event callback raised ValueError: client bug; the request is ended"]
+    finally:
+        loop.close()

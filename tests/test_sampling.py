@@ -196,3 +196,21 @@ def test_sampling_params_defaults_and_edges():
     SamplingParams(top_p=1.0, top_k=0, max_new_tokens=1, seed=0, temperature=0.0)
     with pytest.raises(AttributeError):
         p.temperature = 1.0  # frozen
+
+
+def test_a_vanishing_temperature_is_greedy_and_nothing_non_finite_is_sampled():
+    """temperature 1e-308 once turned the probabilities into NaN and the reply into garbage."""
+    from specrt.errors import SpecrtError
+    from specrt.runtime.sampling import MIN_TEMPERATURE, SamplingParams, distribution, next_token, sample
+
+    logits = np.array([0.5, 3.0, 2.999, -1.0], np.float32)
+    rng = np.random.default_rng(0)
+    for t in (1e-308, 5e-324, MIN_TEMPERATURE / 2):
+        params = SamplingParams(temperature=t)
+        assert params.greedy and params.temperature == 0.0
+        assert next_token(logits, params, rng) == 1
+    p = distribution(logits, SamplingParams(temperature=MIN_TEMPERATURE))
+    assert np.isfinite(p).all() and p.sum() == pytest.approx(1.0)
+    for bad in (np.array([np.nan, 0.5]), np.array([np.inf, 1.0]), np.zeros(3)):
+        with pytest.raises(SpecrtError, match="invalid distribution"):
+            sample(bad, rng)
