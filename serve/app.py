@@ -4,9 +4,11 @@
          ◄── SSE chunks ("data: {...}", "data: [DONE]") or one JSON body ◄────────────────────┘
     GET  /v1/models, /health, /metrics (Prometheus), / (the playground)
 
-Handlers only submit, stream and abort: the engine is stepped by the loop's thread alone. A client that
+Handlers only submit, stream and abort: the engine is stepped by the loop's thread alone; parsing a body and
+tokenizing its prompt run on a worker thread, so a large request never holds up the event loop. A client that
 goes away (a closed stream, or a closed connection while a non-streaming answer is pending) aborts its
-request, which frees its slot at the next step.
+request, which frees its slot at the next step. In front of the routes, serve/guard.py applies the server's
+limits, origin and key checks; every response, errors included, is JSON in OpenAI's error shape and counted.
 """
 from __future__ import annotations
 
@@ -22,11 +24,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from specrt.errors import SpecrtError
+from specrt.serve.guard import Guard, Limits
 from specrt.serve.loop import EngineLoop, Event
 from specrt.serve.metrics import Metrics
 from specrt.serve.protocol import APIError, Parsed, parse
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/openapi.json")
 DISCONNECT_POLL_S = 0.25
 
 
@@ -97,7 +101,7 @@ class _Call:
 class Server:
     """Routes and state of `specrt serve`: the model name, the loop, the metrics."""
 
-    def __init__(self, loop: EngineLoop, model: str) -> None:
+    def __init__(self, loop: EngineLoop, model: str, limits: Limits | None = None) -> None:
         self.loop, self.model = loop, model
         engine = loop.engine
         self.room = engine.capacity - engine.gamma  # prompt + completion positions a request may use
@@ -105,20 +109,26 @@ class Server:
         self.started = int(time.time())
         self.app = FastAPI(title="specrt", version="0.1.0", docs_url=None, redoc_url=None)
         self._routes()
+        limits = limits or Limits()
+        self.asgi = Guard(self.app, Limits(**{**limits.__dict__, "counted_paths": frozenset(ROUTES)}),
+                          lambda endpoint, status: self.metrics.http.labels(endpoint, str(status)).inc())
 
     def _routes(self) -> None:
         app = self.app
 
         @app.exception_handler(APIError)
         async def api_error(request: Request, exc: APIError) -> JSONResponse:
-            self.metrics.http.labels(request.url.path, str(exc.status)).inc()
             return JSONResponse(exc.body(), status_code=exc.status)
 
         @app.exception_handler(HTTPException)
         async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-            self.metrics.http.labels("other", str(exc.status_code)).inc()
             err = APIError(str(exc.detail), status=exc.status_code)
             return JSONResponse(err.body(), status_code=exc.status_code)
+
+        @app.exception_handler(Exception)
+        async def server_error(request: Request, exc: Exception) -> JSONResponse:  # a bug: logged with its traceback
+            err = APIError(f"internal server error ({type(exc).__name__})", status=500, kind="server_error")
+            return JSONResponse(err.body(), status_code=500)
 
         @app.get("/", response_class=HTMLResponse)
         async def playground() -> str:
@@ -142,22 +152,27 @@ class Server:
                 "specrt": {"method": e.method, "gamma": e.gamma, "scheduler": e.scheduler_name,
                            "backend": e.backend, "slots": len(e.slots)}}]}
 
-        @app.post("/v1/completions")
+        @app.post("/v1/completions", openapi_extra=request_schema(chat=False, model=self.model))
         async def completions(request: Request) -> Response:
             return await self._generate(request, chat=False)
 
-        @app.post("/v1/chat/completions")
+        @app.post("/v1/chat/completions", openapi_extra=request_schema(chat=True, model=self.model))
         async def chat_completions(request: Request) -> Response:
             return await self._generate(request, chat=True)
 
-    async def _generate(self, request: Request, *, chat: bool) -> Response:
+    def _parse(self, raw: bytes, chat: bool) -> Parsed:
+        """JSON, validation and tokenization of one request body (on a worker thread)."""
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(f"the request body is not valid JSON: {e}") from None
-        parsed = parse(body, chat=chat, model=self.model, tokenizer=self.loop.engine.tokenizer, room=self.room)
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:  # ValueError: bad JSON, or an integer over 4300 digits
+            raise APIError(f"the request body is not valid JSON: {str(e)[:200]}") from None
+        except RecursionError:
+            raise APIError("the request body is not valid JSON: nested too deeply") from None
+        return parse(body, chat=chat, model=self.model, tokenizer=self.loop.engine.tokenizer, room=self.room)
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        parsed = await asyncio.to_thread(self._parse, await request.body(), chat)
         call = _Call(self, parsed, chat)
-        self.metrics.http.labels(request.url.path, "200").inc()
         headers = {"x-specrt-request-id": str(call.id)}
         if parsed.stream:
             return StreamingResponse(self._stream(call), media_type="text/event-stream", headers=headers)
@@ -216,6 +231,33 @@ class Server:
             call.abort()  # the client closed the stream early (or the loop failed): free the slot
 
 
-def create_app(loop: EngineLoop, model: str) -> FastAPI:
-    """The ASGI app serving `loop`'s engine under the model name `model`."""
-    return Server(loop, model).app
+def create_app(loop: EngineLoop, model: str, limits: Limits | None = None):
+    """The ASGI app serving `loop`'s engine under the model name `model`, behind serve/guard.py's `limits`."""
+    return Server(loop, model, limits).asgi
+
+
+def request_schema(*, chat: bool, model: str) -> dict[str, Any]:
+    """The OpenAPI request body of a generation endpoint (the fields protocol.parse reads; others are refused
+    or ignored there), so schema-driven clients and fuzzers know what to send."""
+    text_or_ids = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]}
+    props: dict[str, Any] = {
+        "model": {"type": "string", "enum": [model]},
+        "max_tokens": {"type": "integer", "minimum": 1}, "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "top_k": {"type": "integer", "minimum": -1},
+        "seed": {"type": "integer", "minimum": 0}, "stream": {"type": "boolean"},
+        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+        "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
+        "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "ignore_eos": {"type": "boolean"}, "token_marks": {"type": "boolean"}, "n": {"type": "integer"}}
+    if chat:
+        props["messages"] = {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["role", "content"],
+            "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]},
+                           "content": {"type": "string"}}}}
+        props["max_completion_tokens"] = {"type": "integer", "minimum": 1}
+        required = ["model", "messages"]
+    else:
+        props["prompt"] = text_or_ids
+        required = ["model", "prompt"]
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "type": "object", "required": required, "properties": props}}}}}

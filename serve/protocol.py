@@ -16,6 +16,9 @@ from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.tokenizer import Tokenizer
 
 MAX_STOP = 4  # OpenAI's limit on `stop` sequences
+# A text longer than room x (the longest token's characters) x this cannot fit, whatever it tokenizes to: refused
+# before tokenizing. The factor leaves room for normalizers that compose several characters into one.
+CHARS_SLACK = 4
 
 
 class APIError(Exception):
@@ -23,6 +26,7 @@ class APIError(Exception):
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None,
                  kind: str = "invalid_request_error", code: str | None = None) -> None:
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # no lone surrogates in a reply
         super().__init__(message)
         self.message, self.status, self.param, self.kind, self.code = message, status, param, kind, code
 
@@ -51,7 +55,7 @@ def parse(body: Any, *, chat: bool, model: str, tokenizer: Tokenizer | None, roo
         raise APIError(f"the model {body['model']!r} does not exist; this server serves {model!r}",
                        status=404, param="model", code="model_not_found")
     _refuse_unsupported(body, chat=chat)
-    ids = _chat_prompt(body, tokenizer) if chat else _completion_prompt(body, tokenizer)
+    ids = _chat_prompt(body, tokenizer, room) if chat else _completion_prompt(body, tokenizer, room)
     if len(ids) >= room:
         raise APIError(f"the prompt is {len(ids)} tokens; this model's cache holds {room} positions for prompt "
                        f"and completion together", param="messages" if chat else "prompt",
@@ -69,6 +73,8 @@ def parse(body: Any, *, chat: bool, model: str, tokenizer: Tokenizer | None, roo
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
         raise APIError(f"stop must be a non-empty string or a list of up to {MAX_STOP} non-empty strings",
                        param="stop")
+    for s in stop:
+        _text(s, "stop")
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                  for t in stop_ids):
@@ -113,7 +119,25 @@ def _refuse_unsupported(body: dict, *, chat: bool) -> None:
         raise APIError("chat completions take messages, not prompt", param="prompt")
 
 
-def _chat_prompt(body: dict, tokenizer: Tokenizer | None) -> list[int]:
+def _text(value: str, param: str) -> str:
+    """A string the engine will tokenize or match: it must be valid Unicode (JSON's "\ud800" escapes can
+    carry a lone UTF-16 surrogate, which no tokenizer encodes)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(f"{param} contains an unpaired UTF-16 surrogate (invalid Unicode)", param=param) from None
+    return value
+
+
+def _check_length(chars: int, tokenizer: Tokenizer, room: int, param: str) -> None:
+    """Refuse, before tokenizing, a text too long to fit in `room` positions whatever its tokens."""
+    most = room * tokenizer.max_token_chars * CHARS_SLACK
+    if chars > most:
+        raise APIError(f"the {param} is {chars} characters; this model's cache holds {room} positions, which no "
+                       f"text over {most} characters fits", param=param, code="context_length_exceeded")
+
+
+def _chat_prompt(body: dict, tokenizer: Tokenizer | None, room: int) -> list[int]:
     messages = body.get("messages")
     if messages is None:
         raise APIError("missing required parameter: messages", param="messages")
@@ -132,9 +156,11 @@ def _chat_prompt(body: dict, tokenizer: Tokenizer | None) -> list[int]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise APIError(f"messages[{i}].content must be a string", param=f"messages[{i}]")
+        _text(content, f"messages[{i}].content")
         flat.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     if tokenizer is None or not tokenizer.chat_template:
         raise APIError("this model has no chat template; use /v1/completions", param="messages")
+    _check_length(sum(len(m["content"]) for m in flat), tokenizer, room, "messages")
     try:
         text = tokenizer.apply_chat_template(flat, add_generation_prompt=True)
     except SpecrtError as e:
@@ -142,7 +168,7 @@ def _chat_prompt(body: dict, tokenizer: Tokenizer | None) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _completion_prompt(body: dict, tokenizer: Tokenizer | None) -> list[int]:
+def _completion_prompt(body: dict, tokenizer: Tokenizer | None, room: int) -> list[int]:
     prompt = body.get("prompt")
     if prompt is None:
         raise APIError("missing required parameter: prompt", param="prompt")
@@ -153,6 +179,7 @@ def _completion_prompt(body: dict, tokenizer: Tokenizer | None) -> list[int]:
             raise APIError("prompt must not be empty", param="prompt")
         if tokenizer is None:
             raise APIError("this model has no tokenizer; send prompt as a list of token ids", param="prompt")
+        _check_length(len(_text(prompt, "prompt")), tokenizer, room, "prompt")
         return tokenizer.encode(prompt, add_special_tokens=True)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt

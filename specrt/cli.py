@@ -526,15 +526,35 @@ def profile(artifact: Path, backend: str, threads: int | None, position: int, re
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (beyond loopback, set --api-key: anyone who reaches it can generate).")
 @click.option("--port", default=8000, show_default=True, help="Port to listen on.")
 @click.option("--model-name", default=None, help="The model name clients send [default: the artifact's name].")
 @click.option("--slots", type=int, default=None, help="Requests decoded at once [default: the artifact's batch].")
 @_engine_options
+@click.option("--api-key", envvar="SPECRT_API_KEY", default=None,
+              help="Require `Authorization: Bearer KEY` on the API (also from $SPECRT_API_KEY); / and /health stay "
+                   "open, the playground asks for the key.")
+@click.option("--cors-origin", "cors_origins", multiple=True,
+              help="An origin (e.g. https://app.example) whose pages may call the API cross-site; repeatable; "
+                   "'*' for any. Default: none (same-origin only).")
+@click.option("--allowed-host", "allowed_hosts", multiple=True,
+              help="A Host header name to answer besides the bound address's (repeatable; '*' for any). Requests "
+                   "naming another host are refused (DNS rebinding).")
+@click.option("--max-body-bytes", type=int, default=1 << 20, show_default=True,
+              help="Largest request body taken (413 beyond).")
+@click.option("--header-timeout", type=float, default=10.0, show_default=True,
+              help="Seconds a connection may take to send a request's headers before it is closed.")
+@click.option("--body-timeout", type=float, default=30.0, show_default=True,
+              help="Seconds a request's body may take to arrive (408 beyond).")
+@click.option("--max-connections", type=int, default=256, show_default=True,
+              help="Open connections at most; the next one gets a 503 and is closed.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               help="uvicorn's log level.")
 def serve(artifact: Path, host: str, port: int, model_name: str | None, slots: int | None, method, gamma, scheduler,
-          threshold, ngram, backend, device, dtype, threads, log_level: str) -> None:
+          threshold, ngram, backend, device, dtype, threads, api_key: str | None, cors_origins: tuple[str, ...],
+          allowed_hosts: tuple[str, ...], max_body_bytes: int, header_timeout: float, body_timeout: float,
+          max_connections: int, log_level: str) -> None:
     """Serve ARTIFACT over the OpenAI HTTP API (/v1/completions, /v1/chat/completions), with a playground at /
     and Prometheus metrics at /metrics."""
     import socket
@@ -543,9 +563,14 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, slots: i
 
     from specrt import artifact as io
     from specrt.runtime.engine import Engine
+    from specrt.serve import guard
     from specrt.serve.app import create_app
     from specrt.serve.loop import EngineLoop
 
+    if max_body_bytes < 1 or max_connections < 1 or not header_timeout > 0 or not body_timeout > 0:
+        raise SpecrtError("--max-body-bytes, --max-connections, --header-timeout and --body-timeout must be > 0")
+    if api_key is not None and not api_key.strip():
+        raise SpecrtError("--api-key is empty")
     manifest = io.load_manifest(artifact)
     if slots is not None and not 1 <= slots <= manifest.export.batch:
         raise SpecrtError(f"--slots must be between 1 and {manifest.export.batch} (the artifact's batch), got {slots}")
@@ -555,15 +580,22 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, slots: i
             probe.bind((host, port))
         except OSError as e:
             raise SpecrtError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    if not guard.is_loopback(host) and api_key is None:
+        click.echo(f"specrt: warning: serving on {host}, beyond the loopback interface, with no --api-key: anyone who "
+                   "can reach this port can generate", err=True)
+    limits = guard.Limits(max_body_bytes=max_body_bytes, header_timeout_s=header_timeout,
+                          body_timeout_s=body_timeout, max_connections=max_connections, api_key=api_key,
+                          cors_origins=tuple(cors_origins), allowed_hosts=guard.allowed_hosts(host, allowed_hosts))
     engine = Engine(artifact, method=method, gamma=gamma, scheduler=_scheduler(scheduler, backend), ngram=ngram,
                     backend=backend, threads=threads, threshold=threshold, device=device, dtype=dtype,
                     slots=slots or manifest.export.batch)
     name = model_name or manifest.name or artifact.resolve().name
     loop = EngineLoop(engine)
-    click.echo(f"specrt: serving {name!r} ({method}, {len(engine.slots)} slots, {backend}) on http://{host}:{port}",
-               err=True)
+    click.echo(f"specrt: serving {name!r} ({method}, {len(engine.slots)} slots, {backend}) on http://{host}:{port}"
+               + (" (API key required)" if api_key else ""), err=True)
     try:
-        uvicorn.run(create_app(loop, name), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)
+        uvicorn.run(create_app(loop, name, limits), host=host, port=port, log_level=log_level,
+                    timeout_graceful_shutdown=3, http=guard.guarded_protocol(limits))
     finally:
         loop.close()
 

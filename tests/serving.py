@@ -18,18 +18,22 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(art: Path, *args: str, timeout: float = 180.0):
-    """Yield the base URL of `specrt serve ART ARGS` once /health answers; stop it afterwards."""
+def running_server(art: Path, *args: str, timeout: float = 180.0, log: Path | None = None,
+                   env: dict[str, str] | None = None):
+    """Yield the base URL of `specrt serve ART ARGS` once /health answers; stop it afterwards. `log`: a file that
+    gets the server's output (else it is read only if the server fails to start)."""
     port = free_port()
     cmd = [sys.executable, "-c", "from specrt.cli import main; main()", "serve", str(art), "--port", str(port),
            "--log-level", "warning", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = open(log, "w") if log is not None else subprocess.PIPE
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"specrt serve exited with {proc.returncode}: {proc.stdout.read()}")
+                output = proc.stdout.read() if log is None else Path(log).read_text()
+                raise RuntimeError(f"specrt serve exited with {proc.returncode}: {output}")
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -46,6 +50,8 @@ def running_server(art: Path, *args: str, timeout: float = 180.0):
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
+        if log is not None:
+            out.close()
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -62,10 +68,12 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
-def post(url: str, path: str, body: bytes | dict, timeout: float = 60) -> tuple[int, dict]:
+def post(url: str, path: str, body: bytes | dict, timeout: float = 60,
+         headers: dict[str, str] | None = None) -> tuple[int, dict]:
     """POST raw bytes or a JSON object; returns (status, JSON body) for 2xx and 4xx alike."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json",
+                                                                 **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
