@@ -133,6 +133,9 @@ class OrtRunner:
             if slot < 0 or slot + n > self.slots:
                 raise ValueError(f"slots [{slot}, {slot + n}) outside the allocated {self.slots}")
             spec = self._specs[greedy]
+            io.check_memory(sum(int(np.prod(t.resolve(bucket), dtype=np.float64)) * np.dtype(t.dtype).itemsize
+                                for t in (*spec.host_inputs(), *spec.host_outputs())),
+                            f"the {spec.name} call buffers for bucket {dict(bucket)}")
             b = self._sessions[greedy].io_binding()
             host = {t.name: np.zeros(t.resolve(bucket), dtype=t.dtype) for t in spec.host_inputs()}
             outs = {t.name: np.zeros(t.resolve(bucket), dtype=t.dtype) for t in spec.host_outputs()}
