@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,7 +26,6 @@ from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.runtime.backends import BACKENDS, load_runner
 from specrt.runtime.costs import CostTable
-from specrt.runtime.device_round import DeviceRounds, unsupported
 from specrt.runtime.drafters import Context, Proposal, make_drafter
 from specrt.runtime.observers import RoundObserver, RoundRecord, TraceWriter
 from specrt.runtime.sampling import SamplingParams, next_token
@@ -34,6 +34,9 @@ from specrt.runtime.acceptance import Verdict
 from specrt.runtime.speculative import Outcome, Speculator
 from specrt.runtime.stats import RunStats
 from specrt.runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from specrt.runtime.device_round import DeviceRounds
 
 TextCallback = Callable[[int, str], None]  # (request id, text delta)
 TokenCallback = Callable[[int, int], None]  # (request id, number of new tokens)
@@ -167,8 +170,11 @@ class Engine:
             self.spec = Speculator(self.target, self.drafter, sched, gamma=g)
         self.gamma = self.spec.gamma if self.spec else 0
         self.device_rounds: DeviceRounds | None = None
-        self.device_note = (unsupported(method, scheduler, self.manifest) if backend == "torch"
-                            else "the host loop runs every round on this backend")
+        self.device_note = "the host loop runs every round on this backend"
+        if backend == "torch":  # imported here: the ONNX Runtime path never loads torch
+            from specrt.runtime.device_round import DeviceRounds, unsupported
+
+            self.device_note = unsupported(method, scheduler, self.manifest)
         if not self.device_note:
             self.device_rounds = DeviceRounds(self.target, self.drafter, gamma=self.gamma, scheduler=scheduler,
                                               threshold=threshold, capture=where["graphs"])

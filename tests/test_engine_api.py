@@ -166,3 +166,27 @@ def test_calls_after_close_say_the_engine_is_closed(art, tmp_path):
         with pytest.raises(SpecrtError, match="this engine is closed"):
             call()
     engine.close()  # twice is fine
+
+
+def test_running_on_onnx_runtime_imports_neither_torch_nor_transformers(art):
+    """`specrt run` / `specrt serve` on ONNX Runtime: a fresh interpreter generates through the Python API and
+    builds the server app, and neither torch nor transformers is loaded (start-up time and memory)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from specrt.runtime.engine import Engine, Request
+from specrt.runtime.sampling import SamplingParams
+from specrt.serve.app import create_app
+from specrt.serve.loop import EngineLoop
+engine = Engine({str(art)!r}, method="dspark+ngram", scheduler="sps", threads=1)
+engine.generate([Request([5, 6, 7, 5, 6, 7], SamplingParams(max_new_tokens=8))])
+loop = EngineLoop(Engine({str(art)!r}, threads=1, slots=1))
+create_app(loop, "m")
+loop.close()
+print(sorted(m for m in ("torch", "transformers", "matplotlib") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
