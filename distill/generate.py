@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from specrt.errors import SpecrtError
 from specrt.distill.prompts import Prompt
+from specrt.runtime.config import EngineConfig
 from specrt.runtime.engine import Engine, Request
 from specrt.runtime.prompts import encode_prompt
 from specrt.runtime.sampling import SamplingParams
@@ -96,7 +97,7 @@ def generate_responses(art_dir: str | Path, prompts: Sequence[PromptLike], out_j
     `out_jsonl`, one flushed line per finished prompt; rerunning resumes where an earlier run stopped."""
     out = Path(out_jsonl)
     params = sampling_params(sampling, max_new_tokens=max_new_tokens, seed=seed)
-    engine = Engine(art_dir, method="ar", threads=threads)
+    engine = Engine(art_dir, EngineConfig(threads=threads))
     encoded = [_prompt_ids(engine, p) for p in prompts]
     _check_meta(out, {"artifact": str(Path(art_dir).resolve()), "target": engine.manifest.name,
                       "target_sources": [s.sha256 for s in engine.manifest.sources],

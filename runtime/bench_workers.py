@@ -68,10 +68,11 @@ class EngineSpec:
 # -- in the worker ------------------------------------------------------------------------------------
 
 def _specrt(spec: EngineSpec):
+    from specrt.runtime.config import EngineConfig
     from specrt.runtime.engine import Engine, Request
     from specrt.runtime.sampling import SamplingParams
 
-    engine = Engine(spec.artifact, method=spec.name, threads=spec.threads, **dict(spec.options))
+    engine = Engine(spec.artifact, EngineConfig(method=spec.name, threads=spec.threads, **dict(spec.options)))
 
     def generate(ids: list[int], max_new_tokens: int, eos: list[int]) -> Generation:
         times: list[float] = []

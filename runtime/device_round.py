@@ -28,19 +28,20 @@ from torch import Tensor
 
 from specrt import artifact as io
 from specrt.runtime.backends.graphs import GraphedCall, GraphStats
+from specrt.runtime.config import Method
 from specrt.runtime.drafters import Context, DSparkDrafter, MTPDrafter, NGramDrafter
 
-SCHEDULERS = ("fixed", "threshold")
+DEVICE_SCHEDULERS = ("fixed", "threshold")  # the schedulers a device-resident round runs
 
 
-def unsupported(method: str, scheduler: str, manifest: io.Manifest) -> str:
+def unsupported(method: Method, scheduler: str, manifest: io.Manifest) -> str:
     """Why a device-resident round cannot run this method and scheduler ("" when it can)."""
-    if "+" in method:
-        return f"{method} chooses between the head and lookups on the host"
-    if method != "ar" and scheduler not in SCHEDULERS:
+    if method.hybrid:
+        return f"{method.name} chooses between the head and lookups on the host"
+    if method.speculative and scheduler not in DEVICE_SCHEDULERS:
         return f"the {scheduler} scheduler plans on the host"
-    if scheduler == "threshold" and method != "ar":
-        head = manifest.heads.get(method)
+    if scheduler == "threshold" and method.speculative:
+        head = manifest.heads.get(method.head) if method.head else None
         if head is None or not head.confidence:
             return "the threshold scheduler needs a DSpark confidence head on the device"
     return ""

@@ -18,6 +18,7 @@ import numpy as np
 from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.runtime.backends import load_runner
+from specrt.runtime.config import Method
 
 if TYPE_CHECKING:
     from specrt.runtime.schedulers import Costs
@@ -245,20 +246,21 @@ def lookup(history: np.ndarray, max_n: int, steps: int) -> np.ndarray:
     return history[:0]
 
 
-def make_drafter(method: str, art_dir: Path, manifest: io.Manifest, *, gamma: int, backend: str = "ort",
+def make_drafter(method: Method, art_dir: Path, manifest: io.Manifest, *, gamma: int, backend: str = "ort",
                  threads: int | None = None, ngram: int = 3, costs: Costs | None = None, **where) -> Drafter:
-    """The drafter of a speculative method: "ngram", "mtp", "dspark", or a head with lookups ("dspark+ngram",
-    "mtp+ngram": runtime/hybrid.py, which needs the cost profile `costs`). `where`: load_runner's device, dtype."""
-    if method == "ngram":
+    """The drafter of a speculative method: n-gram lookups, a head ("mtp", "dspark"), or a head with lookups
+    ("dspark+ngram", "mtp+ngram": runtime/hybrid.py, which needs the cost profile `costs`). `where`:
+    load_runner's device, dtype."""
+    if method.head is None:
         return NGramDrafter(gamma, max_n=ngram)
-    name, _, lookups = method.partition("+")
+    name = method.head
     if name not in manifest.heads:
         have = ", ".join(manifest.heads) or "none"
-        raise SpecrtError(f"--method {method} needs an artifact exported with a {name} head "
+        raise SpecrtError(f"--method {method.name} needs an artifact exported with a {name} head "
                           f"(this one has: {have}); export with --draft or --mtp, or use --method ngram")
     cls = {"dspark": DSparkDrafter, "mtp": MTPDrafter}[name]
     head = cls(art_dir, manifest, backend=backend, threads=threads, **where)
-    if not lookups:
+    if not method.hybrid:
         return head
     from specrt.runtime.hybrid import HybridDrafter
 

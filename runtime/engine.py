@@ -18,13 +18,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.runtime.backends import BACKENDS, load_runner
+from specrt.runtime.backends import load_runner
+from specrt.runtime.config import EngineConfig
 from specrt.runtime.costs import CostTable
 from specrt.runtime.drafters import Context, Proposal, make_drafter
 from specrt.runtime.observers import RoundObserver, RoundRecord, TraceWriter
@@ -42,7 +43,6 @@ TextCallback = Callable[[int, str], None]  # (request id, text delta)
 TokenCallback = Callable[[int, int], None]  # (request id, number of new tokens)
 FinishCallback = Callable[["RequestOutput"], None]  # a request's output, the moment it finishes
 
-METHODS = ("ar", "ngram", "mtp", "dspark", "dspark+ngram", "mtp+ngram")
 _MEASURED: dict[tuple, object] = {}  # quick cost profiles measured in this process, for artifacts without one
 
 
@@ -126,20 +126,23 @@ class Engine:
     (runtime/device_round.py) when the method and scheduler allow it (`device_rounds` is then set).
     """
 
-    def __init__(self, art_dir: str | Path, *, method: str = "ar", gamma: int | None = None,
-                 scheduler: str = "fixed", backend: str = "ort", threads: int | None = None,
-                 ngram: int = 3, slots: int | None = None, trace: Path | None = None,
-                 observers: Sequence[RoundObserver] = (), threshold: float = 0.3, device: str = "cpu",
-                 dtype: str | None = None, cuda_graphs: bool = True) -> None:
-        if method not in METHODS:
-            raise SpecrtError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-        if backend not in BACKENDS:
-            raise SpecrtError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    def __init__(self, art_dir: str | Path, config: EngineConfig | None = None, *, trace: Path | None = None,
+                 observers: Sequence[RoundObserver] = (), **settings: Any) -> None:
+        """`config` (or its fields as keywords: `Engine(art, method="dspark", slots=4)`) says how to run the
+        artifact; `trace` writes every round as JSONL; `observers` see every round."""
+        if config is not None and settings:
+            raise SpecrtError(f"give an EngineConfig or its fields ({', '.join(settings)}), not both")
+        try:
+            config = config or EngineConfig(**settings)
+        except TypeError as e:  # an unknown keyword
+            raise SpecrtError(f"Engine: {e}") from None
+        c, method = config, config.parsed
+        self.config = config
         if trace is not None:
             TraceWriter.check(trace)  # before the graphs load (and a cost profile is measured)
         self.art_dir = Path(art_dir)
         self.manifest = io.load_manifest(self.art_dir)
-        self.method, self.backend, self.scheduler_name = method, backend, scheduler
+        self.method, self.backend, self.scheduler_name = c.method, c.backend, c.scheduler
         self.vocab_size = self.manifest.model.vocab_size
         self.eos_ids = self.manifest.eos_ids
         self.tokenizer = (Tokenizer.from_dir(self.art_dir / io.TOKENIZER_DIR, self.manifest.tokenizer)
@@ -147,51 +150,52 @@ class Engine:
         self.max_batch = self.manifest.export.batch
         # The last cache position receives writes from padding tokens; valid tokens stay below it.
         self.capacity = self.manifest.export.max_seq - 1
-        where = {"device": device, "dtype": dtype}
-        if backend != "ort":  # torch on CUDA, and TensorRT, capture each call in a CUDA graph
-            where["graphs"] = cuda_graphs and (backend == "tensorrt" or device.startswith("cuda"))
-        self.target = load_runner(backend, self.art_dir, self.manifest, io.TARGET, threads=threads, spin=True, **where)
+        where = {"device": c.device, "dtype": c.dtype}
+        if c.backend != "ort":  # torch on CUDA, and TensorRT, capture each call in a CUDA graph
+            where["graphs"] = c.cuda_graphs and (c.backend == "tensorrt" or c.device.startswith("cuda"))
+        self.target = load_runner(c.backend, self.art_dir, self.manifest, io.TARGET, threads=c.threads, spin=True,
+                                  **where)
         self.spec: Speculator | None = None
         self.drafter = None
         self.costs: CostTable | None = None  # what the cost-aware scheduler and the hybrid plan on
-        if method != "ar":
+        if method.speculative:
             exported = self.manifest.gamma
-            if gamma is not None and not 1 <= gamma <= exported:
+            if c.gamma is not None and not 1 <= c.gamma <= exported:
                 raise SpecrtError(f"--gamma must be between 1 and {exported} (the artifact's verify length - 1), "
-                                  f"got {gamma}")
-            costs = self._costs(backend, threads) if scheduler.startswith("sps") or "+" in method else None
+                                  f"got {c.gamma}")
+            costs = self._costs(c.backend, c.threads) if c.scheduler.startswith("sps") or method.hybrid else None
             self.costs = costs
-            self.drafter = make_drafter(method, self.art_dir, self.manifest, gamma=gamma or exported,
-                                        backend=backend, threads=threads, ngram=ngram, costs=costs, **where)
-            g = min(gamma or exported, self.drafter.steps)
-            head = self.manifest.heads.get(method.partition("+")[0])
-            sched = make_scheduler(scheduler, gamma=g, temperatures=head.temperatures if head else (),
-                                   threshold=threshold, costs=costs)
+            self.drafter = make_drafter(method, self.art_dir, self.manifest, gamma=c.gamma or exported,
+                                        backend=c.backend, threads=c.threads, ngram=c.ngram, costs=costs, **where)
+            g = min(c.gamma or exported, self.drafter.steps)
+            head = self.manifest.heads.get(method.head) if method.head else None
+            sched = make_scheduler(c.scheduler, gamma=g, temperatures=head.temperatures if head else (),
+                                   threshold=c.threshold, costs=costs)
             self.spec = Speculator(self.target, self.drafter, sched, gamma=g)
         self.gamma = self.spec.gamma if self.spec else 0
         self.device_rounds: DeviceRounds | None = None
         self.device_note = "the host loop runs every round on this backend"
-        if backend == "torch":  # imported here: the ONNX Runtime path never loads torch
+        if c.backend == "torch":  # imported here: the ONNX Runtime path never loads torch
             from specrt.runtime.device_round import DeviceRounds, unsupported
 
-            self.device_note = unsupported(method, scheduler, self.manifest)
+            self.device_note = unsupported(method, c.scheduler, self.manifest)
         if not self.device_note:
-            self.device_rounds = DeviceRounds(self.target, self.drafter, gamma=self.gamma, scheduler=scheduler,
-                                              threshold=threshold, capture=where["graphs"])
+            self.device_rounds = DeviceRounds(self.target, self.drafter, gamma=self.gamma, scheduler=c.scheduler,
+                                              threshold=c.threshold, capture=where["graphs"])
         self._on_device = False  # whether the active slots' state is current only on the device
         self.observers: list[RoundObserver] = list(observers)
         if trace is not None:
             self.observers.append(TraceWriter(trace))
-        self.stats = RunStats(method=method, gamma=self.gamma)
+        self.stats = RunStats(method=c.method, gamma=self.gamma)
         self.slots: list[Slot | None] = []
         self.waiting: deque[Request] = deque()
         self._ids = 0
         self._closed = False
         self._lock = threading.Lock()  # held by the thread inside add_request / step / abort / generate
         self._user: int | None = None  # that thread (it may call in again: generate's callbacks, generate -> step)
-        self._fixed_slots = slots is not None
-        if slots is not None:
-            self._allocate(min(max(1, slots), self.max_batch))
+        self._fixed_slots = c.slots is not None
+        if c.slots is not None:
+            self._allocate(min(c.slots, self.max_batch))
 
     def _costs(self, backend: str, threads: int | None) -> CostTable:
         """The artifact's stored profile for this backend, or (with a warning) a quick one measured now; either

@@ -193,11 +193,12 @@ class AsyncSPSScheduler(SPSScheduler):
         return admit(np.where(active[:, None], a, np.float32(0.0)), budget)  # idle rows: never admitted
 
 
-SCHEDULERS = {s.name: s for s in (FixedScheduler, ThresholdScheduler, SPSScheduler, AsyncSPSScheduler)}
+# the implementation of each name in runtime/config.py's SCHEDULERS (a test ties the two)
+SCHEDULER_CLASSES = {s.name: s for s in (FixedScheduler, ThresholdScheduler, SPSScheduler, AsyncSPSScheduler)}
 
 
 def make_scheduler(name: str, *, gamma: int, **kw) -> Scheduler:
     """A scheduler by name; kw: temperatures (the head's STS temperatures), threshold, costs."""
-    if name not in SCHEDULERS:
-        raise SpecrtError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULERS)}")
-    return SCHEDULERS[name](gamma, **kw)
+    if name not in SCHEDULER_CLASSES:
+        raise SpecrtError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULER_CLASSES)}")
+    return SCHEDULER_CLASSES[name](gamma, **kw)

@@ -8,23 +8,22 @@ from pathlib import Path
 
 import click
 
-from specrt.errors import SpecrtError
-
 from specrt.configs.presets import EXPORT_DEFAULTS
-
-METHOD_NAMES = ["ar", "ngram", "mtp", "dspark", "dspark+ngram", "mtp+ngram"]  # runtime/engine.py METHODS
-SCHEDULER_NAMES = ["fixed", "threshold", "sps", "sps-async"]  # runtime/schedulers.py SCHEDULERS (not imported:
-# the CLI stays quick to start)
-# sps: the fastest exact scheduler measured for every method on the CPU here (README, "Cheaper drafts"); it
-# reads the artifact's `specrt profile` table (measured quickly, with a warning, when there is none)
-DEFAULT_SCHEDULER = "sps"
-# the torch backend's greedy rounds stay on the device with fixed or threshold lengths (sps plans on the host, and
-# on a GPU verifying fewer tokens saves little at small batches)
-TORCH_SCHEDULER = "fixed"
+from specrt.errors import SpecrtError
+from specrt.runtime.config import (BACKENDS, DEFAULT_SCHEDULER, DTYPES, METHODS, SCHEDULERS, TORCH_SCHEDULER,
+                                   EngineConfig, default_scheduler)
 
 
 def _scheduler(scheduler: str | None, backend: str) -> str:
-    return scheduler or (TORCH_SCHEDULER if backend == "torch" else DEFAULT_SCHEDULER)
+    return scheduler or default_scheduler(backend)
+
+
+def _engine_config(method: str, gamma: int | None, scheduler: str | None, threshold: float, ngram: int, backend: str,
+                   device: str, dtype: str | None, threads: int | None, slots: int | None = None) -> EngineConfig:
+    """The engine settings of `_engine_options` (the scheduler defaulting by backend)."""
+    return EngineConfig(method=method, gamma=gamma, scheduler=_scheduler(scheduler, backend), threshold=threshold,
+                        ngram=ngram, backend=backend, device=device, dtype=dtype, threads=threads, slots=slots)
+
 
 DEFAULTS = dict(batch=EXPORT_DEFAULTS.batch, max_seq_len=EXPORT_DEFAULTS.max_seq,
                 prefill_chunk=EXPORT_DEFAULTS.prefill_chunk, verify_len=EXPORT_DEFAULTS.verify_len)
@@ -214,13 +213,13 @@ def _params(max_new_tokens, temperature, top_k, top_p, seed, stop, stop_token_id
 
 def _engine_options(f):
     for opt in reversed([
-        click.option("--method", type=click.Choice(METHOD_NAMES), default="ar",
+        click.option("--method", type=click.Choice(METHODS), default="ar",
                      help="Autoregressive; or speculative with n-gram prompt lookup, the artifact's MTP or "
                           "DSpark head, or a head with lookups (per round whichever promises more: dspark+ngram, "
                           "mtp+ngram)."),
         click.option("--gamma", type=int, default=None, help="Drafts verified per round at most [default: the "
                                                              "artifact's verify length - 1]."),
-        click.option("--scheduler", type=click.Choice(SCHEDULER_NAMES), default=None,
+        click.option("--scheduler", type=click.Choice(SCHEDULERS), default=None,
                      help="Verify lengths per round: fixed (every draft, up to gamma), threshold (cut where the "
                           "calibrated prefix survival < --threshold), sps / sps-async (the DSpark paper's "
                           "cost-aware admission on the artifact's `specrt profile`; the fastest measured here) "
@@ -228,14 +227,14 @@ def _engine_options(f):
         click.option("--threshold", default=0.3, show_default=True,
                      help="--scheduler threshold: the prefix survival below which drafts are not verified."),
         click.option("--ngram", default=3, help="--method ngram: longest suffix looked up (n-gram size)."),
-        click.option("--backend", type=click.Choice(["ort", "torch", "tensorrt"]), default="ort",
+        click.option("--backend", type=click.Choice(BACKENDS), default="ort",
                      help="Runtime backend: ONNX Runtime, the exporter's torch modules (eager on CPU, CUDA "
                           "graphs on a GPU; greedy rounds stay on the device), or the TensorRT engines of "
                           "`specrt build`."),
         click.option("--device", default="cpu", show_default=True,
                      help="--backend torch: cpu, or cuda[:N] (weights and cache on the GPU, every call in a CUDA "
                           "graph)."),
-        click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+        click.option("--dtype", type=click.Choice(DTYPES), default=None,
                      help="--backend torch: the precision the modules run in [default: the artifact's]."),
         click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores)."),
     ]):
@@ -283,10 +282,9 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
         for flag, value in (("--gamma", gamma), ("--trace", trace)):
             if value is not None:
                 click.echo(f"specrt: warning: {flag} is ignored with --method ar (it does not draft)", err=True)
-        trace = None
-    scheduler = _scheduler(scheduler, backend)
-    with Engine(artifact, method=method, gamma=gamma, scheduler=scheduler, ngram=ngram, backend=backend,
-                threads=threads, trace=trace, threshold=threshold, device=device, dtype=dtype) as engine:
+        trace = gamma = None
+    config = _engine_config(method, gamma, scheduler, threshold, ngram, backend, device, dtype, threads)
+    with Engine(artifact, config, trace=trace) as engine:
         requests = _build_requests(engine, prompt, input_ids, prompts, limit, raw, params)
         stream = len(requests) == 1 and not as_json and engine.tokenizer is not None
         on_text = (lambda _id, delta: (sys.stdout.write(delta), sys.stdout.flush())) if stream else None
@@ -310,9 +308,9 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
               help='JSONL of {"turns": [...]}; repeat for several prompt sets (reported one by one).')
 @click.option("--limit", type=int, default=None, help="Use the first N prompts of each file.")
 @click.option("--max-new-tokens", default=128, help="Tokens to generate per prompt (greedy, batch 1).")
-@click.option("--methods", default="ar", help="Comma-separated specrt methods to run: " + ", ".join(METHOD_NAMES) + ".")
+@click.option("--methods", default="ar", help="Comma-separated specrt methods to run: " + ", ".join(METHODS) + ".")
 @click.option("--gamma", type=int, default=None, help="Drafts verified per round [default: the artifact's].")
-@click.option("--scheduler", type=click.Choice(SCHEDULER_NAMES), default=None,
+@click.option("--scheduler", type=click.Choice(SCHEDULERS), default=None,
               help=f"Verify lengths per round (see `specrt run --help`) [default: {DEFAULT_SCHEDULER}; "
                    f"{TORCH_SCHEDULER} with --backend torch].")
 @click.option("--threshold", default=0.3, show_default=True, help="--scheduler threshold: the survival cut.")
@@ -323,10 +321,10 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
               help="With --concurrency: comma-separated schedulers to run every speculative method under "
                    "[default: --scheduler].")
 @click.option("--ngram", default=3, help="ngram method: longest suffix looked up.")
-@click.option("--backend", type=click.Choice(["ort", "torch", "tensorrt"]), default="ort", help="Runtime backend.")
+@click.option("--backend", type=click.Choice(BACKENDS), default="ort", help="Runtime backend.")
 @click.option("--device", default="cpu", show_default=True,
               help="--backend torch: cpu or cuda[:N] (CUDA graphs); the hf baseline runs there too.")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+@click.option("--dtype", type=click.Choice(DTYPES), default=None,
               help="--backend torch: the modules' precision [default: the artifact's]; the hf baseline's too.")
 @click.option("--baseline", "baselines", multiple=True, default=["none"],
               help="Also run on the artifact's source model, each in its own process: hf (transformers generate()), "
@@ -354,7 +352,6 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
     compute differently (quantized weights): where they first differ is reported."""
     from specrt.runtime import bench as b
     from specrt.runtime.bench_workers import require
-    from specrt.runtime.engine import METHODS
 
     names = [m.strip() for m in methods.split(",") if m.strip()]
     bad = [m for m in names if m not in METHODS]
@@ -485,7 +482,7 @@ def _print_bench(report: dict) -> None:
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--backend", type=click.Choice(["ort", "torch", "tensorrt"]), default="ort", help="Runtime backend.")
+@click.option("--backend", type=click.Choice(BACKENDS), default="ort", help="Runtime backend.")
 @click.option("--threads", type=int, default=None, help="Threads (default: all cores).")
 @click.option("--position", default=128, show_default=True, help="Cache position every call runs at.")
 @click.option("--repeats", default=5, show_default=True, help="Interleaved repetitions (medians are reported).")
@@ -586,9 +583,8 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, slots: i
     limits = guard.Limits(max_body_bytes=max_body_bytes, header_timeout_s=header_timeout,
                           body_timeout_s=body_timeout, max_connections=max_connections, api_key=api_key,
                           cors_origins=tuple(cors_origins), allowed_hosts=guard.allowed_hosts(host, allowed_hosts))
-    engine = Engine(artifact, method=method, gamma=gamma, scheduler=_scheduler(scheduler, backend), ngram=ngram,
-                    backend=backend, threads=threads, threshold=threshold, device=device, dtype=dtype,
-                    slots=slots or manifest.export.batch)
+    engine = Engine(artifact, _engine_config(method, gamma, scheduler, threshold, ngram, backend, device, dtype,
+                                             threads, slots=slots or manifest.export.batch))
     name = model_name or manifest.name or artifact.resolve().name
     loop = EngineLoop(engine)
     click.echo(f"specrt: serving {name!r} ({method}, {len(engine.slots)} slots, {backend}) on http://{host}:{port}"
@@ -663,10 +659,10 @@ def _bench_concurrency(artifact, prompt_files, limit, max_new_tokens, names, gam
     if baselines:
         raise SpecrtError("--baseline runs at batch 1; drop --concurrency to compare with it")
     chosen = [x.strip() for x in (schedulers or scheduler).split(",") if x.strip()]
-    bad = [x for x in chosen if x not in SCHEDULER_NAMES]
+    bad = [x for x in chosen if x not in SCHEDULERS]
     if bad or not chosen:
         raise SpecrtError(f"--schedulers: unknown scheduler {bad[0] if bad else '(none)'}; choose from "
-                          f"{', '.join(SCHEDULER_NAMES)}")
+                          f"{', '.join(SCHEDULERS)}")
     manifest = io.load_manifest(artifact)
     levels = cc.parse_levels(concurrency, manifest.export.batch)
     tok = Tokenizer.from_dir(artifact / io.TOKENIZER_DIR, manifest.tokenizer) if manifest.tokenizer else None
@@ -701,10 +697,10 @@ def _bench_concurrency(artifact, prompt_files, limit, max_new_tokens, names, gam
               help="The engine's runtime and the debugging models' platform (onnxruntime_onnx, or tensorrt_plan over "
                    "the engines of `specrt build`, on a GPU).")
 @click.option("--instances", default=1, help="Instances of the specrt model (each loads its own engine).")
-@click.option("--method", type=click.Choice(METHOD_NAMES), default="ar", help="Decoding method of the engine.")
+@click.option("--method", type=click.Choice(METHODS), default="ar", help="Decoding method of the engine.")
 @click.option("--gamma", type=int, default=None, help="Drafts verified per round at most [default: the artifact's "
                                                        "verify length - 1].")
-@click.option("--scheduler", type=click.Choice(SCHEDULER_NAMES), default=DEFAULT_SCHEDULER,
+@click.option("--scheduler", type=click.Choice(SCHEDULERS), default=DEFAULT_SCHEDULER,
               help="Verify lengths per round (see `specrt run --help`).")
 @click.option("--max-tokens", default=128, help="New tokens per request unless its sampling_parameters say otherwise.")
 @click.option("--threads", type=int, default=None, help="Intra-op threads per instance (default: all cores).")
@@ -871,7 +867,7 @@ def parity(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens
     from specrt.runtime.engine import Engine
     from specrt.runtime.prompts import encode_prompt, read_prompts_file
 
-    with Engine(artifact, threads=threads) as engine:
+    with Engine(artifact, EngineConfig(threads=threads)) as engine:
         prompts = [encode_prompt(engine.tokenizer, t) for f in prompt_files for t in read_prompts_file(f, limit)]
         report = p.parity(engine, prompts, max_new_tokens=max_new_tokens,
                           source=artifact_source(engine.manifest), threads=threads, progress=not as_json)
@@ -896,7 +892,7 @@ def fetch_model(name: str) -> None:
 @main.command()
 @click.option("--prompt", default="Explain in three sentences why the sky is blue.", help="User message.")
 @click.option("--max-new-tokens", default=128, help="Tokens to generate.")
-@click.option("--method", type=click.Choice(METHOD_NAMES), default="ar",
+@click.option("--method", type=click.Choice(METHODS), default="ar",
               help="Decoding method: ar (plain decoding); ngram, dspark and mtp "
                    "are the lossless draft/verify loop (dspark and mtp with the shipped trained heads); "
                    "dspark+ngram and mtp+ngram draft by lookups and call the head when it pays (dspark+ngram: "
@@ -912,7 +908,7 @@ def demo(prompt: str, max_new_tokens: int, method: str) -> None:
     from specrt.runtime.sampling import SamplingParams
 
     art = default_artifact(progress=True)
-    with Engine(art, method=method, scheduler=DEFAULT_SCHEDULER) as engine:
+    with Engine(art, EngineConfig(method=method, scheduler=DEFAULT_SCHEDULER)) as engine:
         ids = encode_prompt(engine.tokenizer, prompt)
         request = Request(prompt_ids=ids, params=SamplingParams(max_new_tokens=max_new_tokens))
         with tqdm(total=max_new_tokens, desc="generate", unit="tok") as bar:

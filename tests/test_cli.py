@@ -374,3 +374,43 @@ def test_conflicting_prompt_sources(art, tmp_path):
 def test_debug_flag_shows_traceback(art):
     proc = cli_process("--debug", "run", art, "--input-ids", "1,a")
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "SpecrtError" in proc.stderr
+
+
+def test_the_cli_offers_exactly_the_registries():
+    """Methods, schedulers, backends and dtypes are named once (runtime/config.py); every command's choices are
+    those names, and the implementations cover them."""
+    import click
+
+    from specrt import artifact as io
+    from specrt.runtime import config
+    from specrt.runtime.schedulers import SCHEDULER_CLASSES
+    from specrt.serve.triton.config import PLATFORMS
+
+    assert tuple(SCHEDULER_CLASSES) == config.SCHEDULERS
+    registry = {"method": config.METHODS, "scheduler": config.SCHEDULERS, "backend": config.BACKENDS,
+                "dtype": config.DTYPES}
+    special = {("triton", "backend"): tuple(PLATFORMS), ("export", "dtype"): io.DTYPES,
+               ("distill", "dtype"): ("bfloat16", "float16", "float32")}  # what is written, not what runs
+    seen = set()
+    for name, command in main.commands.items():
+        for p in command.params:
+            if p.name in registry and isinstance(p.type, click.Choice):
+                want = special.get((name, p.name), registry[p.name])
+                assert tuple(p.type.choices) == tuple(want), (name, p.name)
+                seen.add(p.name)
+    assert seen == set(registry)
+
+
+def test_a_method_is_parsed_once_into_a_typed_value():
+    from specrt.errors import SpecrtError
+    from specrt.runtime.config import METHODS, EngineConfig, Method
+
+    parsed = {m: Method.parse(m) for m in METHODS}
+    assert [(p.head, p.ngram, p.speculative, p.hybrid) for p in parsed.values()] == [
+        (None, False, False, False), (None, True, True, False), ("mtp", False, True, False),
+        ("dspark", False, True, False), ("dspark", True, True, True), ("mtp", True, True, True)]
+    for bad, fragment in [(dict(method="eagle"), "unknown method"), (dict(scheduler="fast"), "unknown scheduler"),
+                          (dict(backend="vulkan"), "unknown backend"), (dict(slots=0), "--slots must be >= 1"),
+                          (dict(gamma=True), "--gamma must be >= 1")]:
+        with pytest.raises(SpecrtError, match=fragment):
+            EngineConfig(**bad)

@@ -14,6 +14,7 @@ from specrt.artifact import ExportSettings
 from specrt.exporter.export import export_artifact
 from specrt.exporter.loaders.deepspec import random_dspark_checkpoint
 from specrt.exporter.loaders.mtp import random_mtp_checkpoint
+from specrt.runtime.config import Method
 from specrt.runtime.device_round import unsupported
 from specrt.runtime.engine import Engine, Request
 from specrt.runtime.sampling import SamplingParams
@@ -145,10 +146,10 @@ def test_state_is_allocated_once(art):
 
 
 def test_what_stays_on_the_host(art):
-    assert "host" in unsupported("dspark+ngram", "fixed", _manifest(art))
-    assert "plans on the host" in unsupported("dspark", "sps", _manifest(art))
-    assert unsupported("mtp", "threshold", _manifest(art))  # no confidence head
-    assert unsupported("ar", "sps", _manifest(art)) == ""
+    assert "host" in unsupported(Method.parse("dspark+ngram"), "fixed", _manifest(art))
+    assert "plans on the host" in unsupported(Method.parse("dspark"), "sps", _manifest(art))
+    assert unsupported(Method.parse("mtp"), "threshold", _manifest(art))  # no confidence head
+    assert unsupported(Method.parse("ar"), "sps", _manifest(art)) == ""
     with Engine(art, method="ngram", scheduler="threshold", backend="torch", threads=1) as engine:
         assert engine.device_rounds is None and "confidence" in engine.device_note
 

@@ -6,8 +6,7 @@ from pathlib import Path
 from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.runtime.backends.base import Runner, bucket_of, infer
-
-BACKENDS = ("ort", "torch", "tensorrt")
+from specrt.runtime.config import BACKENDS  # the registry; load_runner implements each name
 
 __all__ = ["BACKENDS", "Runner", "bucket_of", "infer", "load_runner"]
 

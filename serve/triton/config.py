@@ -29,11 +29,10 @@ DEFAULT_MAX_TOKENS = 128
 
 
 def engine_settings(params: dict[str, str]) -> dict[str, Any]:
-    """The specrt Python model's parameters (config.pbtxt string values) as its engine settings: artifact, backend,
-    method, scheduler, gamma, threads, slots, max_tokens. A bad value is a SpecrtError naming it; model.py loads
-    its engine from exactly this, and `specrt triton --check` runs it on a repository's values."""
-    from specrt.runtime.engine import METHODS
-    from specrt.runtime.schedulers import SCHEDULERS
+    """The specrt Python model's parameters (config.pbtxt string values) parsed: {"artifact": folder, "engine":
+    EngineConfig, "max_tokens": int}. A bad value is a SpecrtError naming it; model.py loads its engine from
+    exactly this, and `specrt triton --check` runs it on a repository's values."""
+    from specrt.runtime.config import METHODS, SCHEDULERS, EngineConfig
 
     def choice(name: str, allowed, default: str) -> str:
         value = params.get(name) or default
@@ -52,10 +51,10 @@ def engine_settings(params: dict[str, str]) -> dict[str, Any]:
     artifact = params.get("artifact") or "artifact"
     if Path(artifact).is_absolute() or ".." in Path(artifact).parts:
         raise SpecrtError(f"parameter artifact: {artifact!r} must be a folder inside the model's version folder")
-    return {"artifact": artifact, "backend": choice("backend", tuple(ENGINE_BACKENDS.values()), "ort"),
-            "method": choice("method", METHODS, "ar"), "scheduler": choice("scheduler", tuple(SCHEDULERS), "fixed"),
-            "gamma": count("gamma", None), "threads": count("threads", None), "slots": count("slots", None),
-            "max_tokens": count("max_tokens", DEFAULT_MAX_TOKENS)}
+    engine = EngineConfig(method=choice("method", METHODS, "ar"), scheduler=choice("scheduler", SCHEDULERS, "fixed"),
+                          backend=choice("backend", tuple(ENGINE_BACKENDS.values()), "ort"),
+                          gamma=count("gamma", None), threads=count("threads", None), slots=count("slots", None))
+    return {"artifact": artifact, "engine": engine, "max_tokens": count("max_tokens", DEFAULT_MAX_TOKENS)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,13 +52,12 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         s = engine_settings({k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()})
         art = Path(args["model_repository"]) / args["model_version"] / s["artifact"]
-        if s["backend"] == "tensorrt" and args.get("model_instance_kind") == "GPU":
+        if s["engine"].backend == "tensorrt" and args.get("model_instance_kind") == "GPU":
             import torch
 
             torch.cuda.set_device(int(args.get("model_instance_device_id") or 0))
         self.max_tokens = s["max_tokens"]
-        self.engine = Engine(art, method=s["method"], gamma=s["gamma"], scheduler=s["scheduler"], backend=s["backend"],
-                             threads=s["threads"], slots=s["slots"])
+        self.engine = Engine(art, s["engine"])
         self.loop = EngineLoop(self.engine)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="specrt-triton-send", daemon=True)

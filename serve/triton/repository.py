@@ -73,15 +73,12 @@ def write_repository(art_dir: str | Path, out: str | Path, *, backend: str = "on
 def _check_settings(manifest: io.Manifest, *, backend: str, instances: int, method: str, gamma: int | None,
                     scheduler: str, max_tokens: int, threads: int | None) -> None:
     """The settings the Python model will load the engine with, checked now rather than at tritonserver start."""
-    from specrt.runtime.engine import METHODS
-    from specrt.runtime.schedulers import SCHEDULERS
+    from specrt.runtime.config import SCHEDULERS, Method
 
     if backend not in PLATFORMS:
         raise SpecrtError(f"--backend must be one of {', '.join(PLATFORMS)}, got {backend!r}")
-    if method not in METHODS:
-        raise SpecrtError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    head = method.partition("+")[0]
-    if head in ("dspark", "mtp") and head not in manifest.heads:
+    head = Method.parse(method).head
+    if head is not None and head not in manifest.heads:
         raise SpecrtError(f"--method {method} needs the artifact's {head} head; it has "
                           f"{', '.join(manifest.heads) or 'no draft heads'}")
     if gamma is not None and not 1 <= gamma <= manifest.gamma:
