@@ -12,7 +12,7 @@ NO_TOKENIZER = "this artifact has no tokenizer (its model had none)"
 
 
 def read_prompts_file(path: str | Path, limit: int | None = None) -> list[str]:
-    """First turn of each `{"turns": [...]}` line (the ../shared/datasets format)."""
+    """First turn of each `{"turns": [...]}` line (the format of the prompt sets in datasets/)."""
     return [text for _, text in read_prompt_lines(path, limit)]
 
 

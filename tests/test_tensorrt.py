@@ -1,4 +1,4 @@
-"""The TensorRT path without TensorRT (DESIGN.md §7: installable neither here nor in CI): the build plan, the
+"""The TensorRT path without TensorRT (installable neither on the development machines nor in CI): the build plan, the
 graph the parser gets, binding tables and profile choice, CUDA-graph capture/replay bookkeeping, and the one-line
 errors; the real build and run are `importorskip("tensorrt")` here and rows of tests/gpu/check.py on a GPU."""
 from __future__ import annotations
@@ -201,7 +201,7 @@ def test_without_tensorrt_the_errors_are_one_line(art):
 
 
 def test_build_and_run_engines(art, tmp_path):
-    pytest.importorskip("tensorrt", reason="TensorRT is installable neither here nor in CI (DESIGN.md §7)")
+    pytest.importorskip("tensorrt", reason="TensorRT needs an NVIDIA GPU and installs neither on the development machines nor in CI")
     if not torch.cuda.is_available():
         pytest.skip("TensorRT imports but there is no CUDA GPU")
     import shutil

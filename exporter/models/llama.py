@@ -1,8 +1,8 @@
 """Llama-family target (Llama / Mistral / Qwen2 / Qwen3) as small gpt-fast style torch modules.
 
 Parameter names follow Hugging Face, so `load_state_dict` takes HF checkpoints as they are.
-The KV cache is static ([B, Hkv, S_MAX, D] per layer, DESIGN §2): `forward` writes the new K/V at
-`write_index[b] + t` and attends with an explicit mask, so rollback is a smaller write_index.
+The KV cache is static ([B, Hkv, S_MAX, D] per layer, the graph I/O contract of specrt/artifact.py): `forward`
+writes the new K/V at `write_index[b] + t` and attends with an explicit mask, so rollback is a smaller write_index.
 """
 from __future__ import annotations
 

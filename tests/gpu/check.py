@@ -307,7 +307,7 @@ def tensorrt_checks(arts: dict[str, Path], max_new: int) -> None:
     try:
         import tensorrt  # noqa: F401
     except ImportError:
-        row("tensorrt", "engines", None, "tensorrt does not import here (DESIGN.md §7): not checked")
+        row("tensorrt", "engines", None, "tensorrt does not import on this machine: not checked")
         return
     from specrt.exporter.tensorrt_build import build_engines
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (tests/gpu/check.py): one table of correctness checks and timings, in under 8 minutes on an H200.
 # Needs nothing beyond the checkout on a machine whose python3 has torch with CUDA, triton, transformers, onnx and
-# onnxruntime (DESIGN.md §7); specrt is installed from the checkout without its pins. SmolLM2 rows need the GGUF
+# onnxruntime (the GPU test machine has them); specrt is installed from the checkout without its pins. SmolLM2 rows need the GGUF
 # (SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB) and the `gguf` package:
 #   SMOLLM2=path/to/the.gguf   or the file in $SPECRT_CACHE (default ~/.cache/specrt)
 #   GGUF_WHEEL=path/to/gguf-*.whl   installed with --no-deps when `import gguf` fails
