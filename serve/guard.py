@@ -50,8 +50,11 @@ class Limits:
 def allowed_hosts(bind: str, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
     """Host names a server bound to `bind` answers to: loopback names for a loopback bind, the address itself for
     another, anything for a wildcard bind (0.0.0.0, ::) unless names are given; plus `extra`."""
+    extra = tuple(e.strip().lower() for e in extra)
     if "*" in extra:
         return ("*",)
+    if bind.lower() == "localhost":
+        return (*LOOPBACK_NAMES, *extra)
     try:
         ip = ipaddress.ip_address(bind)
     except ValueError:  # a host name

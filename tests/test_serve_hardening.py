@@ -376,3 +376,15 @@ def test_fuzzing_the_api_finds_no_5xx_and_the_server_serves_on(chat_art, tmp_pat
     (Path(os.environ.get("SPECRT_FUZZ_REPORT", tmp_path / "fuzz.json"))).write_text(json.dumps(report, indent=1))
     assert sum(n for (path, _), n in statuses.items() if path.startswith("/v1/")) >= 2 * FUZZ_EXAMPLES
     assert "Traceback" not in log.read_text()
+
+
+def test_the_host_names_a_bind_address_answers_to():
+    from specrt.serve.guard import _host_name, allowed_hosts
+
+    loopback = ("localhost", "127.0.0.1", "::1")
+    assert allowed_hosts("127.0.0.1") == allowed_hosts("localhost") == allowed_hosts("::1") == loopback
+    assert allowed_hosts("127.0.0.1", ("API.example",)) == (*loopback, "api.example")
+    assert allowed_hosts("0.0.0.0") == ("*",) and allowed_hosts("::", ("a.example",)) == ("a.example",)
+    assert allowed_hosts("10.1.2.3") == ("10.1.2.3",) and allowed_hosts("10.1.2.3", ("*",)) == ("*",)
+    assert [_host_name(h) for h in ("[::1]:8000", "LocalHost:80", "127.0.0.1", "::1")] == [
+        "::1", "localhost", "127.0.0.1", "::1"]
