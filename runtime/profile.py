@@ -252,32 +252,3 @@ def load_profile(art: str | Path, *, backend: str = "ort", threads: int | None =
     key = _key(backend, threads) if _key(backend, threads) in entries else \
         next((k for k in entries if k.startswith(backend + "/")), None)
     return _entry(entries[key], Path(art) / PROFILE_FILE, key) if key is not None else None
-
-
-def plot_profile(profile: Profile, path: str | Path) -> Path:
-    """Verify cost against total verified tokens per batch size, and each head's draft call, in ms."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from specrt.runtime.bench import save_figure
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for b, row in sorted(profile.verify.items()):
-        ps = sorted(row)
-        left.plot(ps, [row[p] for p in ps], marker="o", label=f"B = {b}")
-    left.set(xlabel="verified tokens per call (packed, all slots)", ylabel="ms per target call",
-             title="Verify cost (first point: a plain decoding step)")
-    left.grid(alpha=0.3)
-    left.legend()
-    batches = sorted(profile.verify)
-    right.plot(batches, [profile.step_ms(b) for b in batches], marker="s", color="k", label="decode step (target)")
-    for head, row in sorted(profile.draft.items()):
-        right.plot(sorted(row), [row[b] for b in sorted(row)], marker="o", label=f"{head} draft call")
-    right.set(xlabel="slots B", ylabel="ms per call", title="Draft call against a decoding step")
-    right.grid(alpha=0.3)
-    right.legend()
-    fig.suptitle(f"{profile.backend}, {profile.threads} threads, cache position {profile.position}, "
-                 f"{profile.machine}", fontsize=9)
-    return save_figure(fig, path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from specrt.runtime.concurrency import serve
+from specrt.tools.concurrency import serve
 from specrt.runtime.engine import Engine
 from specrt.runtime.prompts import encode_prompt, read_prompts_file
 from specrt.runtime.sampling import SamplingParams

@@ -350,8 +350,8 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
     against ar and every baseline, over the tokens both engines generated. Every method (and the hf baseline)
     must produce the same greedy tokens as `ar`; if any differs the command fails (exit 1). llama.cpp and OpenVINO
     compute differently (quantized weights): where they first differ is reported."""
-    from specrt.runtime import bench as b
-    from specrt.runtime.bench_workers import require
+    from specrt.tools import bench as b
+    from specrt.tools.bench_workers import require
 
     names = [m.strip() for m in methods.split(",") if m.strip()]
     bad = [m for m in names if m not in METHODS]
@@ -394,10 +394,10 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
 
 def _bench_interleaved(artifact: Path, prompt_files, limit, max_new_tokens: int, names: list[str],
                        baselines: list[str], repeats: int, threads, *, progress: bool, options: dict) -> dict:
-    """Every method and baseline in its own worker process, interleaved prompt by prompt (runtime/bench.py)."""
+    """Every method and baseline in its own worker process, interleaved prompt by prompt (tools/bench.py)."""
     from specrt import artifact as io
-    from specrt.runtime import bench as b
-    from specrt.runtime.bench_workers import EngineSpec
+    from specrt.tools import bench as b
+    from specrt.tools.bench_workers import EngineSpec
     from specrt.runtime.engine import check_room
     from specrt.runtime.prompts import encode_prompt, read_prompts_file
     from specrt.runtime.tokenizer import Tokenizer
@@ -437,8 +437,8 @@ def _load(avg) -> str:
 
 def _print_bench(report: dict) -> None:
     """The bench's table: per prompt set (and all), each engine's rate, τ, tokens and speedup with its interval."""
-    from specrt.runtime.bench_stats import fmt
-    from specrt.runtime.bench_workers import BASELINES
+    from specrt.tools.bench_stats import fmt
+    from specrt.tools.bench_workers import BASELINES
 
     datasets = report["datasets"]
     rows = [(d["dataset"], row) for d in datasets for row in d["results"]]
@@ -493,7 +493,8 @@ def profile(artifact: Path, backend: str, threads: int | None, position: int, re
             as_json: bool) -> None:
     """Measure the draft call and the verify call (against verified tokens) on this machine; store the table in
     ARTIFACT (profile.json) for the schedulers."""
-    from specrt.runtime.profile import measure, plot_profile, save_profile
+    from specrt.runtime.profile import measure, save_profile
+    from specrt.tools.plots import plot_profile
 
     if plot is not None and plot.suffix.lower() != ".png":
         raise SpecrtError(f"--plot writes a PNG; got {plot}")
@@ -650,9 +651,9 @@ def loadtest(url: str, clients: int, duration: float, prompt_files: tuple[Path, 
 
 def _bench_concurrency(artifact, prompt_files, limit, max_new_tokens, names, gamma, scheduler, schedulers, threshold,
                        concurrency, backend, threads, baselines, plot, as_json, *, device="cpu", dtype=None) -> None:
-    """`specrt bench --concurrency`: runtime/concurrency.py."""
+    """`specrt bench --concurrency`: tools/concurrency.py."""
     from specrt import artifact as io
-    from specrt.runtime import concurrency as cc
+    from specrt.tools import concurrency as cc
     from specrt.runtime.prompts import encode_prompt, read_prompts_file
     from specrt.runtime.tokenizer import Tokenizer
 
@@ -862,8 +863,8 @@ def inspect(artifact: Path, as_json: bool) -> None:
 def parity(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens: int, threads, as_json: bool) -> None:
     """Compare the artifact's target with transformers' fp32 model of the same source (the GGUF dequantized):
     first greedy divergence and max logit difference (teacher-forced) per prompt."""
-    from specrt.runtime import parity as p
-    from specrt.runtime.bench import artifact_source
+    from specrt.tools import parity as p
+    from specrt.tools.bench import artifact_source
     from specrt.runtime.engine import Engine
     from specrt.runtime.prompts import encode_prompt, read_prompts_file
 
@@ -926,8 +927,8 @@ def demo(prompt: str, max_new_tokens: int, method: str) -> None:
 def _demo_llama_cpp(engine, ids: list[int], max_new_tokens: int, specrt_tps: float) -> None:
     """llama.cpp's greedy decode tokens/s on the artifact's source GGUF, in a process of its own, beside specrt's
     (when installed)."""
-    from specrt.runtime.bench import artifact_source
-    from specrt.runtime.bench_workers import LLAMA_CPP_INSTALL, EngineSpec, Worker, require
+    from specrt.tools.bench import artifact_source
+    from specrt.tools.bench_workers import LLAMA_CPP_INSTALL, EngineSpec, Worker, require
 
     try:
         require("llama.cpp")
@@ -957,7 +958,7 @@ def _demo_llama_cpp(engine, ids: list[int], max_new_tokens: int, specrt_tps: flo
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def compare(artifact: Path, backends: str, seed: int, atol: float | None, threads: int | None, as_json: bool) -> None:
     """Run every graph family of ARTIFACT on several backends with the same inputs; exit 1 if they disagree."""
-    from specrt.runtime.compare import compare_artifact, failure_message, format_table, parse_backends
+    from specrt.tools.compare import compare_artifact, failure_message, format_table, parse_backends
 
     result = compare_artifact(artifact, parse_backends(backends), seed=seed, atol=atol, threads=threads)
     click.echo(json.dumps(result.to_dict()) if as_json else format_table(result))

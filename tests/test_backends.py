@@ -19,7 +19,7 @@ from specrt.exporter.export import export_artifact
 from specrt.exporter.loaders.deepspec import random_dspark_checkpoint
 from specrt.exporter.loaders.mtp import random_mtp_checkpoint
 from specrt.runtime.backends import infer, load_runner
-from specrt.runtime.compare import compare_artifact, compare_outputs, parse_backends, random_feeds
+from specrt.tools.compare import compare_artifact, compare_outputs, parse_backends, random_feeds
 
 FIXTURE = Path(__file__).parent / "fixtures" / "deepspec_dspark_tiny"
 ATOL = 1e-4  # fp32

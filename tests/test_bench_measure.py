@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specrt.runtime import bench as b
-from specrt.runtime.bench_stats import fmt, median_ci
-from specrt.runtime.bench_workers import EngineSpec, Generation
+from specrt.tools import bench as b
+from specrt.tools.bench_stats import fmt, median_ci
+from specrt.tools.bench_workers import EngineSpec, Generation
 from specrt.runtime.costs import EXPLORE_EVERY, SEEN, CostTable
-from specrt.runtime.machine import NOISY_CORES, QuietCheck
+from specrt.tools.machine import NOISY_CORES, QuietCheck
 from specrt.runtime.profile import PROFILE_FILE, Profile, load_profile, save_profile
 from specrt.runtime.schedulers import SPSScheduler, admission
 from test_cli import EXPORT_FLAGS, cli

@@ -18,7 +18,7 @@ from specrt.exporter.export import export_artifact
 from specrt.exporter.loaders.deepspec import random_dspark_checkpoint
 from specrt.exporter.loaders.mtp import random_mtp_checkpoint
 from specrt.runtime.backends import infer, load_runner
-from specrt.runtime.compare import compare_outputs, random_feeds
+from specrt.tools.compare import compare_outputs, random_feeds
 from specrt.runtime.engine import Engine, Request
 from specrt.runtime.sampling import SamplingParams
 from test_export import TRT_OPS

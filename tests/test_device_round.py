@@ -164,7 +164,7 @@ def test_bfloat16_modules(art):
     """--dtype bfloat16: the modules run in bf16 (outputs keep the graph's dtypes), close to fp32."""
     from specrt.artifact import load_manifest
     from specrt.runtime.backends import infer, load_runner
-    from specrt.runtime.compare import random_feeds
+    from specrt.tools.compare import random_feeds
 
     m = load_manifest(art)
     runners = {d: load_runner("torch", art, m, "target", threads=1, dtype=d) for d in ("float32", "bfloat16")}

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from specrt.errors import SpecrtError
-from specrt.runtime import bench as b
-from specrt.runtime.bench_workers import LOADERS, EngineSpec
+from specrt.tools import bench as b
+from specrt.tools.bench_workers import LOADERS, EngineSpec
 from test_cli import EXPORT_FLAGS, assert_one_line_error, cli
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2

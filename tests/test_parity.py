@@ -6,7 +6,7 @@ import numpy as np
 from specrt.artifact import ExportSettings
 from specrt.exporter.export import export_artifact
 from specrt.runtime.engine import Engine
-from specrt.runtime.parity import parity
+from specrt.tools.parity import parity
 
 
 def test_float_export_matches_transformers(tiny_model_dir, tmp_path):

@@ -201,7 +201,7 @@ def test_bench_openvino_baselines_on_the_default_model(smollm2_art, tmp_path):
     from click.testing import CliRunner
 
     from specrt.cli import main
-    from specrt.runtime.bench_workers import OPENVINO_LOOKUP
+    from specrt.tools.bench_workers import OPENVINO_LOOKUP
 
     lines = PROMPTS.read_text().splitlines()[:2]
     p = tmp_path / "p.jsonl"

@@ -234,7 +234,7 @@ def test_greedy_speculative_equals_ar(arts, fmt):
 
 
 def test_torch_backend_reads_quantized_artifact(arts):
-    from specrt.runtime.compare import compare_artifact
+    from specrt.tools.compare import compare_artifact
 
     c = compare_artifact(arts("gguf0"), ("ort", "torch"), atol=1e-3, threads=1)
     bad = [d for d in c.diffs if not d.ok]

@@ -38,7 +38,7 @@ from specrt.exporter.export import export_artifact  # noqa: E402
 from specrt.exporter.loaders.deepspec import random_dspark_checkpoint  # noqa: E402
 from specrt.exporter.loaders.mtp import random_mtp_checkpoint  # noqa: E402
 from specrt.runtime.backends import infer, load_runner  # noqa: E402
-from specrt.runtime.compare import random_feeds  # noqa: E402
+from specrt.tools.compare import random_feeds  # noqa: E402
 from specrt.runtime.engine import Engine, Request  # noqa: E402
 from specrt.runtime.prompts import encode_prompt, read_prompts_file  # noqa: E402
 from specrt.runtime.sampling import SamplingParams  # noqa: E402
@@ -277,7 +277,7 @@ def speed(art: Path, gguf_source: Path, device: str, batch: int, max_new: int, n
 
 
 def hf_generate(source: Path, prompts: list[list[int]], max_new: int, device: str, dtype: str, batch: int):
-    from specrt.runtime.bench import load_hf_model
+    from specrt.tools.bench import load_hf_model
 
     model = load_hf_model(source).to(device, getattr(torch, dtype))
     tokens, t0 = 0, None

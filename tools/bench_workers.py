@@ -103,7 +103,7 @@ def _specrt(spec: EngineSpec):
 def _hf(spec: EngineSpec):
     import torch
 
-    from specrt.runtime.bench import load_hf_model
+    from specrt.tools.bench import load_hf_model
 
     opts = dict(spec.options)
     model = load_hf_model(Path(spec.source), spec.threads).to(opts.get("device", "cpu"),

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from specrt import artifact as io
 from specrt.runtime.backends import infer
-from specrt.runtime.bench import load_hf_model
+from specrt.tools.bench import load_hf_model
 from specrt.runtime.engine import Engine, Request
 from specrt.runtime.sampling import SamplingParams
 

@@ -24,10 +24,11 @@ import numpy as np
 from tqdm import tqdm
 
 from specrt.errors import SpecrtError
-from specrt.runtime.bench_stats import median_ci
-from specrt.runtime.bench_workers import BASELINES, REPORTED_ONLY, EngineSpec, Generation, Worker
-from specrt.runtime.machine import CpuSample, QuietCheck, machine_info
 from specrt.runtime.stats import RunStats
+from specrt.tools.bench_stats import median_ci
+from specrt.tools.bench_workers import BASELINES, REPORTED_ONLY, EngineSpec, Generation, Worker
+from specrt.tools.machine import CpuSample, QuietCheck, machine_info
+from specrt.tools.plots import save_figure
 
 SETTLE_S = 0.02  # pause between two engines' runs (not measured)
 
@@ -92,18 +93,6 @@ def plot_report(report: dict, path: str | Path) -> Path:
     right.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"greedy, batch 1, {report['max_new_tokens']} new tokens", fontsize=9)
     return save_figure(fig, path)
-
-
-def save_figure(fig, path: str | Path) -> Path:
-    """Lay out, write as PNG (folders made) and close a matplotlib figure; the path written."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
 
 
 def parse_baselines(values: Iterable[str]) -> list[str]:

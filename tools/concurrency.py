@@ -108,7 +108,7 @@ def plot(report: dict, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from specrt.runtime.bench import save_figure
+    from specrt.tools.plots import save_figure
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     series: dict[str, list[dict]] = {}
