@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from specrt.errors import SpecrtError
-from specrt.exporter.config import ModelConfig
+from specrt.model_config import ModelConfig
 from specrt.distill.cache import TargetCache
 from specrt.distill.losses import SoftCE_L1, acceptance_target
 from specrt.distill.train_dspark import FINAL, FrozenHead, block_rows, make_batch

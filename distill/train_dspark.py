@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from specrt.errors import SpecrtError
-from specrt.exporter.config import ModelConfig
+from specrt.model_config import ModelConfig
 from specrt.distill.cache import TargetCache
 from specrt.distill.losses import (LossParts, block_eval_mask, dspark_loss, position_weights,
                                             sample_anchors, tau_probabilistic, warmup_cosine)

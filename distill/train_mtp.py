@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from specrt.errors import SpecrtError
-from specrt.exporter.config import ModelConfig
+from specrt.model_config import ModelConfig
 from specrt.distill.cache import TargetCache
 from specrt.distill.losses import LossParts, mtp_loss
 from specrt.distill.train_dspark import (EVAL_SEED, FINAL, FrozenHead, TrainResult, frozen_param,

@@ -13,7 +13,7 @@ from tqdm import tqdm
 import specrt
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.exporter.config import ModelConfig
+from specrt.model_config import ModelConfig
 from specrt.exporter.heads import HeadPlan, dspark_plan, feature_layout, mtp_plan
 from specrt.exporter.loaders import LoadedTarget, load_target
 from specrt.exporter.onnx.builder import GraphBuilder, WeightStore

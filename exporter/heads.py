@@ -15,7 +15,7 @@ import numpy as np
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.exporter.config import ModelConfig
+from specrt.model_config import ModelConfig
 from specrt.exporter.onnx.builder import GraphBuilder
 from specrt.exporter.onnx.target import FINAL
 

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.exporter.config import ModelConfig
+from specrt.model_config import ModelConfig
 
 FORMAT_VERSION = 4
 MANIFEST = "manifest.json"

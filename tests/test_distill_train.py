@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.exporter.config import ModelConfig
+from specrt.model_config import ModelConfig
 from specrt.distill import losses, train_dspark as td
 from specrt.distill.cache import CacheWriter, TargetCache
 from specrt.distill.calibrate import calibrate_dspark, ece, sts_temperatures

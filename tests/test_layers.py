@@ -3,8 +3,9 @@
 import-linter (grimp) cannot see this layout: the folders are mapped into `specrt.*` by setuptools' package-dir,
 so `specrt.runtime` is not a directory under `specrt/` and grimp reports it missing. This test reads each file's
 imports (module level and inside functions) with `ast` instead. The rules are the downward directions already
-true; the ones still broken (the artifact contract importing exporter/config.py, exporter <-> runtime, exporter <->
-distill, exporter <-> configs) are the open part of the "one direction" issue.
+true; the ones still broken (exporter <-> runtime, exporter <-> distill, exporter <-> configs) are the open part
+of the "one direction" issue. specrt/ holds the bottom layer (the artifact contract, the model config, errors),
+which imports no other folder, and the CLI on top.
 """
 from __future__ import annotations
 
@@ -46,6 +47,12 @@ def imports(folder: str, root: Path = ROOT) -> dict[str, set[str]]:
             reached |= {t for t in map(_target, names) if t is not None}
         found[str(path.relative_to(root))] = reached
     return found
+
+
+def test_the_contract_layer_imports_nothing_above_it():
+    bottom = {f: sorted(reached - {"specrt"}) for f, reached in imports("specrt").items()
+              if f != "specrt/cli.py" and reached - {"specrt"}}
+    assert not bottom, f"specrt/ (but cli.py) must import no other folder: {bottom}"
 
 
 @pytest.mark.parametrize("folder", sorted(FORBIDDEN))

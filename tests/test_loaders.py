@@ -157,7 +157,7 @@ def write_tiny_gguf(model_dir: Path, out: Path) -> Path:
     """Write a HF tiny model as an F32 GGUF the way llama.cpp's converter lays it out."""
     import gguf
 
-    from specrt.exporter.config import ModelConfig
+    from specrt.model_config import ModelConfig
 
     cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     arch = cfg.family

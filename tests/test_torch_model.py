@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from specrt.exporter.config import ModelConfig
+from specrt.model_config import ModelConfig
 from specrt.exporter.models.llama import Transformer, apply_rope
 
 KINDS = [("llama", True), ("llama", False), ("qwen2", None), ("qwen3", None),

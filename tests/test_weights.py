@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from specrt import artifact as io
 from specrt.cli import main
 from specrt.errors import SpecrtError
-from specrt.exporter.config import ModelConfig
+from specrt.model_config import ModelConfig
 from specrt.exporter.export import export_artifact
 from specrt.exporter.loaders import load_target
 from specrt.exporter.loaders.deepspec import random_dspark_checkpoint

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.exporter.config import ModelConfig
+from specrt.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from specrt.exporter.loaders.tokenizer import TokenizerSource

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.exporter.config import ModelConfig
+from specrt.model_config import ModelConfig
 from specrt.exporter.loaders import LoadedTarget, load_target
 from specrt.exporter.loaders.hf import _open, _read_json, config_problem, weight_files
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.exporter.config import ModelConfig
+from specrt.model_config import ModelConfig
 from specrt.exporter.loaders import LoadedTarget, check_weights, expected_shapes
 from specrt.exporter.onnx.quant import Blocks, from_gguf, permute_rows
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.exporter.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from specrt.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from specrt.exporter.loaders import expected_shapes
 from specrt.exporter.loaders.hf import _open, _read_json, weight_files
 

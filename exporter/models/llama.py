@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specrt.errors import SpecrtError
-from specrt.exporter.config import ModelConfig
+from specrt.model_config import ModelConfig
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.exporter.config import ModelConfig
+from specrt.model_config import ModelConfig
 from specrt.exporter.onnx.builder import GraphBuilder, onnx_dtype
 from specrt.exporter.onnx.layers import apply_rope, linear, rms_norm
 

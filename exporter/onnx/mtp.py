@@ -9,7 +9,7 @@ import numpy as np
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.exporter.config import ModelConfig
+from specrt.model_config import ModelConfig
 from specrt.exporter.loaders.mtp import EMBED, HEAD, MTPConfig
 from specrt.exporter.onnx.attention import check_lowering
 from specrt.exporter.onnx.builder import GraphBuilder

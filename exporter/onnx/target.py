@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from specrt import artifact as io
-from specrt.exporter.config import ModelConfig
+from specrt.model_config import ModelConfig
 from specrt.exporter.onnx.builder import GraphBuilder
 from specrt.exporter.onnx.attention import (KeyBlock, Packing, Rope, attend, cache_block, check_lowering,
                                             project_heads, write_cache)

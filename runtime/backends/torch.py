@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.exporter.config import ModelConfig
+from specrt.model_config import ModelConfig
 from specrt.exporter.loaders.deepspec import DSparkConfig
 from specrt.exporter.loaders.mtp import EMBED, HEAD, MTPConfig
 from specrt.exporter.models.dspark import DSparkDraft
