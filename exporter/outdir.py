@@ -64,7 +64,7 @@ def _check_replaceable(out: Path, command: str) -> None:
         raise SpecrtError(f"{out} exists and is not a directory; --force replaces only an earlier output of "
                           f"`specrt {command}`, never a file ({keep})")
     try:
-        present = set(_files(out))
+        present = set(output_files(out))
         if not present and not any(out.iterdir()):
             return
         marker = out / MARKER
@@ -85,7 +85,7 @@ def _check_replaceable(out: Path, command: str) -> None:
                           f"them, so it is left as it is ({keep})")
 
 
-def _files(root: Path) -> Iterator[str]:
+def output_files(root: Path) -> Iterator[str]:
     """Every entry under `root` that is not a directory (links to directories included, never followed), as
     a relative POSIX path."""
     for parent, dirs, names in os.walk(root, onerror=_raise):
@@ -114,7 +114,7 @@ def note_written(out: str | Path, *files: str) -> None:
 
 def write_marker(out: Path, command: str) -> None:
     """Record in `out` (a staging directory about to be swapped in) the command and every file it holds."""
-    files = sorted(_files(out))
+    files = sorted(output_files(out))
     (out / MARKER).write_text(json.dumps({"command": command, "files": files}, indent=1) + "\n")
 
 

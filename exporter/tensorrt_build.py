@@ -29,7 +29,7 @@ from specrt.exporter.outdir import note_written
 from specrt.plugins.confidence_truncate import DOMAIN, OP
 
 PRECISIONS = {"fp16": "float16", "bf16": "bfloat16"}
-ENGINE_DIR = "engines"
+ENGINE_DIR = io.ENGINE_DIR
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,7 @@ No heavy imports: the CLI reads this before it decides whether to load a runtime
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 from specrt.errors import SpecrtError
 
@@ -98,6 +96,3 @@ class EngineConfig:
     @property
     def parsed(self) -> Method:
         return Method.parse(self.method)
-
-    def replace(self, **changes: Any) -> "EngineConfig":
-        return dataclasses.replace(self, **changes)

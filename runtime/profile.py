@@ -32,7 +32,7 @@ from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.runtime.backends import load_runner
 
-PROFILE_FILE = "profile.json"
+PROFILE_FILE = io.PROFILE_FILE
 VERSION = 2  # 2: verify costs keyed by total tokens P (packed verification)
 
 

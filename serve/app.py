@@ -13,7 +13,6 @@ limits, origin and key checks; every response, errors included, is JSON in OpenA
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import time
 from importlib import resources
@@ -110,9 +109,8 @@ class Server:
         self.started = int(time.time())
         self.app = FastAPI(title="specrt", version="0.1.0", docs_url=None, redoc_url=None)
         self._routes()
-        limits = limits or Limits()
-        self.asgi = Guard(self.app, dataclasses.replace(limits, counted_paths=frozenset(ROUTES)),
-                          lambda endpoint, status: self.metrics.http.labels(endpoint, str(status)).inc())
+        self.asgi = Guard(self.app, limits or Limits(),
+                          lambda endpoint, status: self.metrics.http.labels(endpoint, str(status)).inc(), ROUTES)
 
     def _routes(self) -> None:
         app = self.app

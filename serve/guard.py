@@ -20,10 +20,12 @@ import ipaddress
 import json
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from specrt.serve.protocol import APIError
 
 log = logging.getLogger("specrt.serve")
 
@@ -44,7 +46,6 @@ class Limits:
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()  # "*": any origin
     allowed_hosts: tuple[str, ...] = ()  # Host header names accepted ("*": any); () -> derived from the bind address
-    counted_paths: frozenset[str] = field(default_factory=frozenset)  # endpoints counted by name (others: "other")
 
 
 def allowed_hosts(bind: str, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -73,7 +74,8 @@ def is_loopback(bind: str) -> bool:
 
 def error_body(message: str, *, kind: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
+    """The API's error shape (protocol.APIError's), as bytes to send."""
+    return json.dumps(APIError(message, kind=kind, param=param, code=code).body()).encode()
 
 
 def _host_name(host: str) -> str:
@@ -94,10 +96,12 @@ class _Disconnected(Exception):
 
 class Guard:
     """ASGI middleware applying `limits` to every HTTP request before `app` sees it; `count(endpoint, status)` is
-    called once per response."""
+    called once per response, the endpoint being the path when it is one of `endpoints`, else "other" (so a
+    client cannot grow the set of labels)."""
 
-    def __init__(self, app: Callable, limits: Limits, count: Callable[[str, int], None]) -> None:
-        self.app, self.limits, self.count = app, limits, count
+    def __init__(self, app: Callable, limits: Limits, count: Callable[[str, int], None],
+                 endpoints: Iterable[str] = ()) -> None:
+        self.app, self.limits, self.count, self.endpoints = app, limits, count, frozenset(endpoints)
         self.key = limits.api_key.encode() if limits.api_key else None
         self.hosts = set(limits.allowed_hosts)
 
@@ -106,7 +110,7 @@ class Guard:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        endpoint = path if path in self.limits.counted_paths else "other"
+        endpoint = path if path in self.endpoints else "other"
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         status: list[int] = []
 

@@ -33,7 +33,7 @@ import math
 import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -44,6 +44,8 @@ FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.bin"
 TOKENIZER_DIR = "tokenizer"
+PROFILE_FILE = "profile.json"  # measured call costs (runtime/profile.py)
+ENGINE_DIR = "engines"  # `specrt build`'s TensorRT engines (exporter/tensorrt_build.py)
 
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
@@ -397,7 +399,7 @@ def _check_paths(art: Path, m: "Manifest") -> None:
         for file in filter(None, (g.file, g.greedy_file)):
             inside(art, file, f"{g.name} graph file")
     inside(art, m.weights.file, "weights file")
-    for name in (TOKENIZER_DIR, f"{TOKENIZER_DIR}/tokenizer.json", "profile.json", "engines"):
+    for name in (TOKENIZER_DIR, f"{TOKENIZER_DIR}/tokenizer.json", PROFILE_FILE, ENGINE_DIR):
         if (art / name).exists() or (art / name).is_symlink():
             inside(art, name, "file")
     for family, spec in ((m.engines or {}).get("families") or {}).items():
@@ -448,6 +450,12 @@ def _size(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} PiB"
+
+
+def tensor_bytes(specs: "Iterable[TensorSpec]", sizes: Bucket, itemsize: int | None = None) -> int:
+    """Bytes of the tensors `specs` at `sizes` (their own dtypes, or `itemsize` each), counted without overflow."""
+    return sum(int(np.prod(t.resolve(sizes), dtype=np.float64)) * (itemsize or np.dtype(t.dtype).itemsize)
+               for t in specs)
 
 
 def check_memory(nbytes: int, what: str) -> None:

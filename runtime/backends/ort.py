@@ -98,13 +98,11 @@ class OrtRunner:
     def _resize(self, length: int) -> None:
         """(Re)allocate the caches at `length` positions, keeping what they hold; bindings start over."""
         old = self._cache
-        specs = self.spec.cache_inputs()
-        io.check_memory(sum(int(np.prod(t.resolve({"B": self.slots, io.CACHE_LEN: length}), dtype=np.float64))
-                            * np.dtype(t.dtype).itemsize for t in specs),
+        specs, sizes = self.spec.cache_inputs(), {"B": self.slots, io.CACHE_LEN: length}
+        io.check_memory(io.tensor_bytes(specs, sizes),
                         f"the {self.spec.name} KV cache for {self.slots} slots x {length} positions")
         self.cache_length = length
-        self._cache = {t.name: np.zeros(t.resolve({"B": self.slots, io.CACHE_LEN: length}), dtype=t.dtype)
-                       for t in specs}
+        self._cache = {t.name: np.zeros(t.resolve(sizes), dtype=t.dtype) for t in specs}
         for name, buf in old.items():
             n = min(buf.shape[2], length)
             self._cache[name][:, :, :n] = buf[:, :, :n]
@@ -133,8 +131,7 @@ class OrtRunner:
             if slot < 0 or slot + n > self.slots:
                 raise ValueError(f"slots [{slot}, {slot + n}) outside the allocated {self.slots}")
             spec = self._specs[greedy]
-            io.check_memory(sum(int(np.prod(t.resolve(bucket), dtype=np.float64)) * np.dtype(t.dtype).itemsize
-                                for t in (*spec.host_inputs(), *spec.host_outputs())),
+            io.check_memory(io.tensor_bytes((*spec.host_inputs(), *spec.host_outputs()), bucket),
                             f"the {spec.name} call buffers for bucket {dict(bucket)}")
             b = self._sessions[greedy].io_binding()
             host = {t.name: np.zeros(t.resolve(bucket), dtype=t.dtype) for t in spec.host_inputs()}

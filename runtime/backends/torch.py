@@ -267,7 +267,7 @@ class TorchRunner:
             self.slots = slots
             past = self.spec.cache_inputs()
             size = {"B": slots, io.CACHE_LEN: self.spec.max_seq}  # a sized cache: all of it (eager torch)
-            io.check_memory(sum(int(np.prod(t.resolve(size), dtype=np.float64)) for t in past) * self.dtype.itemsize,
+            io.check_memory(io.tensor_bytes(past, size, self.dtype.itemsize),
                             f"the {self.spec.name} KV cache for {slots} slots x {self.spec.max_seq} positions")
             self._calls.clear()
             self._cache = []  # the old cache's memory is free before the new one is taken

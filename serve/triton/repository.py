@@ -117,19 +117,17 @@ def external_data(onnx_path: str | Path) -> list[str]:
 def _artifact_files(art: Path) -> list[str]:
     """The artifact's files to ship (relative paths): a link must stay inside the artifact (one to a host file
     would put that file in the repository), and a link to a folder is refused."""
-    from specrt.exporter.outdir import MARKER
+    from specrt.exporter.outdir import MARKER, output_files
 
     files = []
-    for parent, dirs, names in os.walk(art):
-        for name in sorted(dirs + names):
-            path = Path(parent) / name
-            rel = path.relative_to(art).as_posix()
-            if path.is_symlink():
-                io.inside(art, rel, "link")
-                if path.is_dir():
-                    raise SpecrtError(f"{art}: {rel} is a link to a folder; replace it with the folder itself")
-            if not path.is_dir() and rel != MARKER:
-                files.append(rel)
+    for rel in output_files(art):
+        path = art / rel
+        if path.is_symlink():
+            io.inside(art, rel, "link")
+            if path.is_dir():
+                raise SpecrtError(f"{art}: {rel} is a link to a folder; replace it with the folder itself")
+        if rel != MARKER:
+            files.append(rel)
     return sorted(files)
 
 
