@@ -24,6 +24,7 @@ from specrt.errors import SpecrtError
 from specrt.distill.cache import MANIFEST, CacheWriter, TargetCache
 from specrt.distill.generate import meta_path, read_responses
 from specrt.exporter.export import sha256_file
+from specrt.runtime import calls
 from specrt.runtime.backends import load_runner
 
 MIN_RESPONSE_TOKENS = 8  # shorter responses teach a block-drafting head next to nothing
@@ -75,16 +76,11 @@ def _cache_splits(splits: Mapping[str, Sequence[int]], positions: dict[int, int]
 
 
 class _FeatureReader:
-    """Runs the prefill graph over one sequence at a time in B=1 chunks, into buffers allocated once."""
+    """Runs the prefill graph over one sequence at a time in B=1 chunks (the engine's prefill calls)."""
 
     def __init__(self, art: Path, manifest: io.Manifest, columns: np.ndarray, threads: int | None) -> None:
         self.runner = load_runner("ort", art, manifest, io.TARGET, threads=threads)
         self.runner.allocate(1)
-        self.bucket = manifest.graphs[io.TARGET].bucket("prefill")
-        self.chunk = self.bucket["T"]
-        self.feeds = self.runner.inputs(0, self.bucket)  # bound buffers, filled in place per chunk
-        self.feeds[io.LOGIT_ROWS][:] = 0
-        self.feeds[io.TOKEN_ROWS][:] = io.dense_rows(self.bucket)
         s = columns[0]  # the usual case (sources stored contiguously) slices instead of gathering
         self.columns = slice(s, s + len(columns)) if np.array_equal(columns, np.arange(s, s + len(columns))) \
             else columns
@@ -93,15 +89,10 @@ class _FeatureReader:
     def read(self, ids: np.ndarray) -> np.ndarray:
         """features [len(ids), F] (fp16) of the sequence `ids`, written from cache position 0."""
         out = np.empty((len(ids), self.width), np.float16)
-        c = self.chunk
-        for start in range(0, len(ids), c):
-            n = min(c, len(ids) - start)
-            self.feeds[io.INPUT_IDS][0, :n] = ids[start:start + n]
-            self.feeds[io.INPUT_IDS][0, n:] = 0
-            self.feeds[io.POSITION_IDS][0] = np.arange(start, start + c)
-            self.feeds[io.WRITE_INDEX][0] = start
-            feats = self.runner.run(0, self.bucket)[io.FEATURES]
-            out[start:start + n] = feats[0, :n, self.columns]
+        start = 0
+        for piece, res in calls.target.run_prefill(self.runner, 0, ids):  # the engine's prefill
+            out[start:start + len(piece)] = res[io.FEATURES][0, :len(piece), self.columns]
+            start += len(piece)
         return out
 
 

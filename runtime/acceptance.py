@@ -1,8 +1,6 @@
-"""Acceptance of drafted tokens against the target: greedy prefix match and Leviathan/Chen sampling.
+"""Acceptance of drafted tokens by Leviathan/Chen rejection sampling (greedy acceptance, a prefix match against the
+target's argmax, is runtime/steps.py's `accept`, shared with the device round).
 
-Greedy: accept d_k while it equals the target's argmax at the previous position; the bonus token is
-the target's argmax at the first mismatch (or after the last draft), so greedy speculative output is
-token-identical to greedy autoregressive output.
 Sampling: accept d_k with probability min(1, p(d_k) / q(d_k)); on the first rejection draw the bonus
 from norm(max(0, p - q)); if all are accepted draw it from p at the next position. The committed
 tokens then follow the target distribution p exactly, whatever the draft distribution q is.
@@ -20,15 +18,6 @@ from specrt.runtime.sampling import SamplingParams, distribution, sample
 class Verdict:
     accepted: int  # a: drafts accepted (a prefix of the proposal)
     bonus: int  # the target's token at position a (correction or continuation)
-
-
-def accept_greedy(drafts: np.ndarray, target_logits: np.ndarray) -> Verdict:
-    """drafts [l], target_logits [l+1, V] (row k scores the token after the k-th verified token)."""
-    best = np.argmax(target_logits, axis=-1)
-    a = 0
-    while a < len(drafts) and drafts[a] == best[a]:
-        a += 1
-    return Verdict(a, int(best[a]))
 
 
 def accept_sampled(drafts: np.ndarray, draft_probs: np.ndarray | None, target_logits: np.ndarray,

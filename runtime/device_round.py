@@ -29,7 +29,9 @@ from torch import Tensor
 from specrt import artifact as io
 from specrt.runtime.backends.graphs import GraphedCall, GraphStats
 from specrt.runtime.config import Method
-from specrt.runtime.drafters import Context, DSparkDrafter, MTPDrafter, NGramDrafter
+from specrt.runtime import calls, steps
+from specrt.runtime.backends.base import DeviceRunner
+from specrt.runtime.drafters import Context, Drafter
 
 DEVICE_SCHEDULERS = ("fixed", "threshold")  # the schedulers a device-resident round runs
 
@@ -61,12 +63,13 @@ class RoundResult:
 class DeviceRounds:
     """Greedy decode steps (AR) or draft/verify rounds whose state lives on the target runner's device."""
 
-    def __init__(self, target, drafter, *, gamma: int, scheduler: str = "fixed", threshold: float = 0.3,
+    def __init__(self, target: DeviceRunner, drafter: Drafter | None, *, gamma: int, scheduler: str = "fixed", threshold: float = 0.3,
                  capture: bool | None = None) -> None:
         """`capture`: each round bucket in one CUDA graph (default: on CUDA)."""
         self.target, self.drafter = target, drafter
-        self.head = getattr(drafter, "runner", None)
-        self.ngram = isinstance(drafter, NGramDrafter)
+        own = drafter is not None and drafter.calls is not None  # a head with a graph family of its own
+        self.head = drafter.runner if own else None
+        self.ngram = drafter is not None and not own
         self.gamma = gamma if drafter is not None else 0
         self.truncate = scheduler == "threshold" and self.gamma > 0
         self.threshold = threshold
@@ -170,62 +173,49 @@ class DeviceRounds:
         return GraphedCall(fn, capture=True, stats=self.graph_stats, warmup=1, warm=warm_once)
 
     def _round_fn(self, b: int):
-        """The round over slots [0, b) as a function of static tensors only (what a CUDA graph captures)."""
-        g, t, dev = self.gamma, self.gamma + 1, self.device
+        """The round over slots [0, b) as a function of static tensors only (what a CUDA graph captures): the
+        host loop's steps (runtime/steps.py) and call contracts (runtime/calls), on the device."""
+        g, t = self.gamma, self.gamma + 1
         target, head = self.target, self.head
         tb = target.spec.bucket("verify", B=b, T=t, P=b * t) if g else target.spec.bucket("decode", B=b)
         tin = target.module_inputs(0, tb)
-        tin[io.TOKEN_ROWS].copy_(torch.arange(tin[io.TOKEN_ROWS].numel()))  # the dense grid, set once
-        tin[io.LOGIT_ROWS].copy_(torch.arange(tin[io.LOGIT_ROWS].numel()))
-        steps = torch.arange(t, device=dev)
+        rows = torch.arange(b * t, device=self.device)  # the dense grid: the torch modules compute all of it
         length, anchor, budget, active = self.length[:b], self.anchor[:b], self.budget[:b], self.active[:b]
         out, host = {k: v[:b] for k, v in self._out.items()}, {k: v[:b] for k, v in self._host.items()}
         if head is not None:
             hb = head.spec.bucket("propose", B=b, C=t)
             hin = head.module_inputs(0, hb)
-            hin[io.TEMPERATURE].zero_()
-            hin[io.NOISE].zero_()
-            if io.TRUNCATE_BUDGET in hin:
-                hin[io.TRUNCATE_THRESHOLD].fill_(self.threshold if self.truncate else 0.0)
-                hin[io.TRUNCATE_BUDGET].fill_(-1)
-            cols = torch.arange(hb["C"], device=dev)
+            calls.head.settings(hin, threshold=self.threshold if self.truncate else 0.0)
+            ctx = calls.ContextRows(self.ctx_features[:b], self.ctx_next[:b], self.ctx_pos[:b], self.ctx_rows[:b])
+            fill = self.drafter.calls.propose
 
         def fn() -> dict[str, Tensor]:
             if head is not None:
-                self._fill_head(hin, b, cols)
+                fill(hin, ctx, anchor)
                 d = head.forward(0, hb, graphed=False)
                 proposed = d[io.DRAFT_TOKENS]
-                drafts = proposed[:, :g]
-                lengths = d[io.VERIFY_LENGTHS].clamp(max=g) if self.truncate else torch.full_like(length, g)
+                planned = d[io.VERIFY_LENGTHS] if self.truncate else torch.full_like(length, g)
+                counts = torch.full_like(length, self.proposed)
                 if "confidence" in out:
                     out["confidence"].copy_(d[io.CONFIDENCE_LOGITS])
             elif self.ngram:
-                proposed = drafts = self.draft_in[:b]
-                lengths = self.count_in[:b]
+                proposed = self.draft_in[:b]
+                planned = counts = self.count_in[:b]
             else:
-                proposed = drafts = self.draft_in[:b, :0]
-                lengths = torch.zeros_like(length)
-            lengths = torch.minimum(lengths, (budget - 1).clamp(min=0)) * active
-            ids = tin[io.INPUT_IDS]
-            ids[:, 0] = anchor
-            ids[:, 1:] = drafts
-            torch.add(length[:, None], steps, out=tin[io.POSITION_IDS])
-            tin[io.WRITE_INDEX].copy_(length)
+                proposed = self.draft_in[:b, :0]
+                planned = counts = torch.zeros_like(length)
+            drafts = proposed[:, :g]
+            lengths = steps.cap(planned, counts, budget, active, g)
+            calls.target.grid(tin, anchor, torch.where(active, length, 0), drafts, rows)
             v = target.forward(0, tb, graphed=False)
-            best = v[io.LOGITS].view(b, t, -1).argmax(-1)
-            ok = (drafts == best[:, :g]) & (steps[:g] < lengths[:, None])
-            accepted = ok.long().cumprod(1).sum(1)
-            bonus = best.gather(1, accepted[:, None])
-            tokens = torch.cat([drafts, bonus], 1).scatter_(1, accepted[:, None], bonus)
+            accepted, tokens = steps.accept(drafts, steps.best(v[io.LOGITS], rows, b, t), lengths)
+            bonus = tokens.gather(1, accepted[:, None])[:, 0]
             if head is not None:  # the verified rows are the head's next context rows
                 self.ctx_features[:b].copy_(v[io.FEATURES][..., self.offset:self.offset + self.width])
                 self.ctx_pos[:b].copy_(torch.where(active, length, self.ctx_pos[:b]))
                 self.ctx_rows[:b].copy_(torch.where(active, accepted + 1, self.ctx_rows[:b]))
                 self.ctx_next[:b].copy_(tokens)
-            step = (accepted + 1) * active
-            length.add_(step)
-            budget.sub_(step)
-            anchor.copy_(torch.where(active, bonus[:, 0], anchor))
+            steps.advance(length, budget, anchor, accepted, bonus, active)
             out["accepted"].copy_(accepted)
             out["tokens"].copy_(tokens)
             out["lengths"].copy_(lengths)
@@ -234,18 +224,3 @@ class DeviceRounds:
                 host[k].copy_(out[k], non_blocking=True)
             return out
         return fn
-
-    def _fill_head(self, hin: dict[str, Tensor], b: int, cols: Tensor) -> None:
-        t = self.gamma + 1
-        pos, rows = self.ctx_pos[:b], self.ctx_rows[:b]
-        if isinstance(self.drafter, DSparkDrafter):
-            hin[io.CTX_FEATURES][:, :t].copy_(self.ctx_features[:b])
-            torch.add(pos[:, None], cols, out=hin[io.CTX_POSITIONS])
-            hin[io.CTX_WRITE_INDEX].copy_(pos)
-            torch.add(pos, rows, out=hin[io.CTX_LEN])
-            hin[io.ANCHOR_IDS].copy_(self.anchor[:b])
-        elif isinstance(self.drafter, MTPDrafter):
-            hin[io.MTP_TOKENS][:, :t].copy_(self.ctx_next[:b])
-            hin[io.MTP_HIDDEN][:, :t].copy_(self.ctx_features[:b])
-            torch.add(pos[:, None], cols, out=hin[io.MTP_POSITIONS])
-            torch.sub(rows, 1, out=hin[io.MTP_LAST_ROW])

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
+from specrt.runtime import calls
 from specrt.runtime.backends import load_runner
 from specrt.runtime.config import Method
 
@@ -73,6 +75,7 @@ class SlotView(Protocol):
 class Drafter(Protocol):
     steps: int  # drafts per proposal at most
     needs_features: bool  # whether slots must carry target features as context rows
+    calls: ModuleType | None  # the contract of its graph family (runtime/calls), None: it runs no graph of its own
 
     def allocate(self, slots: int) -> None:
         """Allocate per-slot state (a draft KV cache) for `slots` slots, once."""
@@ -87,14 +90,16 @@ class Drafter(Protocol):
         """How slot's drafts of the last proposal fared (after the round)."""
 
 
-class _GraphDrafter:
-    """A draft head's graph family on a backend runner; chunked writes of the prompt context."""
+class GraphDrafter:
+    """A draft head's graph family on a backend runner, its calls filled by the head kind's contract module
+    (runtime/calls: `calls.propose(feeds, rows, anchors)`); chunked writes of the prompt context."""
 
     needs_features = True
 
     def __init__(self, art_dir: Path, manifest: io.Manifest, name: str, *, backend: str = "ort",
                  threads: int | None = None, **where) -> None:
         self.head = manifest.heads[name]
+        self.calls = calls.for_head(self.head.kind)
         self.steps = self.head.steps
         # drafts run in turn with the target: no idle spinning that would steal the target's cores
         self.runner = load_runner(backend, art_dir, manifest, name, threads=threads, spin=False, **where)
@@ -113,13 +118,24 @@ class _GraphDrafter:
             stop = min(start + bucket["C"], r - 1)
             piece = Context(ctx.pos + start, ctx.features[start:stop], ctx.next_tokens[start:stop])
             feeds = self.runner.inputs(slot, bucket, greedy=True)  # only the cache writes matter
-            feeds[io.TEMPERATURE][:] = 0.0
-            feeds[io.NOISE][:] = 0.0
-            if io.TRUNCATE_BUDGET in feeds:
-                feeds[io.TRUNCATE_THRESHOLD][...], feeds[io.TRUNCATE_BUDGET][...] = 0.0, -1
-            self._fill(feeds, [piece], [0])
+            calls.head.settings(feeds)
+            self.calls.propose(feeds, self.rows([piece], 1), np.zeros(1, np.int64))
             self.runner.run(slot, bucket, greedy=True)
         return Context(ctx.pos + r - 1, ctx.features[r - 1:], ctx.next_tokens[r - 1:])
+
+    def rows(self, ctxs: list[Context | None], b: int) -> calls.ContextRows:
+        """The pending context rows of slots [0, b) padded into arrays (an idle slot: none, at position 0)."""
+        c = max((len(x.next_tokens) for x in ctxs if x is not None), default=1)
+        feats = np.zeros((b, c, self.width), np.float32)
+        nxt = np.zeros((b, c), np.int64)
+        start, rows = np.zeros(b, np.int64), np.zeros(b, np.int64)
+        for i, x in enumerate(ctxs):
+            if x is not None:
+                r = rows[i] = len(x.next_tokens)
+                start[i] = x.pos
+                feats[i, :r] = x.features[:, self.offset:self.offset + self.width]
+                nxt[i, :r] = x.next_tokens
+        return calls.ContextRows(feats, nxt, start, rows)
 
     def propose(self, slots: list[SlotView | None]) -> Proposal:
         """One draft call over slots [0, n), rounded up to a bucket; idle rows draft garbage nobody reads. When
@@ -129,17 +145,16 @@ class _GraphDrafter:
         bucket = self.runner.spec.bucket("propose", B=n, C=rows)
         greedy = all(s is None or s.temperature <= 0 for s in slots)
         feeds = self.runner.inputs(0, bucket, greedy=greedy)  # bound buffers: filled in place
-        padded = [*slots, *[None] * (bucket["B"] - n)]
-        temps, noise = feeds[io.TEMPERATURE], feeds[io.NOISE]
-        temps[:], noise[:] = 0.0, 0.0
-        if io.TRUNCATE_BUDGET in feeds:  # the host scheduler cuts the drafts; the op reports survival
-            feeds[io.TRUNCATE_THRESHOLD][...], feeds[io.TRUNCATE_BUDGET][...] = 0.0, -1
+        b = bucket["B"]
+        padded = [*slots, *[None] * (b - n)]
+        temps, noise = np.zeros(b, np.float32), np.zeros((b, self.steps), np.float32)
         for i, s in enumerate(padded):
             if s is not None and s.temperature > 0:
                 temps[i] = s.temperature
                 noise[i] = s.rng.random(self.steps, dtype=np.float32)
-        self._fill(feeds, [s.ctx if s is not None else None for s in padded],
-                   [s.pending if s is not None else 0 for s in padded])
+        calls.head.settings(feeds, temperature=temps, noise=noise)  # the host scheduler cuts; the op reports survival
+        anchors = np.array([s.pending if s is not None else 0 for s in padded], np.int64)
+        self.calls.propose(feeds, self.rows([s.ctx if s is not None else None for s in padded], b), anchors)
         out = self.runner.run(0, bucket, greedy=greedy)
         counts = np.array([self.steps if s is not None else 0 for s in slots], np.int64)
         conf, surv, probs = out.get(io.CONFIDENCE_LOGITS), out.get(io.SURVIVAL), out.get(io.DRAFT_PROBS)
@@ -151,57 +166,13 @@ class _GraphDrafter:
     def observe(self, slot: int, verified: int, accepted: int) -> None:
         pass
 
-    def _fill(self, feeds: dict[str, np.ndarray], ctxs: list[Context | None], anchors: list[int]) -> None:
-        """Write the context rows (padded) and anchors into the bound input buffers."""
-        raise NotImplementedError
-
-
-class DSparkDrafter(_GraphDrafter):
-    """DSpark / DFlash: context = raw target-layer features; drafts a block of K tokens in parallel."""
-
-    def __init__(self, art_dir: Path, manifest: io.Manifest, **kw) -> None:
-        super().__init__(art_dir, manifest, "dspark", **kw)
-
-    def _fill(self, feeds, ctxs, anchors):
-        feats, pos = feeds[io.CTX_FEATURES], feeds[io.CTX_POSITIONS]
-        write, valid = feeds[io.CTX_WRITE_INDEX], feeds[io.CTX_LEN]
-        feats[:] = 0
-        feeds[io.ANCHOR_IDS][:] = anchors
-        for i, c in enumerate(ctxs):  # idle slots: an empty context at position 0 of their own row
-            r = len(c.next_tokens) if c is not None else 0
-            start = c.pos if c is not None else 0
-            if r:
-                feats[i, :r] = c.features[:, self.offset:self.offset + self.width]
-            np.add(start, np.arange(pos.shape[1]), out=pos[i])
-            write[i], valid[i] = start, start + r
-
-
-class MTPDrafter(_GraphDrafter):
-    """MTP: rows pair the target's final hidden h_t with x_{t+1}; chains `steps` drafts from the last row."""
-
-    def __init__(self, art_dir: Path, manifest: io.Manifest, **kw) -> None:
-        super().__init__(art_dir, manifest, "mtp", **kw)
-
-    def _fill(self, feeds, ctxs, anchors):
-        tokens, hidden = feeds[io.MTP_TOKENS], feeds[io.MTP_HIDDEN]
-        pos, last = feeds[io.MTP_POSITIONS], feeds[io.MTP_LAST_ROW]
-        tokens[:] = 0
-        hidden[:] = 0
-        for i, c in enumerate(ctxs):  # idle slots: one dummy row at position 0 of their own row
-            r = len(c.next_tokens) if c is not None else 1
-            start = c.pos if c is not None else 0
-            if c is not None:
-                tokens[i, :r] = c.next_tokens
-                hidden[i, :r] = c.features[:, self.offset:self.offset + self.width]
-            np.add(start, np.arange(pos.shape[1]), out=pos[i])
-            last[i] = r - 1
-
 
 class NGramDrafter:
     """Prompt lookup: the longest suffix (n <= max_n) of a slot's tokens that occurred before proposes the
     tokens that followed its latest earlier occurrence, up to `steps`; no match, no drafts."""
 
     needs_features = False
+    calls = None
 
     def __init__(self, steps: int, *, max_n: int = 3) -> None:
         if steps < 1 or max_n < 1:
@@ -258,8 +229,7 @@ def make_drafter(method: Method, art_dir: Path, manifest: io.Manifest, *, gamma:
         have = ", ".join(manifest.heads) or "none"
         raise SpecrtError(f"--method {method.name} needs an artifact exported with a {name} head "
                           f"(this one has: {have}); export with --draft or --mtp, or use --method ngram")
-    cls = {"dspark": DSparkDrafter, "mtp": MTPDrafter}[name]
-    head = cls(art_dir, manifest, backend=backend, threads=threads, **where)
+    head = GraphDrafter(art_dir, manifest, name, backend=backend, threads=threads, **where)
     if not method.hybrid:
         return head
     from specrt.runtime.hybrid import HybridDrafter

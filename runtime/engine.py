@@ -24,6 +24,7 @@ import numpy as np
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
+from specrt.runtime import calls
 from specrt.runtime.backends import load_runner
 from specrt.runtime.config import EngineConfig
 from specrt.runtime.costs import CostTable
@@ -401,21 +402,10 @@ class Engine:
             slot.stream = self.tokenizer.stream_decoder(skip_special_tokens=True)
         ids = request.prompt_ids
         slot.ids[:len(ids)], slot.size = ids, len(ids)
-        bucket = self.target.spec.bucket("prefill")
-        c = bucket["T"]
-        feeds = self.target.inputs(index, bucket)  # bound buffers: filled in place
-        feeds[io.TOKEN_ROWS][:] = io.dense_rows(bucket)
         keep = self.drafter is not None and self.drafter.needs_features
         features = []
         out = None
-        for start in range(0, len(ids), c):
-            piece = ids[start:start + c]
-            feeds[io.INPUT_IDS][0, :len(piece)] = piece
-            feeds[io.INPUT_IDS][0, len(piece):] = 0
-            feeds[io.POSITION_IDS][0] = np.arange(start, start + c)
-            feeds[io.WRITE_INDEX][0] = start
-            feeds[io.LOGIT_ROWS][0] = len(piece) - 1
-            out = self.target.run(index, bucket)
+        for piece, out in calls.target.run_prefill(self.target, index, np.asarray(ids, np.int64)):
             if keep:
                 features.append(out[io.FEATURES][0, :len(piece)].copy())
         slot.length = len(ids)
@@ -434,14 +424,11 @@ class Engine:
         """One decode step over slots [0, n): write each pending token, sample the next."""
         n = max(i for i, s in enumerate(self.slots) if s is not None) + 1
         bucket = self.target.spec.bucket("decode", B=n)
-        feeds = self.target.inputs(0, bucket)  # bound buffers: filled in place
-        ids, pos = feeds[io.INPUT_IDS], feeds[io.POSITION_IDS]
-        ids[:], pos[:] = 0, 0  # idle slots write a dummy token at position 0 of their own row
-        for i, s in enumerate(self.slots[:n]):
+        anchor, start = np.zeros(bucket["B"], np.int64), np.zeros(bucket["B"], np.int64)
+        for i, s in enumerate(self.slots[:n]):  # idle slots write a dummy token at position 0 of their own row
             if s is not None:
-                ids[i, 0], pos[i, 0] = s.pending, s.length
-        feeds[io.WRITE_INDEX][:] = pos[:, 0]
-        feeds[io.TOKEN_ROWS][:] = feeds[io.LOGIT_ROWS][:] = io.dense_rows(bucket)
+                anchor[i], start[i] = s.pending, s.length
+        calls.target.grid(self.target.inputs(0, bucket), anchor, start, None, calls.target.dense_rows(bucket))
         logits = self.target.run(0, bucket)[io.LOGITS]
         self.stats.steps += 1
         for i, s in enumerate(self.slots[:n]):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.runtime.drafters import Context, NGramDrafter, Proposal, SlotView, _GraphDrafter
+from specrt.runtime.drafters import Context, NGramDrafter, Proposal, SlotView, GraphDrafter
 from specrt.runtime.schedulers import AcceptanceHistory, Costs, admission, prefix_survival
 
 LOOKUP, HEAD = 0, 1
@@ -55,8 +55,9 @@ class HybridDrafter:
     """n-gram lookups, with `head` called only on the rounds where it promises more committed tokens per ms."""
 
     needs_features = True
+    calls = None  # it chooses between lookups and its head on the host each round
 
-    def __init__(self, head: _GraphDrafter, costs: Costs | None, *, max_n: int = 3, temperatures=()) -> None:
+    def __init__(self, head: GraphDrafter, costs: Costs | None, *, max_n: int = 3, temperatures=()) -> None:
         if costs is None:
             raise SpecrtError(f"--method {head.head.name}+ngram needs a cost profile (run `specrt profile ART`)")
         self.head, self.costs = head, costs

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
+from specrt.runtime import calls as contract
 from specrt.runtime.backends import load_runner
 
 PROFILE_FILE = io.PROFILE_FILE
@@ -108,28 +109,21 @@ def default_threads() -> int:
 
 
 def _fill_target(feeds: dict[str, np.ndarray], position: int, token: int) -> None:
+    """A verify (or decode) call of every slot at `position`, its first P cells computed (costs do not depend on
+    token values or on which cells)."""
     b, t = feeds[io.INPUT_IDS].shape
-    feeds[io.INPUT_IDS][:] = token
-    feeds[io.WRITE_INDEX][:] = position
-    feeds[io.POSITION_IDS][:] = position + np.arange(t)
-    feeds[io.TOKEN_ROWS][:] = np.arange(len(feeds[io.TOKEN_ROWS]))  # the first P cells: the grid's rows in turn
-    feeds[io.LOGIT_ROWS][:] = np.arange(len(feeds[io.LOGIT_ROWS]))
+    p = len(feeds[io.TOKEN_ROWS])
+    contract.target.grid(feeds, np.full(b, token), np.full(b, position), np.full((b, t - 1), token), np.arange(p))
 
 
-def _fill_draft(feeds: dict[str, np.ndarray], position: int, rows: int, token: int) -> None:
-    for buf in feeds.values():
-        buf[...] = 0
-    if io.CTX_FEATURES in feeds:  # DSpark: `rows` new context rows ending at the anchor's position
-        feeds[io.CTX_FEATURES][:] = 0.1
-        feeds[io.CTX_POSITIONS][:] = position - rows + np.arange(rows)
-        feeds[io.CTX_WRITE_INDEX][:] = position - rows
-        feeds[io.CTX_LEN][:] = position
-        feeds[io.ANCHOR_IDS][:] = token
-    else:  # MTP
-        feeds[io.MTP_TOKENS][:] = token
-        feeds[io.MTP_HIDDEN][:] = 0.1
-        feeds[io.MTP_POSITIONS][:] = position - rows + np.arange(feeds[io.MTP_POSITIONS].shape[1])
-        feeds[io.MTP_LAST_ROW][:] = rows - 1
+def _fill_draft(head, feeds: dict[str, np.ndarray], position: int, rows: int, token: int) -> None:
+    """A propose call of every slot: `rows` new context rows ending at the anchor's position."""
+    b = feeds[io.TEMPERATURE].shape[0]
+    width = (feeds.get(io.CTX_FEATURES) if io.CTX_FEATURES in feeds else feeds[io.MTP_HIDDEN]).shape[-1]
+    contract.head.settings(feeds)
+    ctx = contract.ContextRows(np.full((b, rows, width), 0.1, np.float32), np.full((b, rows), token),
+                            np.full(b, position - rows), np.full(b, rows))
+    head.propose(feeds, ctx, np.full(b, token))
 
 
 def verify_tokens(spec: io.GraphSpec, batch: int) -> list[int]:
@@ -164,17 +158,18 @@ def measure(art: str | Path, *, backend: str = "ort", threads: int | None = None
         _fill_target(target.inputs(0, bucket), position, token)
         return lambda: target.run(0, bucket)
 
-    def draft_call(r, b: int, rows: int):
+    def draft_call(name: str, b: int, rows: int):
+        r = heads[name]
         bucket = r.spec.bucket("propose", B=b, C=rows)
-        _fill_draft(r.inputs(0, bucket, greedy=True), position, rows, token)
+        _fill_draft(contract.for_head(manifest.heads[name].kind), r.inputs(0, bucket, greedy=True), position, rows, token)
         return lambda: r.run(0, bucket, greedy=True)
 
     for b in batches:
         for p in verify_tokens(target.spec, b):
             jobs.append((("verify", b, p), target_call(b, p)))
-        for name, r in heads.items():
+        for name in heads:
             for rows in sorted({1, min(2, s.verify_len)}):
-                jobs.append((("draft", name, b, rows), draft_call(r, b, rows)))
+                jobs.append((("draft", name, b, rows), draft_call(name, b, rows)))
     times: dict[tuple, list[float]] = {key: [] for key, _ in jobs}
     for _, call in jobs:  # warm-up: first-use allocations, cache growth
         call()

@@ -20,7 +20,8 @@ from typing import Protocol
 import numpy as np
 
 from specrt import artifact as io
-from specrt.runtime.acceptance import Verdict, accept_greedy, accept_sampled
+from specrt.runtime import calls, steps
+from specrt.runtime.acceptance import Verdict, accept_sampled
 from specrt.runtime.backends import Runner
 from specrt.runtime.drafters import Drafter, Proposal, SlotView
 from specrt.runtime.sampling import SamplingParams
@@ -69,11 +70,10 @@ class Speculator:
         t1 = time.perf_counter()
         lengths = self.schedule(slots, proposal, load)
         ts = time.perf_counter()
-        logits, features = self.verify(slots, proposal, lengths)
+        logits, best, first, features = self.verify(slots, proposal, lengths)
         t2 = time.perf_counter()
         verified = sum(int(lengths[i]) + 1 for i, s in enumerate(slots) if s is not None)
-        outcomes = [self.accept(s, proposal, i, int(lengths[i]), logits[i], features)
-                    if s is not None else None for i, s in enumerate(slots)]
+        outcomes = self.accept(slots, proposal, lengths, logits, best, first, features)
         for i, o in enumerate(outcomes):
             if o is not None:
                 self.scheduler.observe(o.verify_len, o.verdict.accepted)
@@ -81,59 +81,62 @@ class Speculator:
         return Round(proposal, outcomes, draft_s=t1 - t0, verify_s=t2 - t1, verified=verified, call_s=t2 - ts)
 
     def schedule(self, slots: list[SlotState | None], proposal: Proposal, load: Load) -> np.ndarray:
-        """The scheduler's lengths, capped by the drafts proposed and each request's budget."""
-        lengths = np.minimum(self.scheduler.schedule(slots, proposal, load), proposal.counts)
-        for i, s in enumerate(slots):
-            # the bonus token is always committed, so at most budget - 1 drafts can be
-            lengths[i] = max(0, min(lengths[i], s.budget - 1, self.gamma)) if s is not None else 0
-        return lengths
+        """The scheduler's lengths, capped by the drafts proposed, gamma and each request's budget."""
+        active = np.array([s is not None for s in slots])
+        budget = np.array([s.budget if s is not None else 0 for s in slots], np.int64)
+        planned = np.asarray(self.scheduler.schedule(slots, proposal, load), np.int64)
+        return steps.cap(planned, proposal.counts, budget, active, self.gamma)
 
     def verify(self, slots: list[SlotState | None], proposal: Proposal, lengths: np.ndarray
-               ) -> tuple[list[np.ndarray | None], np.ndarray | None]:
-        """One packed target call over [anchor, drafts] of every active slot: per slot its logits [l+1, V]
-        (None for idle slots), and features [n,T,F] (or None).
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """One packed target call over [anchor, drafts] of every active slot (runtime/calls/target.py): its
+        logits [P, V] (the computed cells in slot order), the argmax of every grid cell [n, T], each slot's first
+        row in the logits [n], and features [n, T, F] (or None).
 
-        The slots' tokens fill a [n, T] grid (T = the longest verify + 1), and only they are computed: they are
-        packed into the smallest exported token budget P that holds them (`artifact.token_budgets`), so a
-        short verify costs its own tokens, not the longest slot's. Budget padding computes unused grid cells."""
+        Only the slots' tokens are computed: they are packed into the smallest exported token budget P that holds
+        them (`artifact.token_budgets`), so a short verify costs its own tokens, not the longest slot's."""
         n, t = len(slots), int(lengths.max()) + 1
+        active = np.array([s is not None for s in slots])
+        count = int((lengths + 1)[active].sum())
         spec = self.target.spec
-        active = [i for i, s in enumerate(slots) if s is not None]
-        count = sum(int(lengths[i]) + 1 for i in active)
         bucket = spec.bucket("verify", B=n, T=t, P=count) if t > 1 else spec.bucket("decode", B=n)
-        feeds = self.target.inputs(0, bucket)  # bound buffers: filled in place
-        ids, start, rows = feeds[io.INPUT_IDS], feeds[io.WRITE_INDEX], feeds[io.TOKEN_ROWS]
-        T, P = bucket["T"], bucket["P"]
-        ids[:] = 0
-        start[:] = 0  # idle slots (and bucket padding) write a dummy row at position 0 of their own row
-        cells = np.zeros(bucket["B"] * T, bool)
-        offsets, k = {}, 0
-        for i in active:
-            s, ell = slots[i], int(lengths[i])
-            start[i] = s.length
-            ids[i, 0] = s.pending
-            ids[i, 1:ell + 1] = proposal.tokens[i, :ell]
-            rows[k:k + ell + 1] = i * T + np.arange(ell + 1)
-            cells[i * T:i * T + ell + 1] = True
-            offsets[i] = k
-            k += ell + 1
-        rows[k:] = np.flatnonzero(~cells)[:P - k]  # budget padding: distinct cells no real token uses
-        np.add(start[:, None], np.arange(T), out=feeds[io.POSITION_IDS])
-        feeds[io.LOGIT_ROWS][:] = np.arange(bucket["R"])
+        b, T = bucket["B"], bucket["T"]
+        anchor, start = np.zeros(b, np.int64), np.zeros(b, np.int64)
+        drafts = np.zeros((b, T - 1), np.int64)
+        for i, s in enumerate(slots):
+            if s is not None:  # idle slots (and bucket padding) write a dummy row at position 0 of their own row
+                anchor[i], start[i] = s.pending, s.length
+                drafts[i, :int(lengths[i])] = proposal.tokens[i, :int(lengths[i])]
+        rows = calls.target.packed_rows(lengths, active, bucket)
+        calls.target.grid(self.target.inputs(0, bucket), anchor, start, drafts, rows)
         out = self.target.run(0, bucket)
         logits = out[io.LOGITS]
-        per_slot = [logits[offsets[i]:offsets[i] + int(lengths[i]) + 1] if i in offsets else None for i in range(n)]
-        return per_slot, out.get(io.FEATURES)
+        first = np.concatenate([[0], np.cumsum(np.where(active, lengths + 1, 0))[:-1]])
+        best = steps.best(logits, rows, b, T)[:n]
+        return logits, best, first, out.get(io.FEATURES)
 
-    @staticmethod
-    def accept(slot: SlotState, proposal: Proposal, i: int, ell: int, logits: np.ndarray,
-               features: np.ndarray | None) -> Outcome:
-        drafts = proposal.tokens[i, :ell]
-        if slot.params.greedy:
-            verdict = accept_greedy(drafts, logits[:ell + 1])
-        else:
-            probs = proposal.draft_probs(i, ell, logits.shape[-1])
-            verdict = accept_sampled(drafts, probs, logits[:ell + 1], slot.params, slot.rng)
-        a = verdict.accepted
-        rows = features[i, :a + 1] if features is not None else None
-        return Outcome(verify_len=ell, verdict=verdict, tokens=[*drafts[:a].tolist(), verdict.bonus], features=rows)
+    def accept(self, slots: list[SlotState | None], proposal: Proposal, lengths: np.ndarray, logits: np.ndarray,
+               best: np.ndarray, first: np.ndarray, features: np.ndarray | None) -> list[Outcome | None]:
+        """Greedy slots by steps.accept, all at once; sampled ones by rejection sampling, each with its own rng."""
+        t = best.shape[1]
+        drafts = np.zeros((len(slots), t - 1), np.int64)
+        for i, s in enumerate(slots):
+            if s is not None:
+                drafts[i, :int(lengths[i])] = proposal.tokens[i, :int(lengths[i])]
+        accepted, tokens = steps.accept(drafts, best, lengths)
+        outcomes: list[Outcome | None] = []
+        for i, s in enumerate(slots):
+            if s is None:
+                outcomes.append(None)
+                continue
+            ell = int(lengths[i])
+            if s.params.greedy:
+                verdict = Verdict(int(accepted[i]), int(tokens[i, accepted[i]]))
+            else:
+                probs = proposal.draft_probs(i, ell, logits.shape[-1])
+                verdict = accept_sampled(drafts[i, :ell], probs, logits[first[i]:first[i] + ell + 1], s.params, s.rng)
+            a = verdict.accepted
+            rows = features[i, :a + 1] if features is not None else None
+            outcomes.append(Outcome(verify_len=ell, verdict=verdict, tokens=[*drafts[i, :a].tolist(), verdict.bonus],
+                                    features=rows))
+        return outcomes

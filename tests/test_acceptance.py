@@ -6,22 +6,47 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from specrt.runtime.acceptance import accept_greedy, accept_sampled
+import torch
+
+from specrt.runtime import steps
+from specrt.runtime.acceptance import accept_sampled
 from specrt.runtime.sampling import SamplingParams, distribution
+
+
+def _greedy(drafts, logits, length=None):
+    """steps.accept on one slot (numpy) and on the same slot as torch tensors: (accepted, bonus), which agree."""
+    t = logits.shape[0]
+    best = np.argmax(logits, -1)[None]
+    d = np.zeros((1, t - 1), np.int64)
+    d[0, :len(drafts)] = drafts
+    ell = np.array([len(drafts) if length is None else length])
+    a, tokens = steps.accept(d, best, ell)
+    ta, ttokens = steps.accept(torch.from_numpy(d), torch.from_numpy(best), torch.from_numpy(ell))
+    assert int(ta[0]) == int(a[0]) and ttokens.tolist() == tokens.tolist()
+    assert tokens[0, :a[0]].tolist() == list(drafts[:a[0]])  # the accepted drafts come first
+    return int(a[0]), int(tokens[0, a[0]])
 
 
 def test_greedy_accepts_the_matching_prefix_and_adds_the_target_token():
     logits = np.full((4, 10), -5.0)
     for row, tok in enumerate([3, 7, 1, 9]):
         logits[row, tok] = 5.0
-    v = accept_greedy(np.array([3, 7, 1]), logits)
-    assert (v.accepted, v.bonus) == (3, 9)  # all accepted: the bonus comes from the last row
-    v = accept_greedy(np.array([3, 2, 1]), logits)
-    assert (v.accepted, v.bonus) == (1, 7)  # mismatch at the second draft: the target's token replaces it
-    v = accept_greedy(np.array([4, 7, 1]), logits)
-    assert (v.accepted, v.bonus) == (0, 3)
-    v = accept_greedy(np.array([], dtype=np.int64), logits[:1])
-    assert (v.accepted, v.bonus) == (0, 3)  # no drafts: a plain autoregressive step
+    assert _greedy(np.array([3, 7, 1]), logits) == (3, 9)  # all accepted: the bonus comes from the last row
+    assert _greedy(np.array([3, 2, 1]), logits) == (1, 7)  # mismatch at the second draft: the target's token
+    assert _greedy(np.array([4, 7, 1]), logits) == (0, 3)
+    assert _greedy(np.array([], dtype=np.int64), logits[:1]) == (0, 3)  # no drafts: a plain autoregressive step
+    assert _greedy(np.array([3, 7, 1]), logits, length=1) == (1, 7)  # verified up to the length only
+
+
+def test_cap_and_advance_on_both_namespaces():
+    for xp in (np, torch):
+        arr = (lambda v: np.asarray(v, np.int64)) if xp is np else (lambda v: torch.tensor(v, dtype=torch.int64))
+        active = np.array([True, True, True, False]) if xp is np else torch.tensor([True, True, True, False])
+        lengths = steps.cap(arr([4, 2, 5, 3]), arr([4, 4, 1, 4]), arr([10, 10, 2, 10]), active, 3)
+        assert lengths.tolist() == [3, 2, 1, 0]  # gamma, planned, counts and budget - 1 cap; idle slots verify 0
+        length, budget, anchor = arr([10, 20, 30, 40]), arr([9, 9, 9, 9]), arr([1, 2, 3, 4])
+        steps.advance(length, budget, anchor, arr([2, 0, 1, 5]), arr([7, 8, 9, 6]), active)
+        assert (length.tolist(), budget.tolist(), anchor.tolist()) == ([13, 21, 32, 40], [6, 8, 7, 9], [7, 8, 9, 4])
 
 
 def _chi2_matches(samples: np.ndarray, probs: np.ndarray, min_expected: float = 5.0) -> float:

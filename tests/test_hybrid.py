@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specrt import artifact as io
-from specrt.runtime.drafters import Context, DSparkDrafter, MTPDrafter
+from specrt.runtime.drafters import Context, GraphDrafter
 from specrt.runtime.engine import Engine, Request
 from specrt.runtime.hybrid import EXPLORE, HEAD, LOOKUP, HybridDrafter
 from specrt.runtime.profile import Profile, save_profile
@@ -153,7 +153,6 @@ def test_skipped_rounds_reach_the_head_before_it_drafts(tiny_arts, head, skipped
     head that saw every round."""
     art = tiny_arts("llama")
     manifest = io.load_manifest(art)
-    cls = {"dspark": DSparkDrafter, "mtp": MTPDrafter}[head]
     rng = np.random.default_rng(7)
     F = max(h.feature_offset + h.feature_dim for h in manifest.heads.values())  # every head's features
     prompt = rng.integers(3, 256, 12)
@@ -161,14 +160,14 @@ def test_skipped_rounds_reach_the_head_before_it_drafts(tiny_arts, head, skipped
     rounds = [Context(12 + sum(skipped[:i]), rng.normal(0, 1, (r, F)).astype(np.float32), rng.integers(3, 256, r))
               for i, r in enumerate([*skipped, 2])]
 
-    plain = cls(art, manifest, threads=1)
+    plain = GraphDrafter(art, manifest, head, threads=1)
     plain.allocate(1)
     pending = plain.prefill(0, prompt_ctx)
     for ctx in [merge_first(pending, rounds[0]), *rounds[1:]]:  # a head that sees every round
         want = plain.propose([_View(ctx, int(ctx.next_tokens[-1]), [1, 2, 3])])
 
     costs = _Costs()
-    hybrid = HybridDrafter(cls(art, manifest, threads=1), costs)
+    hybrid = HybridDrafter(GraphDrafter(art, manifest, head, threads=1), costs)
     hybrid.allocate(1)
     pending = hybrid.prefill(0, prompt_ctx)
     history = [7, 8, 9, 4, 7, 8]  # "7 8" occurred before: the lookup proposes 9, 4, ...
@@ -197,7 +196,7 @@ def test_head_is_explored_when_its_estimate_says_skip(tiny_arts):
     art = tiny_arts("llama")
     manifest = io.load_manifest(art)
     costs = _Costs()
-    hybrid = HybridDrafter(DSparkDrafter(art, manifest, threads=1), costs)
+    hybrid = HybridDrafter(GraphDrafter(art, manifest, "dspark", threads=1), costs)
     hybrid.allocate(1)
     hybrid.committed, hybrid.cost = 1.0, 1e6  # its rounds so far: nearly nothing per ms
     feats = np.zeros((1, max(h.feature_offset + h.feature_dim for h in manifest.heads.values())), np.float32)

@@ -19,6 +19,7 @@ import numpy as np
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
+from specrt.runtime import calls
 from specrt.runtime.backends import BACKENDS, infer, load_runner
 
 CALLS = 2  # the second call of a use reads the cache the first one wrote
@@ -89,19 +90,20 @@ def random_feeds(manifest: io.Manifest, family: str, bucket: io.Bucket, call: in
         while computed.sum() > p:
             computed[rng.choice(np.flatnonzero(computed))] -= 1
         cells = np.concatenate([i * t + np.arange(c) for i, c in enumerate(computed)]).astype(np.int64)
-        rows = np.arange(r) if r == p else rng.integers(0, p, r)
-        feeds.update({io.POSITION_IDS: start[:, None] + np.arange(t), io.WRITE_INDEX: start,
-                      io.TOKEN_ROWS: cells, io.LOGIT_ROWS: rows})
+        ids = feeds[io.INPUT_IDS]
+        calls.target.grid(feeds, ids[:, 0], start, ids[:, 1:], cells)
+        if r != p:
+            feeds[io.LOGIT_ROWS][:] = rng.integers(0, p, r)
         return feeds, start + computed  # the next call overwrites the cells not computed
     c = bucket["C"]
-    if io.MTP_TOKENS in feeds:  # MTP: rows up to last_row are real, the rest padding; the next call continues
-        last = rng.integers(0, c, b)
-        feeds.update({io.MTP_POSITIONS: start[:, None] + np.arange(c), io.MTP_LAST_ROW: last})
-        return feeds, start + last + 1
-    # DSpark: context rows at or past ctx_len are padding; the next call overwrites them
-    ctx_len = start + rng.integers(1, c + 1, b)
-    feeds.update({io.CTX_POSITIONS: start[:, None] + np.arange(c), io.CTX_WRITE_INDEX: start, io.CTX_LEN: ctx_len})
-    return feeds, ctx_len
+    contract = calls.for_head(manifest.heads[family].kind)
+    rows = rng.integers(1, c + 1, b)  # real context rows; the rest is padding the next call overwrites
+    if io.MTP_TOKENS in feeds:  # MTP: rows up to last_row are real; the next call continues after them
+        ctx = calls.ContextRows(feeds[io.MTP_HIDDEN], feeds[io.MTP_TOKENS], start, rows)
+    else:  # DSpark: context rows at or past ctx_len are padding
+        ctx = calls.ContextRows(feeds[io.CTX_FEATURES], np.zeros((b, c), np.int64), start, rows)
+    contract.propose(feeds, ctx, feeds.get(io.ANCHOR_IDS, np.zeros(b, np.int64)))
+    return feeds, start + rows
 
 
 def _near_ties(ref: dict[str, np.ndarray], tokens: np.ndarray, feeds: dict[str, np.ndarray], atol: float

@@ -11,7 +11,7 @@ feature capture see only these verbs; no backend type is named outside `backends
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -34,6 +34,20 @@ class Runner(Protocol):
         """Run on the buffers `inputs(slot, bucket)` returned; outputs stay valid until the next run. `greedy`: a
         draft family's greedy variant (spec.greedy_file) where it has one: argmax drafts, no io.GREEDY_DROPS
         outputs; the same cache."""
+
+
+class DeviceRunner(Runner, Protocol):
+    """A runner whose calls can also be driven on its device without host copies (the torch backend): what the
+    device round (runtime/device_round.py) uses."""
+
+    device: Any  # where its inputs, outputs and cache live (a torch.device)
+
+    def module_inputs(self, slot: int, bucket: io.Bucket) -> dict[str, Any]:
+        """The call's static device input tensors, to fill in place (runtime/calls fills them as it fills `inputs`)."""
+
+    def forward(self, slot: int, bucket: io.Bucket, *, graphed: bool = True) -> dict[str, Any]:
+        """Run the call on its device inputs as they are; device outputs, no host copy, no synchronisation.
+        `graphed=False`: eagerly (inside another capture)."""
 
 
 def bucket_of(spec: io.GraphSpec, feeds: dict[str, np.ndarray]) -> io.Bucket:
