@@ -1,16 +1,15 @@
-"""Named models (`specrt export smollm2`) and the demo's cached default artifact."""
+"""Named models (`specrt export smollm2`), their shipped heads and export defaults (the demo's artifact is built
+by specrt/tools/default_artifact.py)."""
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-from dataclasses import asdict
 from pathlib import Path
 
 import specrt
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.configs.fetch import PRESETS, cache_dir
+from specrt.configs.fetch import PRESETS
 
 HEADS_DIR = Path(specrt.__file__).resolve().parent / "heads"  # trained heads shipped with specrt (package data)
 
@@ -22,7 +21,7 @@ def preset_heads(name: str) -> dict[str, Path]:
     return {k: v for k, v in found.items() if (v / "config.json").is_file()} if name in PRESETS else {}
 
 
-def _heads_key(heads: dict[str, Path]) -> list[str]:
+def heads_key(heads: dict[str, Path]) -> list[str]:
     """Content hashes of the head files, so a retrained head gets a new cached artifact."""
     files = [(k, f) for k, d in sorted(heads.items()) for f in sorted(d.iterdir()) if f.suffix in (".json", ".safetensors")]
     files += [("counts", d.parent / "token_counts.npy") for k, d in sorted(heads.items())
@@ -67,21 +66,3 @@ def preset_format(name: str) -> dict[str, str]:
 def default_settings() -> io.ExportSettings:
     """The demo's artifact: the export defaults in the preset's format, with its shipped heads."""
     return dataclasses.replace(EXPORT_DEFAULTS, **PRESET_FORMAT, draft_vocab=PRESET_DRAFT_VOCAB)
-
-
-def default_artifact(*, progress: bool = True) -> Path:
-    """The default model exported with default settings, cached under the specrt cache directory."""
-    settings = default_settings()
-    heads = preset_heads("smollm2")
-    key = hashlib.sha256(json.dumps([asdict(settings), io.FORMAT_VERSION, _heads_key(heads)]).encode()).hexdigest()
-    art = cache_dir() / "artifacts" / f"smollm2-{key[:10]}"
-    if (art / io.MANIFEST).is_file():
-        return art
-    from specrt.exporter.export import export_artifact
-    from specrt.runtime.profile import measure, save_profile
-
-    export_artifact(resolve_model("smollm2", progress=progress), art, settings, progress=progress, **heads)
-    # the cost table the default scheduler (sps) reads, measured once on this machine, carefully (as `specrt
-    # export` does): the runtime refines it online, but it decides the first rounds
-    save_profile(art, measure(art, progress=progress))
-    return art

@@ -23,7 +23,7 @@ from specrt.distill.cache import TargetCache
 from specrt.distill.losses import SoftCE_L1, acceptance_target
 from specrt.distill.train_dspark import FINAL, FrozenHead, block_rows, make_batch
 from specrt.exporter.loaders.deepspec import load_dspark
-from specrt.exporter.models.dspark import DSparkDraft
+from specrt.models.dspark import DSparkDraft
 
 ECE_BINS = 20
 ACCEPTANCE = ("sampled", "greedy")

@@ -30,7 +30,7 @@ from specrt.distill.calibrate import calibrate_dspark
 from specrt.distill.features import capture_features
 from specrt.distill.generate import (SAMPLING, extra_sampling, generate_responses, merge_responses,
                                      read_responses, responses_file)
-from specrt.distill.vocab import COUNTS_FILE, count_tokens, write_counts
+from specrt.exporter.vocab import COUNTS_FILE, count_tokens, write_counts
 from specrt.distill.prompts import PromptSplit, rows_label, training_prompts
 from specrt.distill.train_dspark import TrainResult, train_dspark
 from specrt.distill.train_mtp import train_mtp
@@ -38,7 +38,7 @@ from specrt.exporter.loaders import load_target
 from specrt.exporter.loaders.deepspec import SHARED_WITH_TARGET, default_layer_ids, load_dspark, save_deepspec_checkpoint
 from specrt.exporter.loaders.mtp import load_mtp, save_mtp_checkpoint
 from specrt.exporter.onnx.target import FINAL
-from specrt.exporter.outdir import check_out, check_writable, staged
+from specrt.outdir import check_out, check_writable, staged
 from specrt.configs.presets import preset_format, resolve_model
 
 HEADS = ("dspark", "mtp")

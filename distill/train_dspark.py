@@ -32,8 +32,9 @@ from specrt.model_config import ModelConfig
 from specrt.distill.cache import TargetCache
 from specrt.distill.losses import (LossParts, block_eval_mask, dspark_loss, position_weights,
                                             sample_anchors, tau_probabilistic, warmup_cosine)
-from specrt.exporter.loaders.deepspec import _FAMILY_ARCH, DSparkConfig, save_deepspec_checkpoint
-from specrt.exporter.models.dspark import DSparkDraft
+from specrt.exporter.loaders.deepspec import _FAMILY_ARCH, save_deepspec_checkpoint
+from specrt.model_config import DSparkConfig
+from specrt.models.dspark import DSparkDraft
 from specrt.exporter.onnx.target import FINAL  # the feature source holding the target's final-normed hidden
 
 STATE_FILE, LOG_FILE = "training_state.pt", "train_log.json"

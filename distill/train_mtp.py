@@ -23,8 +23,9 @@ from specrt.distill.cache import TargetCache
 from specrt.distill.losses import LossParts, mtp_loss
 from specrt.distill.train_dspark import (EVAL_SEED, FINAL, FrozenHead, TrainResult, frozen_param,
                                                   init_weights, run_training, train_eval_split)
-from specrt.exporter.loaders.mtp import EMBED, HEAD, MTPConfig, save_mtp_checkpoint
-from specrt.exporter.models.mtp import MTP
+from specrt.model_config import EMBED, HEAD, MTPConfig
+from specrt.exporter.loaders.mtp import save_mtp_checkpoint
+from specrt.models.mtp import MTP
 
 MAX_SEQS_PER_STEP = 16  # a step gathers sequences until it has batch_tokens loss rows, at most this many
 

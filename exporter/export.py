@@ -17,8 +17,9 @@ from specrt.model_config import ModelConfig
 from specrt.exporter.heads import HeadPlan, dspark_plan, feature_layout, mtp_plan
 from specrt.exporter.loaders import LoadedTarget, load_target
 from specrt.exporter.onnx.builder import GraphBuilder, WeightStore
-from specrt.exporter.onnx.quant import Blocks, pack_weights, select_rows, stored_bytes
-from specrt.exporter.outdir import check_out, staged
+from specrt.blocks import Blocks
+from specrt.exporter.onnx.quant import pack_weights, select_rows, stored_bytes
+from specrt.outdir import check_out, staged
 from specrt.exporter.onnx.target import FINAL, build_target_graph, target_cache_len, target_weights
 
 

@@ -45,7 +45,7 @@ def _config_dict(cfg: Any) -> dict[str, Any]:
 def token_counts_path(draft: str | Path, given: str | Path | None = None) -> Path:
     """Where a head's token counts are: `given`, else token_counts.npy in the head's directory or its parent
     (the shipped heads share one file: specrt/heads/smollm2/token_counts.npy)."""
-    from specrt.distill.vocab import COUNTS_FILE
+    from specrt.exporter.vocab import COUNTS_FILE
 
     if given is not None:
         return Path(given)
@@ -61,7 +61,7 @@ def _vocabulary(kind: str, path: str | Path, target: ModelConfig, s: io.ExportSe
                 token_counts: str | Path | None, source_files: list[Path]) -> tuple[np.ndarray | None, dict]:
     """A head's draft vocabulary (FR-Spec) when `s.draft_vocab` asks for one: (ids, HeadSpec fields); the counts
     file joins `source_files`."""
-    from specrt.distill.vocab import coverage, draft_vocab, read_counts
+    from specrt.exporter.vocab import coverage, draft_vocab, read_counts
 
     if not s.draft_vocab:
         return None, {}

@@ -25,7 +25,7 @@ import onnx
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.exporter.outdir import note_written
+from specrt.outdir import note_written
 from specrt.plugins.confidence_truncate import DOMAIN, OP
 
 PRECISIONS = {"fp16": "float16", "bf16": "bfloat16"}
@@ -73,25 +73,6 @@ def without_local_function(model: onnx.ModelProto) -> onnx.ModelProto:
     del out.functions[:]
     out.functions.extend(f for f in model.functions if not (f.domain == DOMAIN and f.name == OP))
     return out
-
-
-def require_tensorrt():
-    """The tensorrt module and a CUDA GPU, or a one-line error that says which is missing."""
-    try:
-        import tensorrt as trt
-    except ImportError:
-        raise SpecrtError("specrt build needs TensorRT: pip install 'specrt[gpu]' on a machine with an NVIDIA GPU "
-                          "(tensorrt is not importable here)") from None
-    try:
-        import torch
-
-        gpu = torch.cuda.is_available()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        gpu = False
-    if not gpu:
-        raise SpecrtError(f"specrt build needs an NVIDIA GPU: TensorRT {trt.__version__} imports, but no CUDA device "
-                          "is visible")
-    return trt
 
 
 def plugin_layers(network, trt) -> list[str]:

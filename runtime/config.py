@@ -96,3 +96,9 @@ class EngineConfig:
     @property
     def parsed(self) -> Method:
         return Method.parse(self.method)
+
+    @property
+    def plans_on_costs(self) -> bool:
+        """Whether its rounds plan on a cost profile (the sps schedulers, the hybrids)."""
+        m = self.parsed
+        return m.speculative and (self.scheduler.startswith("sps") or m.hybrid)

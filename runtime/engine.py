@@ -28,6 +28,7 @@ from specrt.runtime import calls
 from specrt.runtime.backends import load_runner
 from specrt.runtime.config import EngineConfig
 from specrt.runtime.costs import CostTable
+from specrt.runtime.profile import Profile, load_profile
 from specrt.runtime.drafters import Context, Proposal, make_drafter
 from specrt.runtime.observers import RoundObserver, RoundRecord, TraceWriter
 from specrt.runtime.sampling import SamplingParams, next_token
@@ -43,9 +44,6 @@ if TYPE_CHECKING:
 TextCallback = Callable[[int, str], None]  # (request id, text delta)
 TokenCallback = Callable[[int, int], None]  # (request id, number of new tokens)
 FinishCallback = Callable[["RequestOutput"], None]  # a request's output, the moment it finishes
-
-_MEASURED: dict[tuple, object] = {}  # quick cost profiles measured in this process, for artifacts without one
-
 
 def check_room(manifest: io.Manifest, prompt_tokens: int, max_new_tokens: int, gamma: int) -> None:
     """Reject a request whose prompt, token budget and `gamma` drafts do not fit one slot of the artifact's cache."""
@@ -128,9 +126,11 @@ class Engine:
     """
 
     def __init__(self, art_dir: str | Path, config: EngineConfig | None = None, *, trace: Path | None = None,
-                 observers: Sequence[RoundObserver] = (), **settings: Any) -> None:
+                 observers: Sequence[RoundObserver] = (), profile: Profile | None = None, **settings: Any) -> None:
         """`config` (or its fields as keywords: `Engine(art, method="dspark", slots=4)`) says how to run the
-        artifact; `trace` writes every round as JSONL; `observers` see every round."""
+        artifact; `trace` writes every round as JSONL; `observers` see every round; `profile`: the cost profile the
+        sps schedulers and the hybrids plan on when the artifact stores none for this backend
+        (`specrt.tools.profile.profile_for` measures a quick one)."""
         if config is not None and settings:
             raise SpecrtError(f"give an EngineConfig or its fields ({', '.join(settings)}), not both")
         try:
@@ -140,7 +140,7 @@ class Engine:
         c, method = config, config.parsed
         self.config = config
         if trace is not None:
-            TraceWriter.check(trace)  # before the graphs load (and a cost profile is measured)
+            TraceWriter.check(trace)  # before the graphs load
         self.art_dir = Path(art_dir)
         self.manifest = io.load_manifest(self.art_dir)
         self.method, self.backend, self.scheduler_name = c.method, c.backend, c.scheduler
@@ -164,7 +164,7 @@ class Engine:
             if c.gamma is not None and not 1 <= c.gamma <= exported:
                 raise SpecrtError(f"--gamma must be between 1 and {exported} (the artifact's verify length - 1), "
                                   f"got {c.gamma}")
-            costs = self._costs(c.backend, c.threads) if c.scheduler.startswith("sps") or method.hybrid else None
+            costs = self._costs(c.backend, c.threads, profile) if c.plans_on_costs else None
             self.costs = costs
             self.drafter = make_drafter(method, self.art_dir, self.manifest, gamma=c.gamma or exported,
                                         backend=c.backend, threads=c.threads, ngram=c.ngram, costs=costs, **where)
@@ -198,23 +198,17 @@ class Engine:
         if c.slots is not None:
             self._allocate(min(c.slots, self.max_batch))
 
-    def _costs(self, backend: str, threads: int | None) -> CostTable:
-        """The artifact's stored profile for this backend, or (with a warning) a quick one measured now; either
-        is refined online by the rounds this engine times (runtime/costs.py)."""
-        import sys
-
-        from specrt.runtime.profile import load_profile, measure
-
-        prof = load_profile(self.art_dir, backend=backend, threads=threads)
-        if prof is not None:
-            return CostTable(prof, f"artifact profile {prof.backend}/{prof.threads}")
-        key = (str(self.art_dir.resolve()), backend, threads)
-        if key not in _MEASURED:
-            print(f"specrt: warning: {self.art_dir} has no {backend} cost profile; measuring a quick one "
-                  f"(run `specrt profile {self.art_dir}` once to store a careful one)", file=sys.stderr)
-            _MEASURED[key] = measure(self.art_dir, backend=backend, threads=threads, repeats=1, calls=2,
-                                     progress=False, position=min(128, self.manifest.export.max_seq // 2))
-        return CostTable(_MEASURED[key], "quick measurement at start-up")
+    def _costs(self, backend: str, threads: int | None, profile: Profile | None) -> CostTable:
+        """The artifact's stored profile for this backend, or the one given; either is refined online by the rounds
+        this engine times (runtime/costs.py)."""
+        stored = load_profile(self.art_dir, backend=backend, threads=threads)
+        if stored is not None:
+            return CostTable(stored, f"artifact profile {stored.backend}/{stored.threads}")
+        if profile is None:
+            raise SpecrtError(f"--scheduler {self.scheduler_name} / --method {self.method} plan on a cost profile and "
+                              f"{self.art_dir} has none for {backend}: run `specrt profile {self.art_dir}` once "
+                              "(or pass Engine(..., profile=...))")
+        return CostTable(profile, f"profile measured {profile.created}")
 
     # -- the online API ---------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""`specrt profile`: what a draft/verify round costs on this machine and backend, stored in the artifact.
+"""The cost profile: what a draft/verify round costs on this machine and backend, stored in the artifact (measured by
+`specrt profile`, specrt/tools/profile.py; read here for the schedulers' cost table, runtime/costs.py).
 
 A round pays when the tokens it commits (τ) are worth more than its cost in plain decoding steps:
     cost = draft call + verify call over (anchor + ℓ drafts) per slot
@@ -20,18 +21,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-from tqdm import tqdm
-
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.runtime import calls as contract
-from specrt.runtime.backends import load_runner
 
 PROFILE_FILE = io.PROFILE_FILE
 VERSION = 2  # 2: verify costs keyed by total tokens P (packed verification)
@@ -94,107 +88,8 @@ def _key(backend: str, threads: int) -> str:
     return f"{backend}/{threads}"
 
 
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)))
-
-
-def _fill_target(feeds: dict[str, np.ndarray], position: int, token: int) -> None:
-    """A verify (or decode) call of every slot at `position`, its first P cells computed (costs do not depend on
-    token values or on which cells)."""
-    b, t = feeds[io.INPUT_IDS].shape
-    p = len(feeds[io.TOKEN_ROWS])
-    contract.target.grid(feeds, np.full(b, token), np.full(b, position), np.full((b, t - 1), token), np.arange(p))
-
-
-def _fill_draft(head, feeds: dict[str, np.ndarray], position: int, rows: int, token: int) -> None:
-    """A propose call of every slot: `rows` new context rows ending at the anchor's position."""
-    b = feeds[io.TEMPERATURE].shape[0]
-    width = (feeds.get(io.CTX_FEATURES) if io.CTX_FEATURES in feeds else feeds[io.MTP_HIDDEN]).shape[-1]
-    contract.head.settings(feeds)
-    ctx = contract.ContextRows(np.full((b, rows, width), 0.1, np.float32), np.full((b, rows), token),
-                            np.full(b, position - rows), np.full(b, rows))
-    head.propose(feeds, ctx, np.full(b, token))
-
-
-def verify_tokens(spec: io.GraphSpec, batch: int) -> list[int]:
-    """The total verified token counts profiled at `batch` slots: one per slot (decode), and every token
-    budget of the batch's verify buckets above that."""
-    budgets = {b["P"] for b in spec.buckets["verify"] if b["B"] == batch and b["P"] > batch}
-    return [batch, *sorted(budgets)]
-
-
-def measure(art: str | Path, *, backend: str = "ort", threads: int | None = None, position: int = 128,
-            repeats: int = 5, calls: int = 4, progress: bool = True) -> Profile:
-    """Time every configuration `calls` times per repetition, interleaved over `repeats` repetitions."""
-    art = Path(art)
-    manifest = io.load_manifest(art)
-    threads = threads or default_threads()
-    s = manifest.export
-    if not s.verify_len < position < s.max_seq - s.verify_len:
-        raise SpecrtError(f"--position must be between {s.verify_len + 1} and {s.max_seq - s.verify_len - 1}, "
-                          f"got {position}")
-    target = load_runner(backend, art, manifest, io.TARGET, threads=threads, spin=True)
-    heads = {name: load_runner(backend, art, manifest, name, threads=threads, spin=False) for name in manifest.heads}
-    batches = io.batch_sizes(s.batch)
-    token = min(100, manifest.model.vocab_size - 1)  # any token: costs do not depend on values
-    target.allocate(max(batches))
-    for r in heads.values():
-        r.allocate(max(batches))
-    jobs: list[tuple[tuple, object]] = []  # (key, a call)
-
-    def target_call(b: int, p: int):
-        t = -(-p // b)  # the densest grid holding p tokens
-        bucket = target.spec.bucket("decode", B=b) if t == 1 else target.spec.bucket("verify", B=b, T=t, P=p)
-        _fill_target(target.inputs(0, bucket), position, token)
-        return lambda: target.run(0, bucket)
-
-    def draft_call(name: str, b: int, rows: int):
-        r = heads[name]
-        bucket = r.spec.bucket("propose", B=b, C=rows)
-        _fill_draft(contract.for_head(manifest.heads[name].kind), r.inputs(0, bucket, greedy=True), position, rows, token)
-        return lambda: r.run(0, bucket, greedy=True)
-
-    for b in batches:
-        for p in verify_tokens(target.spec, b):
-            jobs.append((("verify", b, p), target_call(b, p)))
-        for name in heads:
-            for rows in sorted({1, min(2, s.verify_len)}):
-                jobs.append((("draft", name, b, rows), draft_call(name, b, rows)))
-    times: dict[tuple, list[float]] = {key: [] for key, _ in jobs}
-    for _, call in jobs:  # warm-up: first-use allocations, cache growth
-        call()
-    with tqdm(total=repeats * len(jobs), desc="profile", unit="config", disable=not progress) as bar:
-        for _ in range(repeats):
-            for key, call in jobs:
-                ts = []
-                for _ in range(calls):
-                    t0 = time.perf_counter()
-                    call()
-                    ts.append(time.perf_counter() - t0)
-                times[key].append(float(np.median(ts)) * 1e3)
-                bar.update(1)
-    med = {key: round(float(np.median(v)), 3) for key, v in times.items()}
-    verify: dict[int, dict[int, float]] = {}
-    draft: dict[str, dict[int, float]] = {}
-    for key, ms in med.items():
-        if key[0] == "verify":
-            verify.setdefault(key[1], {})[key[2]] = ms
-    for name in heads:
-        for b in batches:
-            draft.setdefault(name, {})[b] = round(float(np.mean([ms for k, ms in med.items()
-                                                                  if k[:3] == ("draft", name, b)])), 3)
-    return Profile(backend=backend, threads=threads, position=position, machine=_cpu(),
-                   created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), verify=verify, draft=draft)
 
 
 def save_profile(art: str | Path, profile: Profile) -> Path:
@@ -209,7 +104,7 @@ def save_profile(art: str | Path, profile: Profile) -> Path:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise SpecrtError(f"cannot write {path}: {e.strerror or e}") from None
-    from specrt.exporter.outdir import note_written
+    from specrt.outdir import note_written
 
     note_written(art, PROFILE_FILE)  # `specrt export --force` may replace the artifact with its profile
     return path

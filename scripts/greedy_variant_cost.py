@@ -16,7 +16,8 @@ import numpy as np
 
 from specrt import artifact as io
 from specrt.runtime.backends import load_runner
-from specrt.runtime.profile import _fill_draft, _fill_target
+from specrt.runtime.calls import for_head
+from specrt.tools.profile import _fill_draft, _fill_target
 
 
 def main() -> int:
@@ -38,7 +39,8 @@ def main() -> int:
         for rows in (1, 2):
             bucket = runner.spec.bucket("propose", B=1, C=rows)
             for greedy in (False, True):
-                _fill_draft(runner.inputs(0, bucket, greedy=greedy), 128, rows, 100)
+                _fill_draft(for_head(manifest.heads[name].kind), runner.inputs(0, bucket, greedy=greedy), 128,
+                            rows, 100)
                 calls[f"{name} C={rows} {'greedy' if greedy else 'full'}"] = (
                     lambda r=runner, b=bucket, g=greedy: r.run(0, b, greedy=g))
     times = {k: [] for k in calls}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from specrt.configs.presets import resolve_model
 from specrt.distill.data import generate_responses, read_responses, training_prompts
-from specrt.distill.vocab import COUNTS_FILE, count_tokens, coverage, draft_vocab, write_counts
+from specrt.exporter.vocab import COUNTS_FILE, count_tokens, coverage, draft_vocab, write_counts
 from specrt.exporter.export import export_artifact
 from specrt import artifact as io
 

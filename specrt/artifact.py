@@ -44,7 +44,7 @@ FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.bin"
 TOKENIZER_DIR = "tokenizer"
-PROFILE_FILE = "profile.json"  # measured call costs (runtime/profile.py)
+PROFILE_FILE = "profile.json"  # measured call costs (runtime/profile.py reads it, tools/profile.py measures)
 ENGINE_DIR = "engines"  # `specrt build`'s TensorRT engines (exporter/tensorrt_build.py)
 
 INPUT_IDS = "input_ids"

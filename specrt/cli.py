@@ -151,7 +151,8 @@ def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feed
     path = export_artifact(resolve_model(model, progress=not quiet), out, settings, draft=draft, mtp=mtp,
                            mtp_feedback=mtp_feedback, token_counts=token_counts, progress=not quiet, force=force)
     if not no_profile:
-        from specrt.runtime.profile import measure, save_profile
+        from specrt.tools.profile import measure
+        from specrt.runtime.profile import save_profile
 
         # the table sps and the hybrids plan on, measured carefully once here (the runtime refines it online)
         try:
@@ -275,7 +276,7 @@ def build(artifact: Path, precision: str, workspace: float | None, as_json: bool
 def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, scheduler, threshold, ngram, backend,
         device, dtype, threads, trace, as_json, **sampling) -> None:
     """Generate with an exported artifact."""
-    from specrt.runtime.engine import Engine
+    from specrt.tools.profile import open_engine
 
     params = _params(**sampling)
     if method == "ar":
@@ -284,7 +285,7 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
                 click.echo(f"specrt: warning: {flag} is ignored with --method ar (it does not draft)", err=True)
         trace = gamma = None
     config = _engine_config(method, gamma, scheduler, threshold, ngram, backend, device, dtype, threads)
-    with Engine(artifact, config, trace=trace) as engine:
+    with open_engine(artifact, config, trace=trace) as engine:
         requests = _build_requests(engine, prompt, input_ids, prompts, limit, raw, params)
         stream = len(requests) == 1 and not as_json and engine.tokenizer is not None
         on_text = (lambda _id, delta: (sys.stdout.write(delta), sys.stdout.flush())) if stream else None
@@ -493,7 +494,8 @@ def profile(artifact: Path, backend: str, threads: int | None, position: int, re
             as_json: bool) -> None:
     """Measure the draft call and the verify call (against verified tokens) on this machine; store the table in
     ARTIFACT (profile.json) for the schedulers."""
-    from specrt.runtime.profile import measure, save_profile
+    from specrt.tools.profile import measure
+    from specrt.runtime.profile import save_profile
     from specrt.tools.plots import plot_profile
 
     if plot is not None and plot.suffix.lower() != ".png":
@@ -560,7 +562,7 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, slots: i
     import uvicorn
 
     from specrt import artifact as io
-    from specrt.runtime.engine import Engine
+    from specrt.tools.profile import open_engine
     from specrt.serve import guard
     from specrt.serve.app import create_app
     from specrt.serve.loop import EngineLoop
@@ -584,8 +586,8 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, slots: i
     limits = guard.Limits(max_body_bytes=max_body_bytes, header_timeout_s=header_timeout,
                           body_timeout_s=body_timeout, max_connections=max_connections, api_key=api_key,
                           cors_origins=tuple(cors_origins), allowed_hosts=guard.allowed_hosts(host, allowed_hosts))
-    engine = Engine(artifact, _engine_config(method, gamma, scheduler, threshold, ngram, backend, device, dtype,
-                                             threads, slots=slots or manifest.export.batch))
+    engine = open_engine(artifact, _engine_config(method, gamma, scheduler, threshold, ngram, backend, device, dtype,
+                                                  threads, slots=slots or manifest.export.batch))
     name = model_name or manifest.name or artifact.resolve().name
     loop = EngineLoop(engine)
     click.echo(f"specrt: serving {name!r} ({method}, {len(engine.slots)} slots, {backend}) on http://{host}:{port}"
@@ -795,7 +797,7 @@ def distill(target: str, prompts: tuple[Path, ...], out: Path, work: Path | None
             as_json: bool, **opts) -> None:
     """Train a draft head for TARGET: generate -> features -> train -> calibrate -> save (each stage resumes)."""
     from specrt.distill.pipeline import DistillSettings, distill as run_distill
-    from specrt.exporter.outdir import sigterm_as_interrupt
+    from specrt.outdir import sigterm_as_interrupt
 
     with sigterm_as_interrupt():  # stages resume; SIGTERM stops like Ctrl-C, so nothing half-written is left
         report = run_distill(target, list(prompts), out, DistillSettings(**opts), work=work, progress=not quiet,
@@ -903,13 +905,14 @@ def demo(prompt: str, max_new_tokens: int, method: str) -> None:
     is installed, run llama.cpp on the same GGUF and prompt tokens for comparison."""
     from tqdm import tqdm
 
-    from specrt.configs.presets import default_artifact
-    from specrt.runtime.engine import Engine, Request
+    from specrt.tools.default_artifact import default_artifact
+    from specrt.runtime.engine import Request
     from specrt.runtime.prompts import encode_prompt
+    from specrt.tools.profile import open_engine
     from specrt.runtime.sampling import SamplingParams
 
     art = default_artifact(progress=True)
-    with Engine(art, EngineConfig(method=method, scheduler=DEFAULT_SCHEDULER)) as engine:
+    with open_engine(art, EngineConfig(method=method, scheduler=DEFAULT_SCHEDULER)) as engine:
         ids = encode_prompt(engine.tokenizer, prompt)
         request = Request(prompt_ids=ids, params=SamplingParams(max_new_tokens=max_new_tokens))
         with tqdm(total=max_new_tokens, desc="generate", unit="tok") as bar:

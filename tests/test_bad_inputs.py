@@ -130,7 +130,7 @@ def test_export_onto_a_file_is_refused_even_with_force(model_dir, tmp_path):
 def test_force_replaces_only_an_earlier_output_of_the_same_command(model_dir, art, tmp_path, command):
     """--force once deleted any directory at --out (a user's thesis included): now only an empty one or an
     untouched earlier output of the same command, whose marker lists the files it wrote."""
-    from specrt.exporter.outdir import MARKER
+    from specrt.outdir import MARKER
 
     def run(out: Path, force: bool = True):
         src = (model_dir,) if command == "export" else (art,)
@@ -227,7 +227,7 @@ def test_sigterm_during_export_cleans_up(model_dir, tmp_path):
 
 
 def test_staged_removes_its_directory_on_sigterm(tmp_path):
-    from specrt.exporter.outdir import Terminated, staged
+    from specrt.outdir import staged, Terminated
 
     with pytest.raises(Terminated):
         with staged(tmp_path / "x" / "art", "export") as tmp:

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from specrt import artifact as io
 from specrt.cli import main
 from specrt.distill.generate import read_responses
-from specrt.distill.vocab import COUNTS_FILE, read_counts
+from specrt.exporter.vocab import COUNTS_FILE, read_counts
 from specrt.exporter.loaders import load_target
 from specrt.exporter.loaders.deepspec import load_dspark
 from specrt.exporter.loaders.mtp import load_mtp

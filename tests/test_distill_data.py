@@ -17,7 +17,7 @@ from specrt.distill.data import (EVAL_ROWS, TOO_LONG, Prompt, PromptSplit, asser
                                           training_prompts)
 from specrt.exporter.export import export_artifact
 from specrt.exporter.loaders import load_target
-from specrt.exporter.models.llama import Transformer
+from specrt.models.llama import Transformer
 
 SETTINGS = io.ExportSettings(batch=2, max_seq=64, prefill_chunk=8, verify_len=2)
 SOURCES = (-1, 0, "final")  # tiny llama has 2 layers: embedding output, layer 0, final-normed hidden

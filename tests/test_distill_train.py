@@ -18,11 +18,12 @@ from specrt.distill.calibrate import calibrate_dspark, ece, sts_temperatures
 from specrt.distill.train_mtp import train_mtp
 from specrt.exporter.export import export_artifact
 from specrt.exporter.loaders import expected_shapes, load_target
-from specrt.exporter.loaders.deepspec import DSparkConfig, load_dspark
+from specrt.model_config import DSparkConfig
+from specrt.exporter.loaders.deepspec import load_dspark
 from specrt.exporter.loaders.mtp import load_mtp
-from specrt.exporter.models.dspark import DSparkDraft
-from specrt.exporter.models.llama import Transformer
-from specrt.exporter.models.mtp import MTP
+from specrt.models.dspark import DSparkDraft
+from specrt.models.llama import Transformer
+from specrt.models.mtp import MTP
 from specrt.runtime.engine import Engine, Request
 from specrt.runtime.sampling import SamplingParams
 
@@ -284,7 +285,7 @@ def test_trained_dspark_loads_exports_and_drafts(tiny, trained, tmp_path):
 
 def test_mtp_forward_train_matches_cached_step(tiny):
     _, target, _ = tiny
-    from specrt.exporter.loaders.mtp import MTPConfig
+    from specrt.model_config import MTPConfig
 
     cfg = MTPConfig(layer=target.config, layer_index=3, has_own_head=False, has_own_embed=False)
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from specrt import artifact as io
 from specrt.artifact import ExportSettings
 from specrt.cli import main
-from specrt.distill.vocab import count_tokens, coverage, draft_vocab, read_counts, write_counts
+from specrt.exporter.vocab import count_tokens, coverage, draft_vocab, read_counts, write_counts
 from specrt.errors import SpecrtError
 from specrt.exporter.export import export_artifact
 from specrt.exporter.loaders.deepspec import random_dspark_checkpoint

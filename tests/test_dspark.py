@@ -17,10 +17,10 @@ from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.exporter.export import export_artifact
 from specrt.exporter.loaders import load_target
-from specrt.exporter.loaders.deepspec import (DSparkConfig, load_dspark, random_dspark_checkpoint,
-                                              save_deepspec_checkpoint)
-from specrt.exporter.models.dspark import DSparkDraft
-from specrt.exporter.models.llama import Transformer
+from specrt.model_config import DSparkConfig
+from specrt.exporter.loaders.deepspec import load_dspark, random_dspark_checkpoint, save_deepspec_checkpoint
+from specrt.models.dspark import DSparkDraft
+from specrt.models.llama import Transformer
 from specrt.exporter.onnx.builder import GraphBuilder, WeightStore
 from specrt.plugins.confidence_truncate import truncate
 from specrt.exporter.onnx.dspark import build_dspark_graph, dspark_signature, dspark_weights

@@ -15,7 +15,8 @@ from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.exporter import export as export_mod
 from specrt.exporter.export import export_artifact
-from specrt.exporter.loaders.deepspec import DSparkConfig, random_dspark_checkpoint
+from specrt.model_config import DSparkConfig
+from specrt.exporter.loaders.deepspec import random_dspark_checkpoint
 from specrt.exporter.loaders.mtp import random_mtp_checkpoint
 from specrt.exporter.onnx.dspark import dspark_signature
 from specrt.runtime.backends import bucket_of, infer
@@ -429,7 +430,7 @@ def test_bucket_rounds_up(tiny):
 def test_no_unused_files_exported(tiny, case):
     """The artifact holds the manifest, the weights, tokenizer/ when the model has one, one .onnx per family, a
     greedy variant per draft family, and the marker listing them (what `--force` may replace)."""
-    from specrt.exporter.outdir import MARKER
+    from specrt.outdir import MARKER
 
     t = tiny(case)
     m = t.manifest

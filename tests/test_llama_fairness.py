@@ -51,7 +51,7 @@ def test_bench_llama_cpp_matches_its_own_loop_run_alone(tmp_path):
 
     from specrt import artifact as io
     from specrt.cli import main
-    from specrt.configs.presets import default_artifact
+    from specrt.tools.default_artifact import default_artifact
     from specrt.tools.bench import artifact_source
     from specrt.runtime.prompts import encode_prompt, read_prompts_file
     from specrt.runtime.tokenizer import Tokenizer

@@ -18,8 +18,8 @@ from specrt.errors import SpecrtError
 from specrt.exporter.export import export_artifact
 from specrt.exporter.loaders.hf import load_hf_dir
 from specrt.exporter.loaders.mtp import load_mtp, random_mtp_checkpoint, save_mtp_checkpoint
-from specrt.exporter.models.mtp import MTP
-from specrt.exporter.models.sampling import sample_draft
+from specrt.models.mtp import MTP
+from specrt.models.sampling import sample_draft
 from specrt.exporter.onnx.builder import GraphBuilder, WeightStore
 from specrt.exporter.onnx.mtp import build_mtp_graph, mtp_weights
 from specrt.exporter.onnx.sampling import sample_draft as emit_sample_draft

@@ -11,7 +11,8 @@ from specrt.artifact import ExportSettings
 from specrt.cli import main
 from specrt.errors import SpecrtError
 from specrt.exporter.export import export_artifact
-from specrt.runtime.profile import PROFILE_FILE, Profile, load_profile, measure, save_profile
+from specrt.runtime.profile import PROFILE_FILE, load_profile, save_profile, Profile
+from specrt.tools.profile import measure
 
 FIXTURE = Path(__file__).parent / "fixtures" / "deepspec_dspark_tiny"
 
@@ -68,3 +69,27 @@ def test_cli(art, tmp_path):
     assert r.exit_code != 0 and "PNG" in r.output
     r = CliRunner().invoke(main, ["profile", str(tmp_path / "missing")])
     assert r.exit_code != 0 and "Traceback" not in r.output
+
+
+def test_the_engine_plans_on_a_profile_it_is_given_and_never_measures_one(tmp_path_factory):
+    """An artifact without a stored profile: an engine whose rounds plan on costs refuses with the fix named; given a
+    profile (what `open_engine` measures once per process, with a warning) it runs on that one; methods that plan on
+    nothing need none."""
+    from specrt.runtime.engine import Engine
+    from specrt.runtime.config import EngineConfig
+    from specrt.tools.profile import open_engine
+
+    bare = export_artifact(FIXTURE / "target", tmp_path_factory.mktemp("bare") / "art",
+                           ExportSettings(batch=1, max_seq=64, prefill_chunk=8, verify_len=3), draft=FIXTURE / "draft",
+                           progress=False)
+    assert load_profile(bare) is None
+    with pytest.raises(SpecrtError, match=r"has none for ort: run `specrt profile .*art` once"):
+        Engine(bare, method="dspark", scheduler="sps", threads=1)
+    with Engine(bare, method="dspark", scheduler="fixed", threads=1) as engine:
+        assert engine.costs is None
+    given = measure(bare, threads=1, position=20, repeats=1, calls=1, progress=False)
+    with Engine(bare, method="dspark+ngram", threads=1, profile=given) as engine:
+        assert engine.costs is not None and "profile measured" in engine.costs.source
+    with open_engine(bare, EngineConfig(method="dspark", scheduler="sps", threads=1)) as engine:
+        assert engine.costs is not None
+    assert load_profile(bare) is None  # measured for this process, never written into the artifact

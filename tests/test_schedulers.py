@@ -195,7 +195,7 @@ def test_confidence_of_a_draft_does_not_depend_on_that_draft():
     k itself. Change only the noise that draws token k: confidences up to k stay, later ones may move."""
     from specrt.exporter.loaders import load_target
     from specrt.exporter.loaders.deepspec import load_dspark
-    from specrt.exporter.models.dspark import DSparkDraft
+    from specrt.models.dspark import DSparkDraft
 
     target = load_target(FIXTURE / "target")
     d = load_dspark(FIXTURE / "draft", target.config)

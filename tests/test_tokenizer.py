@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from specrt.errors import SpecrtError
-from specrt.runtime.tokenizer import StreamDecoder, Tokenizer, read_tokenizer_info
+from specrt.runtime.tokenizer import StreamDecoder, Tokenizer
+from specrt.tokenizer_info import read_tokenizer_info
 
 TEXTS = [
     "Hello, world! How are you today?",

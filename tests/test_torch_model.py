@@ -1,4 +1,4 @@
-"""Parity of the gpt-fast style target (exporter/models/llama.py) with transformers, plus cache semantics."""
+"""Parity of the gpt-fast style target (models/llama.py) with transformers, plus cache semantics."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import torch
 from safetensors.numpy import load_file
 
 from specrt.model_config import ModelConfig
-from specrt.exporter.models.llama import Transformer, apply_rope
+from specrt.models.llama import apply_rope, Transformer
 
 KINDS = [("llama", True), ("llama", False), ("qwen2", None), ("qwen3", None),
          ("llama3_scaled", None), ("mistral", None)]

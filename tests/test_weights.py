@@ -23,7 +23,8 @@ from specrt.exporter.loaders.deepspec import random_dspark_checkpoint
 from specrt.exporter.loaders.mtp import random_mtp_checkpoint
 from specrt.exporter.onnx.builder import GraphBuilder, WeightStore
 from specrt.exporter.onnx.layers import embedding, linear
-from specrt.exporter.onnx.quant import BLOCK, Blocks, from_gguf, quantize
+from specrt.blocks import BLOCK, Blocks
+from specrt.exporter.onnx.quant import from_gguf, quantize
 from specrt.runtime.backends import infer, load_runner
 from test_export import TRT_OPS
 from test_loaders import llama_cpp_permute

@@ -69,10 +69,11 @@ class EngineSpec:
 
 def _specrt(spec: EngineSpec):
     from specrt.runtime.config import EngineConfig
-    from specrt.runtime.engine import Engine, Request
+    from specrt.runtime.engine import Request
+    from specrt.tools.profile import open_engine
     from specrt.runtime.sampling import SamplingParams
 
-    engine = Engine(spec.artifact, EngineConfig(method=spec.name, threads=spec.threads, **dict(spec.options)))
+    engine = open_engine(spec.artifact, EngineConfig(method=spec.name, threads=spec.threads, **dict(spec.options)))
 
     def generate(ids: list[int], max_new_tokens: int, eos: list[int]) -> Generation:
         times: list[float] = []

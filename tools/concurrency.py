@@ -23,6 +23,7 @@ from tqdm import tqdm
 from specrt.errors import SpecrtError
 from specrt.runtime.config import EngineConfig
 from specrt.runtime.engine import Engine
+from specrt.tools.profile import open_engine
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.stats import RunStats
 
@@ -83,9 +84,9 @@ def run(art: str | Path, prompts: list[list[int]], *, levels: list[int], methods
     for c in levels:
         reference = None
         for method, sched in configs:
-            engine = Engine(art, EngineConfig(method=method, gamma=gamma if method != "ar" else None, scheduler=sched,
-                                              backend=backend, threads=threads, slots=c, threshold=threshold,
-                                              device=device, dtype=dtype))
+            engine = open_engine(art, EngineConfig(method=method, gamma=gamma if method != "ar" else None,
+                                                   scheduler=sched, backend=backend, threads=threads, slots=c,
+                                                   threshold=threshold, device=device, dtype=dtype))
             label = method if method == "ar" else f"{method}/{sched}"
             row, outputs = serve(engine, prompts, params, c, progress=progress, desc=f"c={c} {label}")
             reference = reference if reference is not None else outputs

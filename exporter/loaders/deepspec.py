@@ -17,106 +17,13 @@ from typing import Any
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.model_config import ModelConfig
+from specrt.model_config import DSPARK_ARCHITECTURES, MARKOV_HEAD_TYPES, DSparkConfig, ModelConfig
 from specrt.exporter.loaders import LoadedTarget, load_target
 from specrt.exporter.loaders.hf import _open, _read_json, config_problem, weight_files
 
 # DeepSpec `architectures[0]` -> the HF CausalLM whose decoder layers the draft uses.
-DSPARK_ARCHITECTURES: dict[str, str] = {"Qwen3DSparkModel": "Qwen3ForCausalLM",
-                                        "LlamaDSparkModel": "LlamaForCausalLM"}
 _FAMILY_ARCH = {"qwen3": "Qwen3DSparkModel", "llama": "LlamaDSparkModel"}
-MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
-
-
-@dataclass(frozen=True, slots=True)
-class DSparkConfig:
-    """A DSpark draft head: its decoder layers (`layers.num_layers` draft layers) plus the DSpark keys."""
-
-    layers: ModelConfig
-    block_size: int
-    target_layer_ids: tuple[int, ...]
-    mask_token_id: int
-    markov_rank: int = 0  # 0 = no Markov head (DFlash)
-    markov_head_type: str = "vanilla"
-    enable_confidence_head: bool = False
-    confidence_head_with_markov: bool = False
-    architecture: str = "Qwen3DSparkModel"
-    num_target_layers: int | None = None
-    # specrt's key: STS temperatures of the confidence head per draft position (empty = uncalibrated, all 1)
-    confidence_temperatures: tuple[float, ...] = ()
-
-    def __post_init__(self) -> None:
-        ids = list(self.target_layer_ids)
-        temps = self.confidence_temperatures
-        if temps and (len(temps) != self.block_size or min(temps) <= 0 or not self.enable_confidence_head):
-            raise SpecrtError(f"confidence_temperatures {list(temps)} must be {self.block_size} positive values "
-                              "of a head with a confidence head")
-        if self.block_size < 1:
-            raise SpecrtError(f"block_size must be >= 1, got {self.block_size}")
-        if not ids or any(i < -1 for i in ids) or any(b <= a for a, b in zip(ids, ids[1:])):
-            raise SpecrtError(f"target_layer_ids {ids} must be non-empty, >= -1 and strictly increasing")
-        if self.markov_rank < 0:
-            raise SpecrtError(f"markov_rank must be >= 0, got {self.markov_rank}")
-        if self.markov_head_type not in MARKOV_HEAD_TYPES:
-            raise SpecrtError(f"markov_head_type {self.markov_head_type!r} is not one of "
-                              f"{', '.join(MARKOV_HEAD_TYPES)}")
-        if self.confidence_head_with_markov and not (self.enable_confidence_head and self.markov_rank):
-            raise SpecrtError("confidence_head_with_markov needs enable_confidence_head and markov_rank > 0")
-        if not 0 <= self.mask_token_id < self.layers.vocab_size:
-            raise SpecrtError(f"mask_token_id {self.mask_token_id} is outside the vocabulary "
-                              f"(vocab_size {self.layers.vocab_size})")
-
-    @property
-    def feature_dim(self) -> int:
-        """Width of the concatenated target features the draft consumes (len(target_layer_ids) * d)."""
-        return len(self.target_layer_ids) * self.layers.hidden_size
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "DSparkConfig":
-        """Build from a DeepSpec `config.json` dict (DSpark or DFlash)."""
-        archs = hf.get("architectures") or [None]
-        if archs[0] not in DSPARK_ARCHITECTURES:
-            raise SpecrtError(f"unsupported draft architecture {archs[0]!r}; "
-                              f"accepted: {', '.join(DSPARK_ARCHITECTURES)}")
-        missing = [k for k in ("block_size", "target_layer_ids", "mask_token_id") if k not in hf]
-        rank = int(hf.get("markov_rank") or 0)
-        confidence = bool(hf.get("enable_confidence_head", False))
-        missing += ["markov_head_type"] if rank and "markov_head_type" not in hf else []
-        missing += ["confidence_head_with_markov"] if confidence and "confidence_head_with_markov" not in hf else []
-        if missing:
-            raise SpecrtError(f"draft config lacks {', '.join(missing)}")
-        layers_hf = dict(copy.deepcopy(hf), architectures=[DSPARK_ARCHITECTURES[archs[0]]])
-        return cls(layers=ModelConfig.from_hf(layers_hf), block_size=int(hf["block_size"]),
-                   target_layer_ids=tuple(int(i) for i in hf["target_layer_ids"]),
-                   mask_token_id=int(hf["mask_token_id"]), markov_rank=rank,
-                   markov_head_type=str(hf.get("markov_head_type", "vanilla")), enable_confidence_head=confidence,
-                   confidence_head_with_markov=confidence and bool(hf["confidence_head_with_markov"]),
-                   architecture=archs[0], num_target_layers=hf.get("num_target_layers"),
-                   confidence_temperatures=tuple(float(t) for t in hf.get("confidence_temperatures") or ()))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DSparkConfig":
-        d = dict(d, layers=ModelConfig.from_dict(d["layers"]), target_layer_ids=tuple(d["target_layer_ids"]),
-                 confidence_temperatures=tuple(d.get("confidence_temperatures") or ()))
-        return cls(**d)
-
-    def check_target(self, target: ModelConfig) -> None:
-        """Raise SpecrtError unless this head fits `target` (widths, vocab, feature layers)."""
-        n = target.num_layers
-        for key in ("hidden_size", "vocab_size", "head_dim"):
-            mine, theirs = getattr(self.layers, key), getattr(target, key)
-            if mine != theirs:
-                raise SpecrtError(f"draft {key} {mine} does not match the target's {key} {theirs}")
-        if self.num_target_layers is not None and self.num_target_layers != n:
-            raise SpecrtError(f"draft was trained on a {self.num_target_layers}-layer target, this target has {n}")
-        bad = [i for i in self.target_layer_ids if not -1 <= i <= n - 2]
-        if bad:
-            raise SpecrtError(f"target_layer_ids {list(self.target_layer_ids)}: {bad} outside -1..{n - 2} for the "
-                              f"{n}-layer target (-1 = embedding output; the last layer {n - 1} is not allowed)")
 
 
 def expected_dspark_shapes(cfg: DSparkConfig) -> dict[str, tuple[int, ...]]:

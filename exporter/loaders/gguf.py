@@ -11,7 +11,8 @@ import numpy as np
 from specrt.errors import SpecrtError
 from specrt.model_config import ModelConfig
 from specrt.exporter.loaders import LoadedTarget, check_weights, expected_shapes
-from specrt.exporter.onnx.quant import Blocks, from_gguf, permute_rows
+from specrt.blocks import Blocks
+from specrt.exporter.onnx.quant import from_gguf, permute_rows
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 

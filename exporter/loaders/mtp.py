@@ -19,33 +19,11 @@ from typing import Any
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from specrt.model_config import EMBED, HEAD, SUPPORTED_ARCHITECTURES, ModelConfig, MTPConfig
 from specrt.exporter.loaders import expected_shapes
 from specrt.exporter.loaders.hf import _open, _read_json, weight_files
 
 ARCH_SUFFIX = "MTP"  # standalone form: architectures = [<target arch> + "MTP"]
-EMBED = "embed_tokens.weight"
-HEAD = "shared_head.head.weight"
-
-
-@dataclass(frozen=True, slots=True)
-class MTPConfig:
-    """One MTP block: a decoder layer of the target's family stored as `model.layers.{layer_index}`."""
-
-    layer: ModelConfig  # the target's config (the block's shapes, rope, norms)
-    layer_index: int  # N in model.layers.{N}.*
-    has_own_head: bool  # shared_head.head stored (else the target's lm_head)
-    has_own_embed: bool  # embed_tokens stored (else the target's embedding)
-
-    def __post_init__(self) -> None:
-        if self.layer_index < 0:
-            raise SpecrtError(f"MTP layer index must be >= 0, got {self.layer_index}")
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "MTPConfig":
-        return cls(**{**d, "layer": ModelConfig.from_dict(d["layer"])})
-
-
 @dataclass
 class LoadedMTP:
     config: MTPConfig

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from specrt.errors import SpecrtError
-from specrt.runtime.tokenizer import read_tokenizer_info
+from specrt.tokenizer_info import read_tokenizer_info
 
 # Files copied verbatim from a Hugging Face model directory (those that exist).
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -10,7 +10,7 @@ from onnx import numpy_helper
 
 from specrt import artifact as io
 from specrt.model_config import ModelConfig
-from specrt.exporter.loaders.deepspec import DSparkConfig
+from specrt.model_config import DSparkConfig
 from specrt.exporter.onnx.builder import PLUGIN_DOMAIN, GraphBuilder, onnx_dtype
 from specrt.exporter.onnx.attention import (KeyBlock, Rope, attend, cache_block, check_lowering, project_heads,
                                             write_cache)

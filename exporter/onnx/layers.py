@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrt.exporter.onnx.builder import MS_DOMAIN, GraphBuilder, onnx_dtype
-from specrt.exporter.onnx.quant import BLOCK, GATHER_ROWS, is_quantized
+from specrt.blocks import BLOCK, GATHER_ROWS
+from specrt.exporter.onnx.quant import is_quantized
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ import numpy as np
 from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.model_config import ModelConfig
-from specrt.exporter.loaders.mtp import EMBED, HEAD, MTPConfig
+from specrt.model_config import EMBED, HEAD, MTPConfig
 from specrt.exporter.onnx.attention import check_lowering
 from specrt.exporter.onnx.builder import GraphBuilder
 from specrt.exporter.onnx.layers import Shapes, embedding, linear, rms_norm, rope_tables, rotate_half_matrix

@@ -19,77 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-BLOCK = 32
-SUFFIXES = (".qcodes", ".qscales", ".qzeros", ".qmins")
-GATHER_ROWS = ".qrows"  # an alias of .qcodes as [N, K*bits/8], the layout GatherBlockQuantized reads
-
-
-@dataclass(frozen=True, slots=True)
-class Blocks:
-    """One [N, K] weight as MatMulNBits blocks (see the module docstring)."""
-
-    codes: np.ndarray  # uint8 [N, K/32, 32*bits/8]
-    scales: np.ndarray  # f32 [N, K/32]
-    bits: int  # 4 | 8
-    kind: str  # where the blocks come from: "Q4_0", "Q4_1", "Q8_0" (GGUF) or "int4", "int8" (ONNX Runtime)
-    zeros: np.ndarray | None = None  # uint8 [N, ceil(K/32*bits/8)], or None: 2^(bits-1)
-    mins: np.ndarray | None = None  # f32 [N, K/32], or None
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        n, kb, _ = self.codes.shape
-        return n, kb * BLOCK
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.codes, self.scales, self.zeros, self.mins) if a is not None)
-
-    def tensors(self, name: str) -> dict[str, np.ndarray]:
-        """The store tensors of weight `name`."""
-        out = {name + ".qcodes": self.codes, name + ".qscales": self.scales}
-        if self.zeros is not None:
-            out[name + ".qzeros"] = self.zeros
-        if self.mins is not None:
-            out[name + ".qmins"] = self.mins
-        return out
-
-    def dequantize(self) -> np.ndarray:
-        """The float32 [N, K] weight the blocks stand for (what the graph multiplies by at accuracy level 0)."""
-        n, kb, _ = self.codes.shape
-        codes = unpack(self.codes.reshape(n, -1), self.bits).reshape(n, kb, BLOCK).astype(np.float32)
-        zeros = (unpack(self.zeros, self.bits)[:, :kb] if self.zeros is not None
-                 else np.full((n, kb), 1 << (self.bits - 1), np.uint8)).astype(np.float32)
-        w = (codes - zeros[..., None]) * self.scales[..., None]
-        if self.mins is not None:
-            w = w + self.mins[..., None]
-        return w.reshape(n, kb * BLOCK)
-
-    def with_defaults(self) -> "Blocks":
-        """The same weight with explicit zero points and mins (so blocks of different kinds concatenate)."""
-        n, kb, _ = self.codes.shape
-        zeros = self.zeros if self.zeros is not None else pack(np.full((n, kb), 1 << (self.bits - 1), np.uint8),
-                                                                 self.bits)
-        mins = self.mins if self.mins is not None else np.zeros((n, kb), np.float32)
-        return Blocks(self.codes, self.scales, self.bits, self.kind, zeros, mins)
-
-
-def pack(values: np.ndarray, bits: int) -> np.ndarray:
-    """uint8 [N, M] values < 2^bits -> [N, ceil(M*bits/8)] bytes, 4 bits: element 2i in the low nibble."""
-    if bits == 8:
-        return np.ascontiguousarray(values, dtype=np.uint8)
-    if values.shape[1] % 2:
-        values = np.pad(values, ((0, 0), (0, 1)))
-    return (values[:, 0::2] | (values[:, 1::2] << 4)).astype(np.uint8)
-
-
-def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
-    """Inverse of `pack` (an odd count comes back with one padding column)."""
-    if bits == 8:
-        return packed
-    out = np.empty((packed.shape[0], packed.shape[1] * 2), np.uint8)
-    out[:, 0::2], out[:, 1::2] = packed & 0x0F, packed >> 4
-    return out
-
+from specrt.blocks import BLOCK, GATHER_ROWS, SUFFIXES, Blocks, pack, unpack
 
 # ---- GGUF blocks, kept as they are ----------------------------------------------------------------
 
@@ -219,17 +149,3 @@ def stored_bytes(store, name: str) -> int:
     if name in store:
         return store.nbytes(name)
     return sum(store.nbytes(name + s) for s in SUFFIXES if name + s in store)
-
-
-def dequantize_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Replace every `W.q*` group of a graph's initializers by the float32 weight `W` it stands for
-    (the torch backend reads quantized artifacts this way; aliases for GatherBlockQuantized are dropped)."""
-    out = {k: v for k, v in tensors.items() if not k.endswith((*SUFFIXES, GATHER_ROWS))}
-    for key in tensors:
-        if key.endswith(".qscales"):
-            name, (n, kb) = key.removesuffix(".qscales"), tensors[key].shape
-            codes = tensors.get(name + ".qcodes")  # a table only Gathered from has just its .qrows alias
-            codes = tensors[name + GATHER_ROWS].reshape(n, kb, -1) if codes is None else codes
-            out[name] = Blocks(codes, tensors[key], codes.shape[2] * 8 // BLOCK, "", tensors.get(name + ".qzeros"),
-                               tensors.get(name + ".qmins")).dequantize()
-    return out

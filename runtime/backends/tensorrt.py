@@ -57,7 +57,7 @@ class TrtRunner:
     def __init__(self, art_dir: Path, manifest: io.Manifest, family: str, *, graphs: bool = True) -> None:
         import torch
 
-        from specrt.exporter.tensorrt_build import require_tensorrt
+        from specrt.plugins.tensorrt import require_tensorrt
         from specrt.plugins.trt_confidence_truncate import register_plugin
 
         trt = require_tensorrt()

@@ -28,13 +28,13 @@ from torch import Tensor, nn
 from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.model_config import ModelConfig
-from specrt.exporter.loaders.deepspec import DSparkConfig
-from specrt.exporter.loaders.mtp import EMBED, HEAD, MTPConfig
-from specrt.exporter.models.dspark import DSparkDraft
+from specrt.model_config import DSparkConfig
+from specrt.model_config import EMBED, HEAD, MTPConfig
+from specrt.models.dspark import DSparkDraft
 from specrt.plugins.confidence_truncate import truncate_torch
-from specrt.exporter.models.llama import KVCache, Transformer, cache_mask, rope_cos_sin
-from specrt.exporter.models.mtp import MTP, SlotKVCache
-from specrt.exporter.onnx.quant import dequantize_tensors
+from specrt.models.llama import cache_mask, rope_cos_sin, KVCache, Transformer
+from specrt.models.mtp import MTP, SlotKVCache
+from specrt.blocks import dequantize_tensors
 from specrt.runtime.backends.graphs import GraphedCall, GraphStats
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}

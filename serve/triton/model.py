@@ -24,7 +24,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from specrt.errors import SpecrtError
-from specrt.runtime.engine import Engine
+from specrt.tools.profile import open_engine
 from specrt.runtime.prompts import encode_prompt
 from specrt.serve.loop import EngineLoop, Event
 from specrt.serve.triton.config import engine_settings
@@ -57,7 +57,7 @@ class TritonPythonModel:
 
             torch.cuda.set_device(int(args.get("model_instance_device_id") or 0))
         self.max_tokens = s["max_tokens"]
-        self.engine = Engine(art, s["engine"])
+        self.engine = open_engine(art, s["engine"])
         self.loop = EngineLoop(self.engine)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="specrt-triton-send", daemon=True)

@@ -31,7 +31,7 @@ def write_repository(art_dir: str | Path, out: str | Path, *, backend: str = "on
                      method: str = "ar", gamma: int | None = None, scheduler: str = "sps", max_tokens: int = 128,
                      threads: int | None = None, force: bool = False) -> dict[str, Any]:
     """Write the repository (staged beside `out`, swapped in when complete); returns what was written."""
-    from specrt.exporter.outdir import check_out, staged
+    from specrt.outdir import check_out, staged
 
     art, out = Path(art_dir), Path(out)
     manifest = io.load_manifest(art)
@@ -117,7 +117,7 @@ def external_data(onnx_path: str | Path) -> list[str]:
 def _artifact_files(art: Path) -> list[str]:
     """The artifact's files to ship (relative paths): a link must stay inside the artifact (one to a host file
     would put that file in the repository), and a link to a folder is refused."""
-    from specrt.exporter.outdir import MARKER, output_files
+    from specrt.outdir import MARKER, output_files
 
     files = []
     for rel in output_files(art):

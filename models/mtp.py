@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specrt.errors import SpecrtError
-from specrt.exporter.loaders.mtp import EMBED, HEAD, MTPConfig
-from specrt.exporter.models.llama import DecoderLayer, KVCache, RMSNorm, apply_rope, rope_cos_sin
-from specrt.exporter.models.sampling import sample_draft
+from specrt.model_config import EMBED, HEAD, MTPConfig
+from specrt.models.llama import apply_rope, rope_cos_sin, DecoderLayer, KVCache, RMSNorm
+from specrt.models.sampling import sample_draft
 
 FEEDBACK = ("post", "pre")
 

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specrt.errors import SpecrtError
-from specrt.exporter.loaders.deepspec import DSparkConfig
-from specrt.exporter.models.llama import MLP, Attention, KVCache, RMSNorm, apply_rope, rope_cos_sin
-from specrt.exporter.models.sampling import sample_draft
+from specrt.model_config import DSparkConfig
+from specrt.models.llama import MLP, apply_rope, rope_cos_sin, Attention, KVCache, RMSNorm
+from specrt.models.sampling import sample_draft
 
 
 class DraftAttention(Attention):
@@ -164,7 +164,7 @@ class DSparkDraft(nn.Module):
     """The DSpark / DFlash draft: fc + hidden_norm context, draft layers, norm, lm_head, Markov + confidence heads."""
 
     def __init__(self, cfg: DSparkConfig, vocab_ids: np.ndarray | None = None) -> None:
-        """`vocab_ids`: a reduced draft vocabulary (FR-Spec, distill/vocab.py): the LM head and the Markov
+        """`vocab_ids`: a reduced draft vocabulary (FR-Spec, exporter/vocab.py): the LM head and the Markov
         head's W2 score only these target tokens, and drafts are mapped back to target ids."""
         super().__init__()
         c = self.config = cfg
