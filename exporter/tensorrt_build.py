@@ -27,6 +27,7 @@ from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.outdir import note_written
 from specrt.plugins.confidence_truncate import DOMAIN, OP
+from specrt.plugins.tensorrt import require_tensorrt
 
 PRECISIONS = {"fp16": "float16", "bf16": "bfloat16"}
 ENGINE_DIR = io.ENGINE_DIR

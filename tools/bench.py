@@ -23,10 +23,14 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from specrt import artifact as io
 from specrt.errors import SpecrtError
+from specrt.runtime.engine import check_room
+from specrt.runtime.prompts import encode_prompt, read_prompts_file
+from specrt.runtime.tokenizer import Tokenizer
 from specrt.runtime.stats import RunStats
-from specrt.tools.bench_stats import median_ci
-from specrt.tools.bench_workers import BASELINES, REPORTED_ONLY, EngineSpec, Generation, Worker
+from specrt.tools.bench_stats import fmt, median_ci
+from specrt.tools.bench_workers import BASELINES, REPORTED_ONLY, EngineSpec, Generation, Worker, require
 from specrt.tools.machine import CpuSample, QuietCheck, machine_info
 from specrt.tools.plots import save_figure
 
@@ -268,3 +272,99 @@ def report(r: Runs, max_new_tokens: int, repeats: int) -> dict:
             "max_new_tokens": max_new_tokens, "order": "interleaved: every engine per prompt, rotating",
             "machine": machine_info(), "quiet": r.quiet, "engines": r.engines,
             "results": [row for d in datasets for row in d["results"]], "datasets": datasets, "pooled": pooled}
+
+
+def run_bench(artifact: Path, prompt_files, limit, max_new_tokens: int, names: list[str],
+                       baselines: list[str], repeats: int, threads, *, progress: bool, options: dict) -> dict:
+    """`specrt bench` at batch 1: every method and baseline in its own worker process, interleaved prompt by prompt;
+    the report (`report`)."""
+    manifest = io.load_manifest(artifact)
+    tokenizer = (Tokenizer.from_dir(Path(artifact) / io.TOKENIZER_DIR, manifest.tokenizer)
+                 if manifest.tokenizer else None)
+    sets = {p.stem: [encode_prompt(tokenizer, t) for t in read_prompts_file(p, limit)] for p in prompt_files}
+    for stem, prompts in sets.items():  # before any worker starts: the rule every engine applies
+        for i, ids in enumerate(prompts):
+            try:
+                check_room(manifest, len(ids), max_new_tokens, manifest.gamma if names != ["ar"] else 0)
+            except SpecrtError as e:
+                raise SpecrtError(f"{stem} prompt {i + 1}: {e}") from None
+    longest = max((len(ids) for prompts in sets.values() for ids in prompts), default=0)
+    source = str(artifact_source(manifest)) if baselines else None
+    exact = {k: v for k, v in options.items() if k in ("backend", "device", "dtype")}
+    specs = [EngineSpec(m, str(artifact), threads=threads,
+                        options=tuple(sorted(dict(options, gamma=options["gamma"] if m != "ar" else None).items())))
+             for m in names]
+    specs += [EngineSpec(n, str(artifact), source=source, threads=threads, n_ctx=longest + max_new_tokens + 8,
+                         options=tuple(sorted((k, v) for k, v in exact.items() if k != "backend")))
+              for n in baselines]
+    workers = start_workers(specs)
+    try:
+        runs = run_interleaved(workers, sets, max_new_tokens=max_new_tokens, eos=sorted(manifest.eos_ids),
+                                 repeats=repeats, progress=progress)
+    finally:
+        for w in workers.values():
+            w.close()
+    return report(runs, max_new_tokens, repeats)
+
+
+def _load(avg) -> str:
+    return "?" if avg is None else "/".join(f"{x:.2f}" for x in avg)
+
+
+def format_report(report: dict) -> tuple[str, str | None]:
+    """The bench's table: per prompt set (and all), each engine's rate, τ, tokens and speedup with its interval; and
+    the warning a run on a busy machine gets (None when it was quiet)."""
+    lines: list[str] = []
+
+    datasets = report["datasets"]
+    rows = [(d["dataset"], row) for d in datasets for row in d["results"]]
+    if len(datasets) > 1:
+        rows += [("all", row) for row in report["pooled"]]
+    baselines = [r["method"] for r in report["pooled"] if r["method"] in BASELINES]
+    head = f"{'prompts':10s} {'engine':15s} {'tau':>6s} {'decode tok/s':>13s} {'tokens':>7s} {'vs ar (95% CI)':>24s}"
+    lines.append(head + "".join(f" {'vs ' + n:>24s}" for n in baselines))
+    for name, row in rows:
+        tau = f"{row['tau']:6.2f}" if "tau" in row else f"{'-':>6s}"
+        ar = (fmt({"median": row["speedup"], "low": row["speedup_ci"][0], "high": row["speedup_ci"][1]})
+              if row.get("speedup_ci") else "1.00x" if row["method"] == "ar" else "-")
+        cells = "".join(f" {fmt(row['vs'].get(n)) if n != row['method'] else '-':>24s}" for n in baselines)
+        lines.append(f"{name[:10]:10s} {row['method']:15s} {tau} {row['tokens_per_s']:13.2f} "
+                   f"{row['generated_tokens']:7d} {ar:>24s}{cells}")
+    for row in report["pooled"]:
+        if "per_position_acceptance" in row:
+            cond = ", ".join(f"{a:.2f}" for a in row["per_position_acceptance"]["conditional"])
+            lines.append(f"{row['method']} conditional acceptance per position: {cond}")
+        if "first_difference" in row:
+            d = row["first_difference"]
+            where = (f"; first differs at token {d['min_index']} (min), {d['mean_index']} (mean)"
+                     if d["min_index"] is not None else "")
+            lines.append(f"{row['method']} vs ar: identical tokens on {d['identical_prompts']}/{d['prompts']} "
+                       f"prompts{where}")
+    for name, info in report["engines"].items():
+        if "cost_table" in info:
+            c = info["cost_table"]
+            lines.append(f"{name}: cost table from {c['source']}, refined by {c['observations']} observations "
+                       f"({c['explored_rounds']} exploring rounds), drift x{c['drift']:.2f}")
+    q = report["quiet"]
+    lines.append(f"{report['prompts']} prompts x {report['repeats']} passes, interleaved; other processes used "
+               f"{q['other_cores_mean']} cores on average (max {q['other_cores_max']}), idle engines "
+               f"{q['idle_engines_cpu_s']} CPU s, load {_load(q['load_before'])} -> {_load(q['load_after'])}")
+    lines.append(f"identical greedy outputs: {report['identical']}")
+    if "plot" in report:
+        lines.append(f"wrote {report['plot']}")
+    return "\n".join(lines), None if q["quiet"] else q["warning"]
+
+
+def llama_cpp_rate(manifest: io.Manifest, art_dir: Path, ids: list[int], max_new_tokens: int) -> tuple[Path, float]:
+    """llama.cpp's greedy decode tokens/s on the artifact's source GGUF for prompt tokens `ids`, in a process of its
+    own (after a short warm-up); SpecrtError when llama-cpp-python is not installed."""
+    require("llama.cpp")
+    source = artifact_source(manifest)
+    worker = Worker(EngineSpec("llama.cpp", str(art_dir), source=str(source), n_ctx=manifest.export.max_seq))
+    try:
+        worker.ready()
+        eos = sorted(manifest.eos_ids)
+        worker.run(ids, 8, eos)  # warm-up
+        return source, worker.run(ids, max_new_tokens, eos).decode_rate() or 0.0
+    finally:
+        worker.close()

@@ -20,12 +20,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.runtime.config import EngineConfig
+from specrt.runtime.config import SCHEDULERS, EngineConfig
 from specrt.runtime.engine import Engine
+from specrt.runtime.prompts import encode_prompt, read_prompts_file
 from specrt.tools.profile import open_engine
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.stats import RunStats
+from specrt.runtime.tokenizer import Tokenizer
 
 
 def parse_levels(text: str, max_batch: int) -> list[int]:
@@ -128,3 +131,34 @@ def plot(report: dict, path: str | Path) -> Path:
     right.legend(fontsize=7)
     fig.suptitle(f"greedy, {report['prompts']} prompts, {report['max_new_tokens']} new tokens", fontsize=9)
     return save_figure(fig, path)
+
+
+def bench(artifact: Path, prompt_files, limit, max_new_tokens: int, names: list[str], gamma, scheduler: str,
+          schedulers: str | None, threshold: float, concurrency: str, backend: str, threads, *, progress: bool,
+          device: str = "cpu", dtype: str | None = None) -> dict:
+    """`specrt bench --concurrency`: every method (with each of `schedulers`, comma-separated) at each concurrency
+    level of `concurrency` on the prompt files' prompts; the report of `run`."""
+    chosen = [x.strip() for x in (schedulers or scheduler).split(",") if x.strip()]
+    bad = [x for x in chosen if x not in SCHEDULERS]
+    if bad or not chosen:
+        raise SpecrtError(f"--schedulers: unknown scheduler {bad[0] if bad else '(none)'}; choose from "
+                          f"{', '.join(SCHEDULERS)}")
+    manifest = io.load_manifest(artifact)
+    levels = parse_levels(concurrency, manifest.export.batch)
+    tok = Tokenizer.from_dir(artifact / io.TOKENIZER_DIR, manifest.tokenizer) if manifest.tokenizer else None
+    prompts = [encode_prompt(tok, t) for p in prompt_files for t in read_prompts_file(p, limit)]
+    return run(artifact, prompts, levels=levels, methods=names, schedulers=chosen, max_new_tokens=max_new_tokens,
+               gamma=gamma, backend=backend, threads=threads, threshold=threshold, progress=progress,
+               device=device, dtype=dtype)
+
+
+def format_rows(report: dict) -> str:
+    """The concurrency table: per level and method, throughput, per-request rate, ratio to the best of ar and fixed,
+    mean verify length and τ."""
+    lines = [f"{'conc':>4s} {'method':18s} {'tok/s':>9s} {'per req':>8s} {'vs best':>8s} {'verify':>7s} {'tau':>6s}"]
+    for r in report["rows"]:
+        label = r["method"] if r["method"] == "ar" else f"{r['method']}/{r['scheduler']}"
+        lines.append(f"{r['concurrency']:4d} {label:18s} {r['tokens_per_s']:9.2f} {r['per_request_tokens_per_s']:8.2f} "
+                     f"{r['vs_best_of_ar_and_fixed']:8.3f} {r['mean_verify_len']:7.2f} {r['tau']:6.2f}")
+    lines.append(f"identical greedy outputs: {report['identical']}")
+    return "\n".join(lines)

@@ -7,8 +7,6 @@ and confidence keys and tensors.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.model_config import DSPARK_ARCHITECTURES, MARKOV_HEAD_TYPES, DSparkConfig, ModelConfig
+from specrt.model_config import DSparkConfig, ModelConfig
 from specrt.exporter.loaders import LoadedTarget, load_target
 from specrt.exporter.loaders.hf import _open, _read_json, config_problem, weight_files
 

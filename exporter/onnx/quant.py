@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import numpy as np
 
-from specrt.blocks import BLOCK, GATHER_ROWS, SUFFIXES, Blocks, pack, unpack
+from specrt.blocks import BLOCK, SUFFIXES, Blocks, pack
 
 # ---- GGUF blocks, kept as they are ----------------------------------------------------------------
 
