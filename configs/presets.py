@@ -49,12 +49,12 @@ EXPORT_DEFAULTS = io.ExportSettings(batch=4, max_seq=1024, prefill_chunk=64, ver
 
 
 # A preset's weight format and attention lowering when `specrt export` is not told: the fastest that keeps
-# the exactness promise on ONNX Runtime's CPU (README "Weight formats"): the published GGUF blocks as they
+# the exactness promise on ONNX Runtime's CPU (docs/cli.md, "Weight formats"): the published GGUF blocks as they
 # are, through the cpu lowering (4-bit MatMulNBits, a runtime-sized cache). A TensorRT build wants
 # `--weights float --attention standard`.
 PRESET_FORMAT = {"weights": "gguf", "attention": "cpu"}
 # With its shipped DSpark head, a preset's draft scores the 2048 tokens most frequent in the head's distillation
-# data (FR-Spec; README "A smaller draft vocabulary": the draft call 0.22 instead of 1.09 decoding steps, same τ).
+# data (FR-Spec; docs/speculation.md, "A smaller draft vocabulary": the draft call 0.22 instead of 1.09 decoding steps, same τ).
 PRESET_DRAFT_VOCAB = 2048
 
 

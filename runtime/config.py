@@ -21,7 +21,7 @@ METHODS = ("ar", "ngram", "mtp", "dspark", "dspark+ngram", "mtp+ngram")
 SCHEDULERS = ("fixed", "threshold", "sps", "sps-async")
 BACKENDS = ("ort", "torch", "tensorrt")
 DTYPES = ("float32", "float16", "bfloat16")  # the torch backend's compute precision (None: the graphs')
-# sps: the fastest exact scheduler measured for every method on the CPU (README, "Cheaper drafts"); the torch
+# sps: the fastest exact scheduler measured for every method on the CPU (docs/benchmarks.md, "Cheaper drafts"); the torch
 # backend's greedy rounds stay on the device with fixed or threshold lengths (sps plans on the host)
 DEFAULT_SCHEDULER = "sps"
 TORCH_SCHEDULER = "fixed"

@@ -62,7 +62,7 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
               help="Decoding method: ar (plain decoding); ngram, dspark and mtp "
                    "are the lossless draft/verify loop (dspark and mtp with the shipped trained heads); "
                    "dspark+ngram and mtp+ngram draft by lookups and call the head when it pays (dspark+ngram: "
-                   "the fastest measured, README Benchmark).")
+                   "the fastest measured, docs/benchmarks.md).")
 def demo(prompt: str, max_new_tokens: int, method: str) -> None:
     """Fetch the default model, export it (cached), generate for a sample prompt, and, when llama-cpp-python
     is installed, run llama.cpp on the same GGUF and prompt tokens for comparison."""
