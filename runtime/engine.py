@@ -121,8 +121,8 @@ class Engine:
     `slots`: request slots to allocate up front (a server); by default the engine sizes them when idle.
     `device` / `dtype` (torch backend): where and in which precision the modules run ("cuda": CUDA graphs, unless
     `cuda_graphs` is False: eager launches, for comparison). On
-    the torch backend, rounds in which every active request is greedy stay on the device
-    (runtime/device_round.py) when the method and scheduler allow it (`device_rounds` is then set).
+    the torch backend every round stays on the device (runtime/device_round.py), greedy and sampled requests alike,
+    when the method and scheduler allow it (`device_rounds` is then set; else `device_note` says why not).
     """
 
     def __init__(self, art_dir: str | Path, config: EngineConfig | None = None, *, trace: Path | None = None,
@@ -183,7 +183,6 @@ class Engine:
         if not self.device_note:
             self.device_rounds = DeviceRounds(self.target, self.drafter, gamma=self.gamma, scheduler=c.scheduler,
                                               threshold=c.threshold, capture=where["graphs"])
-        self._on_device = False  # whether the active slots' state is current only on the device
         self.observers: list[RoundObserver] = list(observers)
         if trace is not None:
             self.observers.append(TraceWriter(trace))
@@ -269,13 +268,11 @@ class Engine:
         self._admit(deltas)
         if any(self.slots):
             t0 = time.perf_counter()
-            if self.device_rounds is not None and all(s.params.greedy for s in self.slots if s is not None):
+            if self.device_rounds is not None:
                 self._device_round(deltas)
             elif self.spec:
-                self._to_host()
                 self._round(deltas)
             else:
-                self._to_host()
                 self._decode(deltas)
             self.stats.decode_s += time.perf_counter() - t0
             for i in range(len(self.slots)):
@@ -372,7 +369,6 @@ class Engine:
             self.drafter.allocate(n)
         if self.device_rounds is not None:
             self.device_rounds.allocate(n)
-            self._on_device = False
         self.slots = [None] * n
 
     def _admit(self, deltas: dict[int, RequestDelta]) -> None:
@@ -408,8 +404,8 @@ class Engine:
             ctx = Context(pos=0, features=np.concatenate(features) if keep else np.zeros((len(ids), 0), np.float32),
                           next_tokens=np.asarray([*ids[1:], slot.pending], np.int64))
             slot.ctx = self.drafter.prefill(index, ctx)
-        if self.device_rounds is not None and self._on_device and slot.finish_reason is None:
-            self.device_rounds.upload(index, slot.length, slot.pending, slot.budget, slot.ctx)
+        if self.device_rounds is not None and slot.finish_reason is None:
+            self.device_rounds.upload(index, slot.length, slot.pending, slot.budget, slot.ctx, request.params)
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.generated_tokens += 1
         return slot
@@ -450,19 +446,14 @@ class Engine:
                 self._commit(s, rnd.outcomes[i], rnd.proposal, i, deltas)
 
     def _device_round(self, deltas: dict[int, RequestDelta]) -> None:
-        """One greedy decode step or draft/verify round on the device (one host synchronisation); commit on the host."""
+        """One decode step or draft/verify round on the device (one host synchronisation); commit on the host."""
         rounds = self.device_rounds
         n = max(i for i, s in enumerate(self.slots) if s is not None) + 1
         live = self.slots[:n]
-        if not self._on_device:  # the host loop ran last: its state goes up
-            for i, s in enumerate(self.slots):
-                if s is not None:
-                    rounds.upload(i, s.length, s.pending, s.budget, s.ctx)
-            self._on_device = True
         t0 = time.perf_counter()
         lookups = self.drafter.propose(live) if rounds.ngram else None
         t1 = time.perf_counter()
-        res = rounds.round(n, [s is not None for s in live], lookups)
+        res = rounds.round(n, live, lookups)
         self.stats.steps += 1
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += time.perf_counter() - t1
@@ -485,17 +476,6 @@ class Engine:
             self.drafter.observe(i, ell, a)
             s.ctx = None  # the pending context rows are on the device
             self._commit(s, Outcome(ell, Verdict(a, tokens[-1]), tokens, None), proposal, i, deltas)
-
-    def _to_host(self) -> None:
-        """Before a host-loop round: the pending context rows of every active slot come down from the device."""
-        if not self._on_device:
-            return
-        self._on_device = False
-        if self.drafter is not None and self.drafter.needs_features:
-            width = next(t for t in self.target.spec.outputs if t.name == io.FEATURES).shape[-1]
-            for i, s in enumerate(self.slots):
-                if s is not None:
-                    s.ctx = self.device_rounds.download(i, width)
 
     def _commit(self, s: Slot, o: Outcome, proposal, row: int, deltas: dict[int, RequestDelta]) -> None:
         position = s.length

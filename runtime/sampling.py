@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specrt.errors import SpecrtError
+from specrt.runtime.arrays import Array, namespace
 
 # Below this a temperature is greedy, as in vLLM: dividing logits by it would overflow to inf (and the softmax to
 # NaN) long before 1e-307, and its distribution is the argmax's to within exp(-gap / 1e-5) for any logit gap.
@@ -49,53 +50,91 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Probabilities after temperature, top-k and top-p over the last axis (float64 for exactness)."""
-    x = logits.astype(np.float64) / params.temperature
-    top_k = 0 < params.top_k < x.shape[-1]
-    if top_k:
-        kth = np.partition(x, -params.top_k, axis=-1)[..., -params.top_k, None]
-        keep = x >= kth
-        x -= x.max(axis=-1, keepdims=True)
-        p = np.zeros_like(x)
-        p[keep] = np.exp(x[keep])  # exp(-inf) over the whole vocabulary is ~10x slower than these few exps
+def warp(logits: Array, temperature: Array, top_k: Array, top_p: Array, *, filters: tuple[bool, bool] | None = None
+         ) -> Array:
+    """Probabilities (float64) after temperature, top-k and top-p over the last axis, row by row: `temperature`,
+    `top_k` (0: off) and `top_p` (1.0: off) have the logits' leading shape. Written on the array API (numpy on the
+    host, torch on the device round's device). `filters`: whether any row uses top-k / top-p, where the caller knows
+    (a device round: no host synchronisation); else read from the arrays.
+
+    Top-k keeps the tokens at least as large as the k-th largest; top-p then keeps the smallest prefix, in order of
+    probability (ties in token order), whose mass reaches top_p (the token crossing the line stays)."""
+    xp = namespace(logits)
+    x = xp.astype(logits, xp.float64) / xp.astype(temperature, xp.float64)[..., None]
+    v = x.shape[-1]
+    if filters is None:
+        filters = (bool(xp.any((top_k > 0) & (top_k < v))), bool(xp.any(top_p < 1.0)))
+    if filters[0]:
+        keep = (x >= _kth_largest(x, top_k)) | ((top_k <= 0) | (top_k >= v))[..., None]
+        p = xp.where(keep, xp.exp(x - xp.max(x, axis=-1, keepdims=True)), xp.zeros_like(x))
     else:
-        p = np.exp(x - x.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    if params.top_p < 1.0:
-        if top_k:
-            _top_p_after_top_k(p, params.top_p)
-        else:
-            order = np.argsort(-p, axis=-1, kind="stable")
-            sorted_p = np.take_along_axis(p, order, axis=-1)
-            # keep the smallest prefix whose mass reaches top_p (the token crossing the line stays)
-            drop_sorted = (np.cumsum(sorted_p, axis=-1) - sorted_p) >= params.top_p
-            drop = np.zeros_like(drop_sorted)
-            np.put_along_axis(drop, order, drop_sorted, axis=-1)
-            p = np.where(drop, 0.0, p)
-        p /= p.sum(axis=-1, keepdims=True)
+        p = xp.exp(x - xp.max(x, axis=-1, keepdims=True))
+    p = p / xp.sum(p, axis=-1, keepdims=True)
+    if filters[1] and filters[0] and isinstance(p, np.ndarray) and p.ndim == 1:  # the host's row after top-k: sort only
+        live = np.flatnonzero(p)  # the tokens top-k kept (the same prefix sums, in the same order)
+        order = live[np.argsort(-p[live], kind="stable")]
+        sorted_p = p[order]
+        p = p.copy()
+        p[order[(np.cumsum(sorted_p) - sorted_p) >= float(top_p)]] = 0.0
+        return p / p.sum()
+    if filters[1]:
+        order = xp.argsort(-p, axis=-1, stable=True)
+        sorted_p = xp.take_along_axis(p, order, axis=-1)
+        drop_sorted = (xp.cumulative_sum(sorted_p, axis=-1) - sorted_p) >= xp.astype(top_p, xp.float64)[..., None]
+        drop = xp.take_along_axis(drop_sorted, _inverse(order), axis=-1) & (top_p < 1.0)[..., None]
+        p = xp.where(drop, xp.zeros_like(p), p)
+        p = p / xp.sum(p, axis=-1, keepdims=True)
     return p
 
 
-def _top_p_after_top_k(p: np.ndarray, top_p: float) -> None:
-    """The top-p cut in place, sorting only the tokens top-k left: the same prefix sums, in the same order, as
-    sorting the whole row (zeros sort last, ties stay in index order), so the same tokens are dropped."""
-    for row in p.reshape(-1, p.shape[-1]):
-        live = np.flatnonzero(row)
-        order = live[np.argsort(-row[live], kind="stable")]
-        sorted_p = row[order]
-        row[order[(np.cumsum(sorted_p) - sorted_p) >= top_p]] = 0.0
+def _kth_largest(x: Array, k: Array) -> Array:
+    """[..., 1]: each row's k-th largest value (k clipped to 1..V)."""
+    xp = namespace(x)
+    v = x.shape[-1]
+    k = xp.clip(k, min=1, max=v)
+    if isinstance(x, np.ndarray) and (k.size == 0 or (k == k.flat[0]).all()):  # one k (the host's case): a partition
+        kk = int(k.flat[0]) if k.size else 1
+        return np.partition(x, -kk, axis=-1)[..., -kk, None]
+    ordered = -xp.sort(-x, axis=-1)  # descending (numpy's sort has no such flag)
+    return xp.take_along_axis(ordered, xp.astype(k, xp.int64)[..., None] - 1, axis=-1)
+
+
+def _inverse(order: Array) -> Array:
+    """The inverse of permutations `order` along the last axis (a scatter; the array API standard has none)."""
+    if isinstance(order, np.ndarray):
+        inv = np.empty_like(order)
+        np.put_along_axis(inv, order, np.broadcast_to(np.arange(order.shape[-1]), order.shape), axis=-1)
+        return inv
+    return namespace(order).argsort(order, axis=-1)
+
+
+def draw(probs: Array, u: Array) -> Array:
+    """Tokens drawn by inverse CDF from distributions probs [..., V] with uniforms u [...] in [0, 1): the first token
+    whose cumulative mass exceeds u x the total (so a token of zero probability is never drawn)."""
+    xp = namespace(probs)
+    cdf = xp.cumulative_sum(probs, axis=-1)
+    total = cdf[..., -1:]
+    x = xp.minimum(xp.astype(u, cdf.dtype)[..., None] * total, xp.nextafter(total, xp.zeros_like(total)))
+    if isinstance(cdf, np.ndarray) and cdf.ndim == 1:  # one row (the host's case): a binary search finds the same token
+        return np.searchsorted(cdf, x, side="right")[0]
+    return xp.count_nonzero(cdf <= x, axis=-1)  # u x total rounding up to the total stays below it
+
+
+def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Probabilities after temperature, top-k and top-p over the last axis (float64 for exactness): `warp` with one
+    request's parameters."""
+    lead = logits.shape[:-1]
+    return warp(logits, np.full(lead, params.temperature), np.full(lead, params.top_k), np.full(lead, params.top_p),
+                filters=(0 < params.top_k < logits.shape[-1], params.top_p < 1.0))
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """Draw one token id from a 1-D distribution by inverse CDF (over its nonzero entries: the same sums, and
-    the zeros between them are never drawn)."""
-    live = np.flatnonzero(probs)
-    cdf = np.cumsum(probs[live])
-    if not len(cdf) or not 0.0 < cdf[-1] < np.inf:  # NaN fails this too: never draw from a broken distribution
+    """Draw one token id from a 1-D distribution by inverse CDF (`draw`)."""
+    total = probs.sum()
+    if not 0.0 < total < np.inf or not (probs >= 0).all():  # NaN fails this too: never draw from a broken one
         raise SpecrtError("sampling got an invalid distribution (NaN, inf or all zero); the logits or parameters "
                           "are broken")
-    return int(live[min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(live) - 1)])
+    return int(draw(probs, np.asarray(rng.random())))
 
 
 def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:

@@ -134,7 +134,8 @@ class Speculator:
                 verdict = Verdict(int(accepted[i]), int(tokens[i, accepted[i]]))
             else:
                 probs = proposal.draft_probs(i, ell, logits.shape[-1])
-                verdict = accept_sampled(drafts[i, :ell], probs, logits[first[i]:first[i] + ell + 1], s.params, s.rng)
+                verdict = accept_sampled(drafts[i, :ell], probs, logits[first[i]:first[i] + ell + 1], s.params, s.rng,
+                                         gamma=self.gamma)
             a = verdict.accepted
             rows = features[i, :a + 1] if features is not None else None
             outcomes.append(Outcome(verify_len=ell, verdict=verdict, tokens=[*drafts[i, :a].tolist(), verdict.bonus],

@@ -10,15 +10,13 @@ Sampled acceptance (rejection sampling with each request's rng) is runtime/accep
 """
 from __future__ import annotations
 
-from array_api_compat import array_namespace, device
-
-from specrt.runtime.calls.head import Array
+from specrt.runtime.arrays import Array, device, namespace
 
 
 def cap(planned: Array, counts: Array, budget: Array, active: Array, gamma: int) -> Array:
     """[B] verify lengths: min(planned, counts, gamma, budget - 1) for active slots (the bonus token is always
     committed, so at most budget - 1 drafts can be), 0 for idle ones."""
-    xp = array_namespace(planned)
+    xp = namespace(planned)
     room = xp.clip(budget - 1, min=0, max=gamma)
     return xp.where(active, xp.minimum(xp.minimum(planned, counts), room), xp.zeros_like(planned))
 
@@ -26,7 +24,7 @@ def cap(planned: Array, counts: Array, budget: Array, active: Array, gamma: int)
 def best(logits: Array, rows: Array, b: int, t: int) -> Array:
     """[b, t] argmax token of every grid cell; `logits` [P, V] are the cells `rows` [P] in order (cells not
     computed keep 0: no accepted prefix reaches them)."""
-    xp = array_namespace(logits)
+    xp = namespace(logits)
     out = xp.zeros(b * t, dtype=rows.dtype, device=device(rows))
     out[rows] = xp.argmax(logits, axis=-1)
     return xp.reshape(out, (b, t))
@@ -35,7 +33,7 @@ def best(logits: Array, rows: Array, b: int, t: int) -> Array:
 def accept(drafts: Array, best: Array, lengths: Array) -> tuple[Array, Array]:
     """Greedy acceptance of drafts [B, T - 1] verified up to lengths [B] against the argmax best [B, T]: accepted
     [B] and tokens [B, T] (the accepted drafts, the bonus at index accepted; later entries are drafts)."""
-    xp = array_namespace(drafts)
+    xp = namespace(drafts)
     t = best.shape[1]
     within = xp.arange(t - 1, device=device(drafts))[None, :] < lengths[:, None]
     ok = xp.astype((drafts == best[:, :t - 1]) & within, drafts.dtype)
@@ -48,7 +46,7 @@ def accept(drafts: Array, best: Array, lengths: Array) -> tuple[Array, Array]:
 
 def advance(length: Array, budget: Array, anchor: Array, accepted: Array, bonus: Array, active: Array) -> None:
     """Commit a round on slot state arrays in place: length and budget move by a + 1, the bonus is the anchor."""
-    xp = array_namespace(length)
+    xp = namespace(length)
     step = (accepted + 1) * xp.astype(active, accepted.dtype)
     length += step
     budget -= step

@@ -232,7 +232,7 @@ def peaked(tiny_model_dir, tmp_path_factory):
     save_file(w, sharp / "model.safetensors", metadata={"format": "pt"})
     good = copy_mtp(random_mtp_checkpoint(root / "mtp_random", sharp), root / "mtp_copy", sharp)
     bad = random_dspark_checkpoint(root / "draft", sharp, layers=1, block_size=3, markov_rank=8, init_std=0.5)
-    settings = ExportSettings(batch=8, max_seq=32, prefill_chunk=8, verify_len=4)
+    settings = ExportSettings(batch=32, max_seq=32, prefill_chunk=8, verify_len=4)  # 32 slots: fewer rounds
     return {"target": sharp,
             "good": export_artifact(sharp, root / "art_good", settings, mtp=good, progress=False),
             "bad": export_artifact(sharp, root / "art_bad", settings, draft=bad, progress=False)}
@@ -285,6 +285,23 @@ def test_sampled_tokens_follow_the_target_distribution(peaked, params):
         if method == "ngram" and params.top_k == 0:  # one-hot drafts looked up in the prompt: some accepted,
             verified = sum(ell for ell, _, _ in stats.rounds)  # some rejected and resampled (with top-k 6
             assert 0 < sum(a for _, a, _ in stats.rounds) < verified  # the lookup rarely matches at all)
+
+
+def test_sampled_tokens_follow_the_target_distribution_on_the_device(peaked):
+    """The torch backend's device rounds (rejection sampling on the device, with top-k and top-p): 8k requests per
+    method, a good head, a bad head and one-hot lookups; the (first, second) tokens follow p(x1) p(x2|x1)."""
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_new_tokens=3, seed=13, ignore_eos=True)
+    prompt = [5, 9, 14, 3]
+    probs = _exact_pair_probs(peaked["target"], prompt, params)
+    for method, art in (("mtp", peaked["good"]), ("dspark", peaked["bad"]), ("ngram", peaked["good"])):
+        engine = Engine(art, method=method, threads=1, backend="torch")
+        assert engine.device_rounds is not None, engine.device_note
+        outs, stats = engine.generate([Request(prompt_ids=prompt, params=params, id=i) for i in range(8_000)])
+        assert engine.device_rounds.syncs == stats.steps  # every round ran on the device
+        p = _pvalue(np.array([o.output_ids[:2] for o in outs]), probs)
+        assert p > 1e-3, f"{method}: chi-square p = {p:.2e}"
+        if method == "mtp":
+            assert stats.to_dict()["tau"] > 1.1  # the good head's sampled drafts get accepted on the device
 
 
 # -- backends ----------------------------------------------------------------------------------------

@@ -2,13 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-from array_api_compat import array_namespace, device
-
 from specrt import artifact as io
-
-Array = Any  # a numpy array or a torch tensor (array API)
+from specrt.runtime.arrays import Array, device, namespace
 
 
 @dataclass
@@ -27,7 +22,7 @@ class ContextRows:
 
 def positions(start: Array, width: int) -> Array:
     """[B, width]: start[i], start[i] + 1, ... (the positions of a row of `width` cells)."""
-    xp = array_namespace(start)
+    xp = namespace(start)
     return start[:, None] + xp.arange(width, dtype=start.dtype, device=device(start))
 
 

@@ -2,7 +2,7 @@
 chained `steps` times from the last row (whose next token is the anchor)."""
 from __future__ import annotations
 
-from array_api_compat import array_namespace
+from specrt.runtime.arrays import namespace
 
 from specrt import artifact as io
 from specrt.runtime.calls.head import Array, ContextRows, positions
@@ -12,7 +12,7 @@ FEATURES = True  # the head reads target features (slots carry them as context r
 
 def propose(feeds: dict[str, Array], ctx: ContextRows, anchor: Array) -> None:
     """Fill a propose (or prefill) call over B slots: context rows `ctx` (the anchor is their last next token)."""
-    xp = array_namespace(ctx.rows)
+    xp = namespace(ctx.rows)
     tokens, hidden = feeds[io.MTP_TOKENS], feeds[io.MTP_HIDDEN]
     c = ctx.features.shape[1]
     tokens[:, :c] = ctx.next_tokens

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
-from array_api_compat import array_namespace, device
+from specrt.runtime.arrays import device, namespace
 
 from specrt import artifact as io
 from specrt.runtime.calls.head import Array, positions
@@ -19,7 +19,7 @@ from specrt.runtime.calls.head import Array, positions
 def prefill(feeds: dict[str, Array], ids: Array, start: int) -> None:
     """One slot's chunk: `ids` (at most T tokens) at positions start, start + 1, ...; logits of its last token."""
     x = feeds[io.INPUT_IDS]
-    xp = array_namespace(x)
+    xp = namespace(x)
     b, t = x.shape
     n = ids.shape[0]
     x[0, :n] = ids
@@ -46,7 +46,7 @@ def grid(feeds: dict[str, Array], anchor: Array, start: Array, drafts: Array | N
     verify length are not computed when packed, and are invisible to its verified cells when dense), `rows`: the P
     cells computed (`dense_rows` or `packed_rows`)."""
     x = feeds[io.INPUT_IDS]
-    xp = array_namespace(x)
+    xp = namespace(x)
     t = x.shape[1]
     x[:, 0] = anchor
     if t > 1:

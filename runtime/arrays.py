@@ -1,0 +1,20 @@
+"""The namespace of the round's arrays (the Python array API standard): numpy's own for numpy arrays (numpy >= 2
+implements the standard in its main namespace, without a compatibility layer's cost per call, which the host round
+pays on every slot), array-api-compat's for the rest (torch tensors on the torch backend's device)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from array_api_compat import array_namespace
+from array_api_compat import device as _device
+
+Array = Any  # a numpy array or a torch tensor
+
+
+def namespace(*arrays: Array):
+    return np if all(isinstance(a, np.ndarray) for a in arrays) else array_namespace(*arrays)
+
+
+def device(a: Array):
+    return "cpu" if isinstance(a, np.ndarray) else _device(a)
