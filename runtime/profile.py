@@ -1,20 +1,10 @@
-"""The cost profile: what a draft/verify round costs on this machine and backend, stored in the artifact (measured by
-`specrt profile`, specrt/tools/profile.py; read here for the schedulers' cost table, runtime/costs.py).
+"""The cost profile: what a draft/verify round costs on this machine and backend (`Profile`), stored in the
+artifact's PROFILE_FILE, one entry per backend and thread count; `load_profile` reads it back for the schedulers'
+cost table (runtime/costs.py). `specrt profile` measures it (specrt/tools/profile.py says how).
 
 A round pays when the tokens it commits (τ) are worth more than its cost in plain decoding steps:
     cost = draft call + verify call over (anchor + ℓ drafts) per slot
-so the schedulers need two measured curves, taken here at one cache position with every slot busy:
-
-    verify   the packed target call for B slots verifying P tokens in all (P = B: the plain decoding step),
-             for each exported batch size B and each token budget P of its verify buckets, on the densest
-             grid that holds them: cost against the total verified tokens (the DSpark paper's SPS curve)
-    draft    each head's propose call for B slots as greedy rounds make it (the greedy variant where exported),
-             with one and with two new context rows, averaged: a round that accepted no draft or one, which is
-             most rounds (a call's cost grows slowly with its rows)
-
-Calls are interleaved (every configuration once per repetition; medians over repetitions), because the speed
-of a shared machine drifts. The table goes to PROFILE_FILE in the artifact, one entry per backend and thread
-count; `load_profile` reads it back.
+so the schedulers need two curves: the verify call against the tokens verified in all, and each head's draft call.
 """
 from __future__ import annotations
 

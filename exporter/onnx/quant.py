@@ -1,15 +1,8 @@
 """Weight formats at export: float, ONNX Runtime block quantization (int4 / int8), or GGUF blocks as they are.
 
-A quantized [N, K] weight `W` (Hugging Face [out, in] layout) is stored as com.microsoft MatMulNBits inputs
-under derived names, blocks of 32 along K:
-
-    W.qcodes   uint8 [N, K/32, 32*bits/8]   codes; 4 bits: element 2i in the low nibble of byte i
-    W.qscales  f32   [N, K/32]
-    W.qzeros   uint8 [N, ceil(K/32*bits/8)] zero points packed like the codes (absent: 2^(bits-1))
-    W.qmins    f32   [N, K/32]              GGUF Q4_1 only (w = d*q + m): added as blocksum(x) @ minsᵀ
-
-so that  w[n, k] = (code - zero) * scale + min  of k's block. Zero points are uint8 only: float zero points
-take a slow path in ONNX Runtime.
+A quantized weight is stored as MatMulNBits blocks, in the layout specrt/blocks.py describes (`Blocks`); this module
+makes them: quantizing float weights, taking a GGUF's Q4_0 / Q4_1 / Q8_0 blocks as they are, and packing a graph
+family's weights.
 """
 from __future__ import annotations
 
