@@ -50,6 +50,19 @@ class Round:
     call_s: float = 0.0  # the verify call alone (filling and running it): what the cost table learns from
 
 
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """One verify call: logits [P, V] (the computed cells in slot order), the argmax of every grid cell [n, T], each
+    slot's first row in the logits [n], the drafts verified [n, T - 1] (zero past each slot's length), and the
+    target's features [n, T, F] (or None)."""
+
+    logits: np.ndarray
+    best: np.ndarray
+    first: np.ndarray
+    drafts: np.ndarray
+    features: np.ndarray | None
+
+
 class SlotState(SlotView, Protocol):
     """What the round reads from a slot, beyond what drafters read."""
 
@@ -70,10 +83,10 @@ class Speculator:
         t1 = time.perf_counter()
         lengths = self.schedule(slots, proposal, load)
         ts = time.perf_counter()
-        logits, best, first, features = self.verify(slots, proposal, lengths)
+        call = self.verify(slots, proposal, lengths)
         t2 = time.perf_counter()
         verified = sum(int(lengths[i]) + 1 for i, s in enumerate(slots) if s is not None)
-        outcomes = self.accept(slots, proposal, lengths, logits, best, first, features)
+        outcomes = self.accept(slots, proposal, lengths, call)
         for i, o in enumerate(outcomes):
             if o is not None:
                 self.scheduler.observe(o.verify_len, o.verdict.accepted)
@@ -87,11 +100,8 @@ class Speculator:
         planned = np.asarray(self.scheduler.schedule(slots, proposal, load), np.int64)
         return steps.cap(planned, proposal.counts, budget, active, self.gamma)
 
-    def verify(self, slots: list[SlotState | None], proposal: Proposal, lengths: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-        """One packed target call over [anchor, drafts] of every active slot (runtime/calls/target.py): its
-        logits [P, V] (the computed cells in slot order), the argmax of every grid cell [n, T], each slot's first
-        row in the logits [n], and features [n, T, F] (or None).
+    def verify(self, slots: list[SlotState | None], proposal: Proposal, lengths: np.ndarray) -> Verified:
+        """One packed target call over [anchor, drafts] of every active slot (runtime/calls/target.py).
 
         Only the slots' tokens are computed: they are packed into the smallest exported token budget P that holds
         them (`artifact.token_budgets`), so a short verify costs its own tokens, not the longest slot's."""
@@ -112,18 +122,13 @@ class Speculator:
         out = self.target.run(0, bucket)
         logits = out[io.LOGITS]
         first = np.concatenate([[0], np.cumsum(np.where(active, lengths + 1, 0))[:-1]])
-        best = steps.best(logits, rows, b, T)[:n]
-        return logits, best, first, out.get(io.FEATURES)
+        return Verified(logits, steps.best(logits, rows, b, T)[:n], first, drafts[:n], out.get(io.FEATURES))
 
-    def accept(self, slots: list[SlotState | None], proposal: Proposal, lengths: np.ndarray, logits: np.ndarray,
-               best: np.ndarray, first: np.ndarray, features: np.ndarray | None) -> list[Outcome | None]:
+    def accept(self, slots: list[SlotState | None], proposal: Proposal, lengths: np.ndarray, call: Verified
+               ) -> list[Outcome | None]:
         """Greedy slots by steps.accept, all at once; sampled ones by rejection sampling, each with its own rng."""
-        t = best.shape[1]
-        drafts = np.zeros((len(slots), t - 1), np.int64)
-        for i, s in enumerate(slots):
-            if s is not None:
-                drafts[i, :int(lengths[i])] = proposal.tokens[i, :int(lengths[i])]
-        accepted, tokens = steps.accept(drafts, best, lengths)
+        logits, first, drafts, features = call.logits, call.first, call.drafts, call.features
+        accepted, tokens = steps.accept(drafts, call.best, lengths)
         outcomes: list[Outcome | None] = []
         for i, s in enumerate(slots):
             if s is None:
