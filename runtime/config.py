@@ -22,7 +22,8 @@ SCHEDULERS = ("fixed", "threshold", "sps", "sps-async")
 BACKENDS = ("ort", "torch", "tensorrt")
 DTYPES = ("float32", "float16", "bfloat16")  # the torch backend's compute precision (None: the graphs')
 # sps: the fastest exact scheduler measured for every method on the CPU (docs/benchmarks.md, "Cheaper drafts"); the torch
-# backend's greedy rounds stay on the device with fixed or threshold lengths (sps plans on the host)
+# backend defaults to fixed lengths, which need no cost profile of its device (sps there needs `specrt profile
+# --backend torch` first)
 DEFAULT_SCHEDULER = "sps"
 TORCH_SCHEDULER = "fixed"
 

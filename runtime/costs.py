@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
+import numpy as np
+
 from specrt.runtime.profile import Profile, ceil_key
 
 PRIOR = 2  # the profile's value counts as this many observations
@@ -41,8 +43,9 @@ class CostTable:
         self.profile, self.source = profile, source
         self.seen: dict[tuple, deque[float]] = {}  # cell -> its last observations (ms)
         self.estimate: dict[tuple, float] = {}  # cell -> median of its observations and the prior
-        self.log_drift, self.observations, self.explored = 0.0, 0, 0
+        self.log_drift, self.observations, self.explored_rounds = 0.0, 0, 0
         self._since_explore = 0
+        self._curves: dict[tuple[int, int], np.ndarray] = {}
 
     # -- what the schedulers read (runtime/schedulers.py Costs) ---------------------------------------
 
@@ -68,17 +71,31 @@ class CostTable:
         b = ceil_key(self.profile.verify, batch)
         return self.verify_ms(b, min(self.profile.verify[b]))
 
-    def wants(self, batch: int, tokens: int) -> bool:
-        """Whether a scheduler should verify `tokens` in all this round to learn that cell's cost (see above)."""
+    def verify_curve(self, batch: int, tokens: int) -> np.ndarray:
+        """[tokens + 1] float64: verify_ms(batch, p) for p = 0..tokens, kept until the next observation."""
+        key = (batch, tokens)
+        if key not in self._curves:  # one lookup per profiled cell; each token count takes its cell's (ceil_key)
+            b = ceil_key(self.profile.verify, batch)
+            cells = sorted(self.profile.verify[b])
+            ms = np.array([self.verify_ms(b, q) for q in cells], np.float64)
+            at = np.minimum(np.searchsorted(cells, np.arange(tokens + 1)), len(cells) - 1)
+            self._curves[key] = ms[at]
+        return self._curves[key]
+
+    def exploring(self, batch: int, tokens: int) -> np.ndarray | None:
+        """[tokens + 1] bool: the calls of p tokens in all whose cost this round may verify to learn it (see above);
+        None between explorations."""
+        if self._since_explore < EXPLORE_EVERY:
+            return None
         b = ceil_key(self.profile.verify, batch)
         row = self.profile.verify[b]
-        if tokens > max(row) or len(self.seen.get(("verify", b, ceil_key(row, tokens)), ())) >= SEEN:
-            return False
-        if self._since_explore < EXPLORE_EVERY:
-            return False
+        return np.array([p <= max(row) and len(self.seen.get(("verify", b, ceil_key(row, p)), ())) < SEEN
+                         for p in range(tokens + 1)])
+
+    def explored(self) -> None:
+        """A scheduler admitted a pair to explore: the next exploration waits EXPLORE_EVERY rounds."""
         self._since_explore = 0
-        self.explored += 1
-        return True
+        self.explored_rounds += 1
 
     # -- what the engine feeds it ----------------------------------------------------------------------
 
@@ -98,6 +115,7 @@ class CostTable:
     def _observe(self, cell: tuple, profiled: float, ms: float) -> None:
         if not (ms > 0 and math.isfinite(ms)):
             return
+        self._curves.clear()
         seen = self.seen.setdefault(cell, deque(maxlen=WINDOW))
         seen.append(ms)
         values = sorted([profiled] * PRIOR + list(seen))
@@ -120,6 +138,6 @@ class CostTable:
     def describe(self) -> dict:
         """Which table decided: its source, how many rounds refined it, and the table before and after."""
         return {"source": self.source, "created": self.profile.created, "threads": self.profile.threads,
-                "observations": self.observations, "explored_rounds": self.explored,
+                "observations": self.observations, "explored_rounds": self.explored_rounds,
                 "drift": round(math.exp(self.log_drift), 4), "initial": self.profile.summary(),
                 "refined": self.current().summary()}

@@ -121,8 +121,8 @@ class Engine:
     `slots`: request slots to allocate up front (a server); by default the engine sizes them when idle.
     `device` / `dtype` (torch backend): where and in which precision the modules run ("cuda": CUDA graphs, unless
     `cuda_graphs` is False: eager launches, for comparison). On
-    the torch backend every round stays on the device (runtime/device_round.py), greedy and sampled requests alike,
-    when the method and scheduler allow it (`device_rounds` is then set; else `device_note` says why not).
+    the torch backend every round stays on the device (runtime/device_round.py: `device_rounds`), whatever the
+    method, scheduler and sampling; other backends run the host loop (`device_note` says so).
     """
 
     def __init__(self, art_dir: str | Path, config: EngineConfig | None = None, *, trace: Path | None = None,
@@ -177,12 +177,12 @@ class Engine:
         self.device_rounds: DeviceRounds | None = None
         self.device_note = "the host loop runs every round on this backend"
         if c.backend == "torch":  # imported here: the ONNX Runtime path never loads torch
-            from specrt.runtime.device_round import DeviceRounds, unsupported
+            from specrt.runtime.device_round import DeviceRounds
 
-            self.device_note = unsupported(method, c.scheduler, self.manifest)
-        if not self.device_note:
-            self.device_rounds = DeviceRounds(self.target, self.drafter, gamma=self.gamma, scheduler=c.scheduler,
-                                              threshold=c.threshold, capture=where["graphs"])
+            self.device_note = ""
+            self.device_rounds = DeviceRounds(self.target, self.drafter, self.spec.scheduler if self.spec else None,
+                                              gamma=self.gamma, threshold=c.threshold, costs=self.costs,
+                                              capture=where["graphs"])
         self.observers: list[RoundObserver] = list(observers)
         if trace is not None:
             self.observers.append(TraceWriter(trace))
@@ -451,12 +451,9 @@ class Engine:
         n = max(i for i, s in enumerate(self.slots) if s is not None) + 1
         live = self.slots[:n]
         t0 = time.perf_counter()
-        lookups = self.drafter.propose(live) if rounds.ngram else None
-        t1 = time.perf_counter()
-        res = rounds.round(n, live, lookups)
+        res = rounds.round(n, live)
         self.stats.steps += 1
-        self.stats.draft_s += t1 - t0
-        self.stats.verify_s += time.perf_counter() - t1
+        self.stats.verify_s += time.perf_counter() - t0
         if not self.spec:  # AR: one token per slot
             for i, s in enumerate(live):
                 if s is not None:
@@ -465,8 +462,7 @@ class Engine:
                     self.stats.generated_tokens += 1
                     self.stats.decode_tokens += 1
             return
-        counts = lookups.counts if lookups is not None else np.full(n, rounds.proposed, np.int64)
-        proposal = Proposal(tokens=res.drafts, counts=counts, probs=None, confidence_logits=res.confidence)
+        proposal = Proposal(tokens=res.drafts, counts=res.counts, probs=None, confidence_logits=res.confidence)
         for i, s in enumerate(live):
             if s is None:
                 continue

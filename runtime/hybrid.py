@@ -7,9 +7,12 @@
               its call (the confidences that choose what to verify), so its past rounds are the estimate. Every
               EXPLORE rounds without it, the head is called anyway, so its estimate follows the text.
     head      when called, the head drafts for every slot; each slot keeps whichever block's survival sums higher
+              (`pick`)
 
-A skipped head does not see the rounds' verified positions: they wait in the slot's backlog, and the next head
-call writes them first (rows beyond what one propose call takes go through the head's prefill bucket). The choice
+`choose` (lookup and decide) runs on the host on both paths; the device round (runtime/device_round.py) runs the
+head and `pick` on the device, keeping the backlog there. A skipped head does not see the rounds' verified
+positions: they wait in the slot's backlog, and the next head call writes them first (rows beyond what one
+propose call takes go through the head's prefill bucket). The choice
 reads only draft-side information and past rounds, never this round's verification, so the loop stays exact; a
 lookup row is a one-hot draft (`Proposal.onehot`) beside the head's distributions.
 """
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrt.errors import SpecrtError
+from specrt.runtime import steps
+from specrt.runtime.arrays import Array, namespace
 from specrt.runtime.drafters import Context, NGramDrafter, Proposal, SlotView, GraphDrafter
 from specrt.runtime.schedulers import AcceptanceHistory, Costs, admission, prefix_survival
 
@@ -68,7 +73,7 @@ class HybridDrafter:
         self.history = {LOOKUP: AcceptanceHistory(self.steps, later=LOOKUP_LATER), HEAD: AcceptanceHistory(self.steps)}
         self.backlog: list[Context | None] = []
         self.source = np.zeros(0, np.int64)  # per slot: who drafted its row of the last proposal
-        self.calls = {LOOKUP: 0, HEAD: 0}  # rounds drafted without and with the head
+        self.rounds = {LOOKUP: 0, HEAD: 0}  # rounds drafted without and with the head
         self.committed = self.cost = 0.0  # the head rounds' committed tokens and profiled ms (decayed sums)
         self.since_head = 0
         self._last: list = []  # this round's (verified, accepted) per slot, folded in at the next propose
@@ -102,26 +107,30 @@ class HybridDrafter:
             self.cost = DECAY * self.cost + cost
         self._last = []
 
-    def propose(self, slots: list[SlotView | None]) -> Proposal:
+    def choose(self, slots: list[SlotView | None]) -> tuple[Proposal, np.ndarray, bool]:
+        """This round's lookups, their survivals [n, steps], and whether the head is called (counted as chosen)."""
         self._fold()
         n = len(slots)
         active = np.array([s is not None for s in slots])
         found = self.lookup.propose(slots)
-        within = np.arange(self.steps) < found.counts[:, None]
-        a_lookup = np.where(within, self.history[LOOKUP].survival(), np.float32(0.0)).astype(np.float32)
+        a_lookup = steps.survive(np.broadcast_to(self.history[LOOKUP].survival().astype(np.float32), (n, self.steps)),
+                                 found.counts)
         _, without = admission(a_lookup, active, 0.0, self.costs)
-        self._last_n, self._last_head = n, without < self.head_rate(n) or self.since_head >= EXPLORE
-        if not self._last_head:
-            for i, s in enumerate(slots):
-                if s is not None:
-                    self.backlog[i] = merge(self.backlog[i], s.ctx)
-            self.source[:n] = LOOKUP
-            self.calls[LOOKUP] += 1
-            self.since_head += 1
-            return Proposal(tokens=found.tokens, counts=found.counts, probs=None, survival=a_lookup)
-        self.calls[HEAD] += 1
-        self.since_head = 0
-        return self._with_head(slots, found, a_lookup)
+        head = without < self.head_rate(n) or self.since_head >= EXPLORE
+        self._last_n, self._last_head = n, head
+        self.rounds[HEAD if head else LOOKUP] += 1
+        self.since_head = 0 if head else self.since_head + 1
+        return found, a_lookup, head
+
+    def propose(self, slots: list[SlotView | None]) -> Proposal:
+        found, a_lookup, head = self.choose(slots)
+        if head:
+            return self._with_head(slots, found, a_lookup)
+        for i, s in enumerate(slots):
+            if s is not None:
+                self.backlog[i] = merge(self.backlog[i], s.ctx)
+        self.source[:len(slots)] = LOOKUP
+        return Proposal(tokens=found.tokens, counts=found.counts, probs=None, survival=a_lookup)
 
     def _with_head(self, slots: list[SlotView | None], found: Proposal, a_lookup: np.ndarray) -> Proposal:
         caught: list[SlotView | None] = []
@@ -136,7 +145,7 @@ class HybridDrafter:
             caught.append(_Caught(s, ctx))
         p = self.head.propose(caught)
         a_head = prefix_survival(p, self.temperatures, self.history[HEAD], self.steps)
-        use = (a_lookup.sum(1) > a_head.sum(1)) & (found.counts > 0)
+        use = pick(a_lookup, a_head, found.counts)
         self.source[:len(slots)] = np.where(use, LOOKUP, HEAD)
         out = p.tokens.copy()
         out[use] = found.tokens[use]
@@ -144,3 +153,10 @@ class HybridDrafter:
                         confidence_logits=p.confidence_logits, vocab_ids=p.vocab_ids,
                         survival=np.where(use[:, None], a_lookup, a_head).astype(np.float32), head=p.head,
                         onehot=use)
+
+
+def pick(a_lookup: Array, a_head: Array, lookup_counts: Array) -> Array:
+    """[n] bool: the slots whose lookups promise more than the head's block (survivals summed; a slot without a
+    lookup keeps the head's)."""
+    xp = namespace(a_lookup, a_head)
+    return (xp.sum(a_lookup, axis=1) > xp.sum(a_head, axis=1)) & (lookup_counts > 0)

@@ -25,7 +25,8 @@ from typing import Protocol
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.plugins.confidence_truncate import admit, survival
+from specrt.plugins.confidence_truncate import survival
+from specrt.runtime import steps
 from specrt.runtime.drafters import Proposal, SlotView
 
 
@@ -100,8 +101,7 @@ class _Base:
 
     def survival(self, proposal: Proposal) -> np.ndarray:
         """[n, gamma] prefix survival of every slot's drafts; 0 past the drafts a slot has."""
-        a = prefix_survival(proposal, self.temperatures, self.history, self.gamma)
-        return np.where(np.arange(self.gamma) < proposal.counts[:, None], a, np.float32(0.0))
+        return steps.survive(prefix_survival(proposal, self.temperatures, self.history, self.gamma), proposal.counts)
 
 
 class FixedScheduler(_Base):
@@ -125,35 +125,32 @@ class ThresholdScheduler(_Base):
         self.threshold = threshold
 
     def schedule(self, slots: list[SlotView | None], proposal: Proposal, load: Load) -> np.ndarray:
-        return (self.survival(proposal) >= np.float32(self.threshold)).sum(axis=1).astype(np.int64)
+        return steps.threshold(self.survival(proposal), np.float32(self.threshold))
+
+
+def verify_curve(costs: Costs, batch: int, tokens: int) -> np.ndarray:
+    """[tokens + 1] float64: the cost of a verify call of `batch` slots over 0..tokens tokens (what steps.admission
+    reads; a CostTable keeps it until its next observation)."""
+    curve = getattr(costs, "verify_curve", None)
+    if curve is not None:
+        return curve(batch, tokens)
+    return np.array([costs.verify_ms(batch, p) for p in range(tokens + 1)], np.float64)
 
 
 def admission(a: np.ndarray, active: np.ndarray, fixed_ms: float, costs: Costs, *, explore: bool = False
               ) -> tuple[np.ndarray, float]:
-    """Algorithm 1 on survivals a [n, gamma] of the `active` rows, for a round whose draft side cost `fixed_ms`:
-    the admitted lengths [n] and the round's expected committed tokens per millisecond.
-
-    Every active slot verifies its anchor and commits a bonus token; verification is packed, so each admitted
-    draft adds one token to the call. Pairs are admitted in order of survival while the rate improves; the
-    first non-improvement ends admission, unless `explore` and the cost table wants that call's cost measured
-    (runtime/costs.py): then the pair is admitted anyway, and admission ends after it."""
+    """Algorithm 1 (runtime/steps.py `admission`) on survivals a [n, gamma] of the `active` rows, for a round whose
+    draft side cost `fixed_ms`, on the cost table `costs`: the admitted lengths [n] and the round's expected
+    committed tokens per millisecond. `explore`: admit one pair past the stopping point when the table wants that
+    call's cost measured (runtime/costs.py)."""
     n, gamma = a.shape
-    lengths = np.zeros(n, np.int64)
-    rows = np.flatnonzero(active)
-    if not len(rows):
-        return lengths, 0.0
-    expected, tokens = float(len(rows)), len(rows)
-    best = expected / (fixed_ms + costs.verify_ms(n, tokens))
-    cand = [(float(a[r, k]), k, r) for r in rows for k in range(gamma) if a[r, k] > 0]
-    for value, k, r in sorted(cand, key=lambda c: (-c[0], c[1], c[2])):
-        rate = (expected + value) / (fixed_ms + costs.verify_ms(n, tokens + 1))
-        if rate <= best:
-            if explore and getattr(costs, "wants", None) is not None and costs.wants(n, tokens + 1):
-                lengths[r] = k + 1
-            break
-        best, expected, tokens = rate, expected + value, tokens + 1
-        lengths[r] = k + 1
-    return lengths, best
+    tokens = n * (gamma + 1)
+    wants = getattr(costs, "exploring", None) if explore else None
+    cells = wants(n, tokens) if wants is not None else None
+    lengths, rate, explored = steps.admission(a, active, fixed_ms, verify_curve(costs, n, tokens), cells)
+    if explored:
+        costs.explored()
+    return lengths, float(rate)
 
 
 class SPSScheduler(_Base):
@@ -190,7 +187,7 @@ class AsyncSPSScheduler(SPSScheduler):
         planned = int(self.plan(a, active, proposal.head).sum())
         budget = self.planned if self.planned is not None else planned
         self.planned = planned  # the next round's capacity
-        return admit(np.where(active[:, None], a, np.float32(0.0)), budget)  # idle rows: never admitted
+        return steps.admit(np.where(active[:, None], a, np.float32(0.0)), budget)  # idle rows: never admitted
 
 
 # the implementation of each name in runtime/config.py's SCHEDULERS (a test ties the two)

@@ -209,7 +209,7 @@ def test_a_wrong_table_corrects_itself_within_dozens_of_rounds():
         table.observe_verify(1, int(lengths[0]) + 1, true[int(lengths[0]) + 1])
     assert chosen[:EXPLORE_EVERY] == [0] * EXPLORE_EVERY  # exploration waits its turn
     assert chosen[-10:] == [4] * 10, chosen
-    assert table.explored >= SEEN // 2 and table.describe()["observations"] == 60
+    assert table.explored_rounds >= SEEN // 2 and table.describe()["observations"] == 60
     assert table.verify_ms(1, 2) == pytest.approx(11.0, rel=0.15)
 
 
@@ -254,3 +254,13 @@ def test_engine_refines_a_wrong_stored_profile(art, tmp_path):
     assert d["initial"]["verify_steps"][2] == 50.0 and d["explored_rounds"] > 0
     assert d["refined"]["verify_steps"][2] < 2 * true + 0.5, (d, true)
     assert any(ell > 0 for ell, _, _ in stats.rounds)  # drafts were verified despite the table
+
+
+def test_verify_curve_is_the_tables_cells():
+    """What steps.admission reads, one float per token count, is verify_ms's value, before and after the rounds
+    refine the table (a sparse profile: token counts between cells take the next cell's cost)."""
+    table = CostTable(_profile({1: 10.0, 3: 12.0, 6: 15.0}), "test")
+    for observe in ((1, 3, 20.0), (1, 1, 11.0)):
+        assert table.verify_curve(1, 9).tolist() == [table.verify_ms(1, p) for p in range(10)]
+        table.observe_verify(*observe)
+    assert table.verify_curve(1, 9).tolist() == [table.verify_ms(1, p) for p in range(10)]

@@ -1,7 +1,8 @@
-"""Device-resident rounds (runtime/device_round.py) on the torch backend, here on the CPU: token-identical to ONNX
-Runtime's host loop for every method they run, across admissions, mixed greedy/sampled batches (seeded draws equal
-the host loop's) and budgets; sampled tokens follow the target's distribution; one synchronisation per round;
-static state never reallocated."""
+"""Device-resident rounds (runtime/device_round.py) on the torch backend, here on the CPU: round-for-round identical
+to ONNX Runtime's host loop where the host's choices are deterministic (fixed and threshold lengths, across
+admissions, mixed greedy/sampled batches with seeded draws, and budgets); AR's tokens under every scheduler and both
+hybrids, whose cost-aware choices the host loop makes on online timings; one synchronisation per round; static
+state never reallocated."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -15,9 +16,10 @@ from specrt.artifact import ExportSettings
 from specrt.exporter.export import export_artifact
 from specrt.exporter.loaders.deepspec import random_dspark_checkpoint
 from specrt.exporter.loaders.mtp import random_mtp_checkpoint
-from specrt.runtime.config import Method
-from specrt.runtime.device_round import unsupported
+from specrt.runtime.costs import CostTable
 from specrt.runtime.engine import Engine, Request
+from specrt.runtime.hybrid import HEAD, LOOKUP
+from specrt.runtime.profile import Profile
 from specrt.runtime.sampling import SamplingParams
 
 FIXTURE = Path(__file__).parent / "fixtures" / "deepspec_dspark_tiny"
@@ -79,7 +81,8 @@ def _generate(art, requests, **kw) -> tuple[list[list[int]], Engine]:
 
 
 @pytest.mark.parametrize("method,scheduler", [("ar", "fixed"), ("ngram", "fixed"), ("dspark", "fixed"),
-                                              ("dspark", "threshold"), ("mtp", "fixed")])
+                                              ("dspark", "threshold"), ("mtp", "fixed"), ("mtp", "threshold"),
+                                              ("ngram", "threshold")])
 def test_device_rounds_match_the_host_loop(art, method, scheduler):
     """7 requests through 4 slots (admissions between rounds): the torch backend's device rounds give ONNX Runtime's
     host-loop tokens, which are AR's; one synchronisation per round."""
@@ -102,7 +105,7 @@ def test_device_rounds_match_the_host_loop(art, method, scheduler):
             np.testing.assert_allclose(d.confidence_logits, h.confidence_logits, atol=1e-4)
     if method == "ngram":
         assert sum(r.accepted for r in dev_records) > 0  # lookups in the repeated prompts hit
-    if scheduler == "threshold":  # the confidence cut some rounds short
+    if scheduler == "threshold":  # the survivals (confidence, or acceptance so far) cut some rounds short
         assert any(r.verify_len < engine.gamma for r in dev_records)
 
 
@@ -113,19 +116,24 @@ def test_fixture_dspark_on_the_device(fixture_art):
     assert engine.device_rounds is not None and dev == ref
 
 
-@pytest.mark.parametrize("method", ["dspark", "ngram", "ar"])
-def test_mixed_batches_stay_on_the_device(art, method):
+@pytest.mark.parametrize("method,scheduler", [("dspark", "fixed"), ("ngram", "fixed"), ("ar", "fixed"),
+                                              ("dspark+ngram", "sps"), ("mtp", "sps-async")])
+def test_mixed_batches_stay_on_the_device(art, method, scheduler, monkeypatch):
     """Greedy and sampled requests in one batch: every round runs on the device (one synchronisation each). Greedy
     requests keep AR's tokens; sampled ones draw exactly the host loop's tokens with the same seeds (the same
-    acceptance rule, uniforms drawn from each request's rng in the same order)."""
+    acceptance rule, uniforms drawn from each request's rng in the same order; the cost table held at the profile
+    on the host, as above)."""
+    for name in ("observe_verify", "observe_draft"):
+        monkeypatch.setattr(CostTable, name, lambda *a, **k: None)
     greedy = _requests(256, 4, seed=1)
     sampled = [replace(r, id=10 + r.id, params=replace(r.params, temperature=0.8, seed=7, max_new_tokens=6,
                                                        top_k=20 * (r.id % 2), top_p=0.9 if r.id else 1.0))
                for r in _requests(256, 3, seed=2)]
     mixed = [greedy[0], sampled[0], greedy[1], sampled[1], greedy[2], sampled[2], greedy[3]]
     ref, _ = _generate(art, greedy, method="ar", backend="ort")
-    host, _ = _generate(art, mixed, method=method, backend="ort")
-    dev, engine = _generate(art, mixed, method=method, backend="torch")
+    kw = dict(method=method, scheduler=scheduler)
+    host, _ = _generate(art, mixed, backend="ort", profile=replace(_profile(2.0), backend="ort"), **kw)
+    dev, engine = _generate(art, mixed, backend="torch", profile=_profile(2.0), **kw)
     assert [dev[i] for i in (0, 2, 4, 6)] == ref
     assert dev == host  # the sampled requests too: same draws, same rng streams
     assert engine.device_rounds.syncs == engine.stats.steps > 0  # every step was a device round
@@ -149,19 +157,50 @@ def test_state_is_allocated_once(art):
                    for c in engine.target._calls.values() if id(c) in feeds)
 
 
-def test_what_stays_on_the_host(art):
-    assert "host" in unsupported(Method.parse("dspark+ngram"), "fixed", _manifest(art))
-    assert "plans on the host" in unsupported(Method.parse("dspark"), "sps", _manifest(art))
-    assert unsupported(Method.parse("mtp"), "threshold", _manifest(art))  # no confidence head
-    assert unsupported(Method.parse("ar"), "sps", _manifest(art)) == ""
-    with Engine(art, method="ngram", scheduler="threshold", backend="torch", threads=1) as engine:
-        assert engine.device_rounds is None and "confidence" in engine.device_note
+def _profile(draft_ms: float) -> Profile:
+    """The torch backend's cost table for the tests: a verify curve with a knee (each token past the anchors costs
+    more), so Algorithm 1 admits confident drafts and refuses doubtful ones."""
+    verify = {b: {p: 10.0 + 1.0 * max(0, p - b) for p in range(b, 8 * b + 1)} for b in (1, 2, 4)}
+    return Profile(backend="torch", threads=1, position=16, machine="test", created="", verify=verify,
+                   draft={"dspark": {1: draft_ms}, "mtp": {1: draft_ms}})
 
 
-def _manifest(art):
-    from specrt.artifact import load_manifest
+@pytest.mark.parametrize("method,scheduler", [("dspark", "sps"), ("dspark", "sps-async"), ("mtp", "sps"),
+                                              ("ngram", "sps-async"), ("dspark+ngram", "sps"),
+                                              ("mtp+ngram", "fixed"), ("dspark+ngram", "threshold")])
+def test_every_scheduler_and_hybrid_on_the_device(art, method, scheduler, monkeypatch):
+    """The cost-aware schedulers and the hybrids run on the device too (the host plans what only it knows and sends
+    it down in the round's one copy): AR's tokens, one synchronisation per round, lengths the schedule cut; a hybrid
+    runs rounds with and without its head, its skipped head catching up on the device. With the host loop's cost
+    table held at the profile (it is refined from this machine's timings and explores, which makes its choices
+    differ run to run; the device path reads the table as it stands), the rounds equal the host loop's: the same choices, drafts (so the head saw the same context rows,
+    backlogs included), lengths and acceptance."""
+    for name in ("observe_verify", "observe_draft"):  # the host loop's table stays the profile; it never explores
+        monkeypatch.setattr(CostTable, name, lambda *a, **k: None)
+    requests = [replace(r, params=replace(r.params, max_new_tokens=40)) for r in _requests(256, 6, seed=5)]
+    ref, _ = _generate(art, requests, method="ar", backend="ort")
+    records, host_records = Records(), Records()
+    kw = dict(method=method, scheduler=scheduler, threshold=0.2)
+    host, _ = _generate(art, requests, backend="ort", profile=replace(_profile(2.0), backend="ort"),
+                        observers=[host_records], **kw)
+    dev, engine = _generate(art, requests, backend="torch", profile=_profile(2.0), observers=[records], **kw)
+    rounds = engine.device_rounds
+    assert dev == host == ref
+    assert rounds.syncs == engine.stats.steps > 0
+    assert [(r.request, r.position, r.draft_tokens, r.verify_len, r.accepted) for r in records] == \
+           [(r.request, r.position, r.draft_tokens, r.verify_len, r.accepted) for r in host_records]
+    lengths = [r.verify_len for r in records]
+    assert any(0 < ell for ell in lengths)
+    if scheduler != "fixed" or "+" in method:  # the schedule (or the lookups' counts) cut some rounds short
+        assert any(ell < engine.gamma for ell in lengths)
+    if "+" in method:
+        assert engine.drafter.rounds[LOOKUP] > 0 and engine.drafter.rounds[HEAD] > 0, engine.drafter.rounds
+        assert rounds.caught_up > 0  # some backlog outgrew one propose call and went through the prefill bucket
 
-    return load_manifest(art)
+
+def test_other_backends_run_the_host_loop(art):
+    with Engine(art, method="dspark+ngram", scheduler="sps", backend="ort", threads=1, profile=_profile(2.0)) as e:
+        assert e.device_rounds is None and "host loop" in e.device_note
 
 
 def test_bfloat16_modules(art):

@@ -97,7 +97,7 @@ def test_hybrid_greedy_identity(tiny_arts, method, scheduler):
     engine = Engine(art, method=method, scheduler=scheduler, threads=1)
     spec, stats = engine.generate(reqs)
     assert [o.output_ids for o in spec] == [o.output_ids for o in ar]
-    calls = engine.drafter.calls
+    calls = engine.drafter.rounds
     assert calls[LOOKUP] > 0 and calls[HEAD] > 0, calls  # both kinds of rounds ran
     assert sum(c for _, _, c in stats.rounds) == sum(len(o.output_ids) - 1 for o in spec)
 
@@ -114,7 +114,7 @@ def test_hybrid_sampled_tokens_follow_the_target_distribution(peaked):
     outs, stats = engine.generate([Request(prompt_ids=prompt, params=params, id=i) for i in range(12_000)])
     pairs = np.array([o.output_ids[:2] for o in outs])
     assert _pvalue(pairs, probs) > 1e-3
-    assert engine.drafter.calls[LOOKUP] > 0 and engine.drafter.calls[HEAD] > 0, engine.drafter.calls
+    assert engine.drafter.rounds[LOOKUP] > 0 and engine.drafter.rounds[HEAD] > 0, engine.drafter.rounds
 
 
 # -- catching up a skipped head ----------------------------------------------------------------------------

@@ -94,6 +94,51 @@ def test_sps_admits_while_the_rate_improves():
     assert s.schedule([object(), None], _proposal(conf), Load(1, 2, 0))[1] == 0  # idle rows never verify
 
 
+def _admission_by_pairs(a, active, fixed_ms, curve, explore=None):
+    """Algorithm 1 as the paper states it, one pair at a time: the reference steps.admission is checked against."""
+    n, gamma = a.shape
+    lengths = np.zeros(n, np.int64)
+    rows = np.flatnonzero(active)
+    expected, tokens = float(len(rows)), len(rows)
+    best = expected / (fixed_ms + curve[min(tokens, len(curve) - 1)])
+    explored = False
+    cand = [(float(a[r, k]), k, r) for r in rows for k in range(gamma) if a[r, k] > 0]
+    for value, k, r in sorted(cand, key=lambda c: (-c[0], c[1], c[2])):
+        rate = (expected + value) / (fixed_ms + curve[min(tokens + 1, len(curve) - 1)])
+        if rate <= best:
+            if explore is not None and explore[min(tokens + 1, len(explore) - 1)]:
+                lengths[r], explored = k + 1, True
+            break
+        best, expected, tokens = rate, expected + value, tokens + 1
+        lengths[r] = k + 1
+    return lengths, best, explored
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_admission_is_algorithm_1_on_numpy_and_torch(seed):
+    """steps.admission (sorted pairs, running sums in admission order) equals Algorithm 1 pair by pair, on numpy
+    and on torch tensors alike: survivals with ties and zeros, idle rows, convex and flat cost curves, exploration;
+    steps.admit equals ConfidenceTruncate's budget-mode reference."""
+    from specrt.runtime import steps
+
+    rng = np.random.default_rng(seed)
+    n, g = int(rng.integers(1, 9)), int(rng.integers(1, 8))
+    a = np.cumprod(rng.choice([0.0, 0.3, 0.5, 0.9, 0.95, 1.0], (n, g)), axis=1).astype(np.float32)
+    active = rng.random(n) < 0.8
+    curve = np.cumsum(rng.uniform(0.0, 4.0, n * (g + 1) + 1)) + 10.0
+    fixed = float(rng.uniform(0, 5))
+    explore = rng.random(len(curve)) < 0.5 if seed % 2 else None
+    want, rate, explored = _admission_by_pairs(a, active, fixed, curve, explore)
+    got = steps.admission(a, active, fixed, curve, explore)
+    assert got[0].tolist() == want.tolist() and float(got[1]) == rate and bool(got[2]) == explored
+    t = steps.admission(torch.from_numpy(a), torch.from_numpy(active), torch.tensor(fixed, dtype=torch.float64),
+                        torch.from_numpy(curve), None if explore is None else torch.from_numpy(explore))
+    assert t[0].tolist() == want.tolist() and float(t[1]) == rate and bool(t[2]) == explored
+    for budget in (0, 1, n, n * g // 2, n * g + 3):
+        assert steps.admit(a, budget).tolist() == admit(a, budget).tolist()
+        assert steps.admit(torch.from_numpy(a), torch.tensor(budget)).tolist() == admit(a, budget).tolist()
+
+
 def test_async_sps_uses_the_previous_rounds_capacity():
     s = AsyncSPSScheduler(4, costs=LinearCosts(), temperatures=np.ones(4), head="dspark")
     strong, weak = _proposal(np.full((1, 4), 5.0)), _proposal(np.full((1, 4), -5.0))

@@ -18,6 +18,7 @@ from specrt.exporter.export import export_artifact
 from specrt.exporter.loaders.deepspec import random_dspark_checkpoint
 from specrt.exporter.loaders.mtp import random_mtp_checkpoint, save_mtp_checkpoint
 from specrt.runtime.engine import Engine, Request
+from specrt.runtime.profile import Profile
 from specrt.runtime.sampling import SamplingParams
 
 FIXTURE = Path(__file__).parent / "fixtures" / "deepspec_dspark_tiny"
@@ -302,6 +303,25 @@ def test_sampled_tokens_follow_the_target_distribution_on_the_device(peaked):
         assert p > 1e-3, f"{method}: chi-square p = {p:.2e}"
         if method == "mtp":
             assert stats.to_dict()["tau"] > 1.1  # the good head's sampled drafts get accepted on the device
+
+
+def test_hybrid_sampled_tokens_follow_the_target_distribution_on_the_device(peaked):
+    """dspark+ngram under sps on the device: lookup rows (one-hot drafts) and head rows (a bad head's distributions)
+    chosen per slot on the device, in one batch; 6k requests."""
+    from specrt.runtime.hybrid import HEAD, LOOKUP
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=3, seed=43, ignore_eos=True)
+    prompt = [5, 9, 14, 5, 9, 3]  # x1 in {5, 9, 14, 3} gives a lookup match, any other token none
+    probs = _exact_pair_probs(peaked["target"], prompt, params)
+    verify = {b: {p: 10.0 + 0.5 * p for p in range(b, 8 * b + 1)} for b in (1, 2, 4, 8)}
+    profile = Profile(backend="torch", threads=1, position=16, machine="test", created="", verify=verify,
+                      draft={"dspark": {1: 1.0}})
+    engine = Engine(peaked["bad"], method="dspark+ngram", scheduler="sps", threads=1, backend="torch", profile=profile)
+    outs, stats = engine.generate([Request(prompt_ids=prompt, params=params, id=i) for i in range(6_000)])
+    assert engine.device_rounds.syncs == stats.steps  # every round ran on the device
+    p = _pvalue(np.array([o.output_ids[:2] for o in outs]), probs)
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
+    assert engine.drafter.rounds[LOOKUP] > 0 and engine.drafter.rounds[HEAD] > 0, engine.drafter.rounds
 
 
 # -- backends ----------------------------------------------------------------------------------------

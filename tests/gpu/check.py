@@ -40,6 +40,7 @@ from specrt.exporter.loaders.mtp import random_mtp_checkpoint  # noqa: E402
 from specrt.runtime.backends import infer, load_runner  # noqa: E402
 from specrt.tools.compare import random_feeds  # noqa: E402
 from specrt.runtime.engine import Engine, Request  # noqa: E402
+from specrt.runtime.profile import Profile  # noqa: E402
 from specrt.runtime.prompts import encode_prompt, read_prompts_file  # noqa: E402
 from specrt.runtime.sampling import SamplingParams  # noqa: E402
 
@@ -132,21 +133,32 @@ def generate(art: Path | Engine, prompts: list[list[int]], max_new: int, **kw
     return [o.output_ids for o in outs], engine, time.perf_counter() - t0
 
 
+def flat_profile(m: io.Manifest) -> Profile:
+    """A cost table for the cost-aware rows (the hybrid, sps): flat, so drafts pay; identity holds on any table."""
+    batches = [b for b in (1, 2, 4, 8, 16, 32) if b <= m.export.batch] or [1]
+    verify = {b: {p: 10.0 + 0.5 * p for p in range(b, (m.gamma + 1) * b + 1)} for b in batches}
+    return Profile(backend="torch", threads=1, position=16, machine="flat", created="", verify=verify,
+                   draft={h: {b: 1.0 for b in batches} for h in m.heads})
+
+
 def identity(name: str, art: Path, device: str, max_new: int) -> None:
     m = load_manifest(art)
-    methods = ["ar", "ngram", *[h for h in ("mtp", "dspark") if h in m.heads]]
-    methods += [f"{h}+ngram" for h in ("dspark",) if h in m.heads]
+    methods = [(x, "fixed") for x in ("ar", "ngram", *[h for h in ("mtp", "dspark") if h in m.heads])]
+    methods += [(f"{h}+ngram", "sps") for h in ("dspark",) if h in m.heads]
+    methods += [("dspark", s) for s in ("sps", "sps-async") if "dspark" in m.heads]
     prompts = prompts_of(art, min(4, m.export.batch * 2), m.model.vocab_size)
     ref, _, _ = generate(art, prompts, max_new, method="ar", backend="ort")
-    for method in methods:
-        @guarded("identity", f"{name}: {method}")
+    for method, scheduler in methods:
+        case = f"{name}: {method}" + (f" {scheduler}" if scheduler != "fixed" else "")
+
+        @guarded("identity", case)
         def one():
             out, engine, _ = generate(art, prompts, max_new, method=method, backend="torch", device=device,
-                                      dtype="float32", scheduler="fixed")
+                                      dtype="float32", scheduler=scheduler, profile=flat_profile(m))
             same = sum(a == b for a, b in zip(out, ref))
             first = next((k for a, b in zip(out, ref) for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
             where = "device rounds" if engine.device_rounds is not None else f"host loop ({engine.device_note})"
-            row("identity", f"{name}: {method}", same == len(ref),
+            row("identity", case, same == len(ref),
                 f"{same}/{len(ref)} identical to ORT CPU AR; {where}" + (f"; first difference at token {first}"
                                                                          if first is not None else ""))
         one()
