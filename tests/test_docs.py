@@ -41,6 +41,6 @@ def test_tables_are_generated_from_the_committed_results():
 def test_readme_is_short_and_ci_runs_its_test_command():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 300
-    command = "pip install -q -e '.[cpu,test]' && python -m pytest -q"
+    command = "pip install -q -c requirements/ci.lock -e '.[cpu,test]' && python -m pytest -q"
     assert command in readme
     assert (ROOT / ".ci" / "run").read_text().rstrip().endswith(command)
