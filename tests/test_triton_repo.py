@@ -77,6 +77,10 @@ def test_layout(art, repo):
         assert (repo / name / "1/weights.bin").stat().st_ino == (art / "weights.bin").stat().st_ino
     config = (repo / "specrt/config.pbtxt").read_text()
     assert "decoupled: true" in config and 'string_value: "ngram"' in config
+    # the environment model.py adds for Triton's stub: this interpreter's, where specrt is importable
+    env = json.loads((repo / "specrt/1/specrt_env.json").read_text())
+    assert env["python"] == list(sys.version_info[:2]) and env["site"]
+    assert any(Path(p, "specrt").exists() or list(Path(p).glob("__editable__*specrt*")) for p in env["site"])
 
 
 def test_debug_model_loads_in_onnxruntime(repo):
@@ -200,6 +204,42 @@ def test_cli_writes(art, tmp_path):
     result = CliRunner().invoke(main, ["triton", str(art), "--out", str(tmp_path / "r"), "--force"])
     assert result.exit_code == 0, result.output
     assert "count: 1" in (tmp_path / "r/specrt/config.pbtxt").read_text()
+
+
+def test_serve_refuses_what_the_bundled_server_cannot_run(art, tmp_path):
+    """--serve runs the stub in this environment: numpy 2 would crash it on the first request, so it refuses before
+    writing anything (tests/test_triton_server.py serves from an environment with numpy 1.26); TensorRT repositories
+    are for the NGC container."""
+    import numpy
+
+    out = tmp_path / "r"
+    r = CliRunner().invoke(main, ["triton", str(art), "--out", str(out), "--serve", "--backend", "tensorrt"])
+    assert r.exit_code == 1 and "--backend onnxruntime" in r.output and not out.exists()
+    if int(numpy.__version__.split(".")[0]) >= 2:
+        r = CliRunner().invoke(main, ["triton", str(art), "--out", str(out), "--serve"])
+        assert r.exit_code == 1 and "numpy<2" in r.output and "Traceback" not in r.output and not out.exists()
+
+
+def test_model_py_puts_its_environment_first(tmp_path, monkeypatch):
+    """specrt_env.json's existing site folders go ahead of the stub's own sys.path (with their .pth files run);
+    missing folders and another Python's environment are skipped."""
+    spec = importlib.util.spec_from_file_location("model_env_probe", Path(__file__).parents[1] / "serve/triton/model.py")
+    source = spec.loader.get_source("model_env_probe")
+    namespace: dict = {"__file__": str(tmp_path / "model.py")}
+    exec(compile(source.split("_add_environment(Path(__file__)")[0], "model.py", "exec"), namespace)
+    add = namespace["_add_environment"]
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    (site_dir / "extra.pth").write_text(str(tmp_path / "via_pth") + "\n")
+    (tmp_path / "via_pth").mkdir()
+    monkeypatch.setattr(sys, "path", ["/base/lib", "/base/site-packages"])
+    env = tmp_path / "specrt_env.json"
+    env.write_text(json.dumps({"python": [9, 9], "site": [str(site_dir)]}))
+    add(env)
+    assert sys.path == ["/base/lib", "/base/site-packages"]  # another Python's folders: untouched
+    env.write_text(json.dumps({"python": list(sys.version_info[:2]), "site": [str(site_dir), "/not/here"]}))
+    add(env)
+    assert sys.path == [str(site_dir), str(tmp_path / "via_pth"), "/base/lib", "/base/site-packages"]
 
 
 def test_tensorrt_repository(art, tmp_path):

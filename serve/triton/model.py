@@ -10,18 +10,42 @@
 Inputs and outputs follow Triton's vLLM backend (text_input, stream, sampling_parameters, exclude_input_in_output ->
 text_output), so its clients work; `input_ids` is an alternative to text_input, `token_ids` and `drafted` (per token:
 an accepted draft, else the target's own token) are extra outputs. This file is copied into the repository by
-`specrt triton`; it imports specrt, which must be installed in the Python environment Triton's stub runs in.
-Responses are sent from a thread of their own, so the engine never waits on Triton's IPC.
+`specrt triton`; it imports specrt. Triton's stub runs the base interpreter (it ignores PYTHONPATH and virtual
+environments), so the environment `specrt triton` ran in, named in `specrt_env.json` beside this file, goes first on
+sys.path before anything else is imported (paths that do not exist here, in a container, are skipped: there specrt
+must be installed in the stub's own Python). Responses are sent from a thread of their own, so the engine never
+waits on Triton's IPC.
 """
 from __future__ import annotations
 
 import json
 import queue
+import site
+import sys
 import threading
 from pathlib import Path
 
-import numpy as np
-import triton_python_backend_utils as pb_utils
+
+def _add_environment(spec: Path) -> None:
+    """Put the site folders `spec` names (processing their .pth files: an editable install's finder) ahead of the
+    stub's own, so their numpy and specrt are the ones imported."""
+    if not spec.is_file():
+        return
+    env = json.loads(spec.read_text())
+    if tuple(env.get("python", ())) != sys.version_info[:2]:
+        return  # another Python's packages cannot load here; the stub's own environment must have specrt
+    before = list(sys.path)
+    for folder in env.get("site", []):
+        if Path(folder).is_dir():
+            site.addsitedir(folder)
+    added = [p for p in sys.path if p not in before]
+    sys.path[:] = added + before
+
+
+_add_environment(Path(__file__).with_name("specrt_env.json"))
+
+import numpy as np  # noqa: E402  (after the environment is in place)
+import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from specrt.errors import SpecrtError
 from specrt.tools.profile import open_engine
@@ -49,6 +73,7 @@ class TritonPythonModel:
     """Triton's entry points: initialize (load the engine), execute (submit requests), finalize (stop the threads)."""
 
     def initialize(self, args: dict[str, str]) -> None:
+        _check_numpy()
         config = json.loads(args["model_config"])
         s = engine_settings({k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()})
         art = Path(args["model_repository"]) / args["model_version"] / s["artifact"]
@@ -57,6 +82,7 @@ class TritonPythonModel:
 
             torch.cuda.set_device(int(args.get("model_instance_device_id") or 0))
         self.max_tokens = s["max_tokens"]
+        self.metrics = _Metrics(args.get("model_name", "specrt"), args.get("model_instance_name", ""))
         self.engine = open_engine(art, s["engine"])
         self.loop = EngineLoop(self.engine)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -81,6 +107,7 @@ class TritonPythonModel:
         self._outbox.put(None)
         self._sender.join(10.0)
         self.engine.close()
+        self.metrics.close()
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -130,6 +157,7 @@ class TritonPythonModel:
             return
         state.token_ids += event.token_ids
         state.drafted += event.drafted
+        self.metrics.observe(event.drafted)
         if state.stream:
             if event.token_ids or event.text:
                 state.sender.send(_response(event.text, event.token_ids, event.drafted), flags=0)
@@ -140,6 +168,66 @@ class TritonPythonModel:
             state.done = True
             state.sender.send(_response(state.prefix + event.finished.text, state.token_ids, state.drafted),
                               flags=final)
+
+
+STUB = "triton_python_backend_stub"
+
+
+def _check_numpy() -> None:
+    """Refuse to load where the first request would kill the stub: a stub built with pybind11 < 2.12 (no NumPy 2
+    support: it names only `numpy.core`, never `numpy._core`) running NumPy >= 2 builds the uint8 view of every BYTES
+    input wrongly (each element reads the buffer's first byte), so Triton's deserialize_bytes_tensor reads a
+    length like 0x14141414 for a 20-byte prompt and raises inside the stub's C++ (struct.error: unpack_from
+    requires a buffer of at least ... bytes), which aborts the stub process."""
+    exe = Path("/proc/self/exe")
+    if int(np.__version__.split(".")[0]) < 2 or not exe.exists() or exe.resolve().name != STUB:
+        return  # NumPy 1, or not in Triton's stub process (a test's stand-in), or not Linux: nothing to check
+    if b"numpy._core" not in exe.read_bytes():
+        raise SpecrtError(f"numpy {np.__version__} in a Triton Python backend stub built without NumPy 2 support "
+                          f"(pybind11 < 2.12): its BYTES inputs would crash the stub on the first request. Serve "
+                          f"from an environment with numpy<2 (pip install 'specrt[cpu,triton-server]' pins it; "
+                          f"`specrt triton ... --serve` runs from there), or use a Triton release whose stub supports "
+                          f"NumPy 2")
+
+
+class _Metrics:
+    """specrt's counters in Triton's own /metrics (the Python backend's custom metrics API, where the stub has it):
+    tokens generated, rounds (one target token each: the bonus of a round or an AR step) and accepted drafts, per
+    model instance, and τ (tokens per round) as a gauge."""
+
+    def __init__(self, model: str, instance: str) -> None:
+        self.tokens = self.rounds = 0
+        family = getattr(pb_utils, "MetricFamily", None)
+        if family is None:
+            self.families = None
+            return
+        labels = {"model": model, "instance": instance}
+        counter, gauge = family.COUNTER, family.GAUGE
+        self.families = [family("specrt_generated_tokens_total", "Tokens specrt generated", counter),
+                         family("specrt_rounds_total", "Draft/verify rounds (or AR steps) that committed them",
+                                counter),
+                         family("specrt_accepted_drafts_total", "Generated tokens that were accepted drafts",
+                                counter),
+                         family("specrt_tau", "Mean tokens committed per round (tau) since the instance started",
+                                gauge)]
+        self.generated, self.round_count, self.accepted, self.tau = (f.Metric(labels=labels) for f in self.families)
+
+    def close(self) -> None:
+        """Metrics go before their families (the backend's rule)."""
+        if self.families is not None:
+            del self.generated, self.round_count, self.accepted, self.tau
+            self.families = None
+
+    def observe(self, drafted: list[bool]) -> None:
+        if self.families is None or not drafted:
+            return
+        accepted = sum(drafted)
+        self.tokens += len(drafted)
+        self.rounds += len(drafted) - accepted
+        self.generated.increment(len(drafted))
+        self.round_count.increment(len(drafted) - accepted)
+        self.accepted.increment(accepted)
+        self.tau.set(self.tokens / max(self.rounds, 1))
 
 
 def _response(text: str, token_ids: list[int], drafted: list[bool]):

@@ -2,6 +2,7 @@
 
     REPO/specrt/config.pbtxt               decoupled Python model: owns a specrt engine, streams tokens
     REPO/specrt/1/model.py                 (serve/triton/model.py)
+    REPO/specrt/1/specrt_env.json          the Python environment model.py adds for Triton's stub (site folders)
     REPO/specrt/1/artifact/...             the artifact, hard-linked where possible (else copied)
     REPO/specrt_target/config.pbtxt        one debugging model per graph: platform onnxruntime_onnx ...
     REPO/specrt_target/1/model.onnx        ... with its external weights beside it (weights.bin)
@@ -13,8 +14,11 @@ there to inspect one graph's outputs with any Triton client, not to be chained.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import sys
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,7 @@ def write_repository(art_dir: str | Path, out: str | Path, *, backend: str = "on
         for rel in files:
             _place(art / rel, version / ARTIFACT_DIR / rel, counts)
         shutil.copyfile(Path(__file__).with_name("model.py"), version / "model.py")
+        (version / "specrt_env.json").write_text(json.dumps(python_environment(), indent=1) + "\n")
         params = {"artifact": ARTIFACT_DIR, "backend": ENGINE_BACKENDS[backend], "method": method,
                   "gamma": "" if gamma is None else str(gamma), "scheduler": scheduler, "max_tokens": str(max_tokens),
                   "slots": str(manifest.export.batch), "threads": "" if threads is None else str(threads)}
@@ -68,6 +73,13 @@ def write_repository(art_dir: str | Path, out: str | Path, *, backend: str = "on
             (tmp / name / "config.pbtxt").write_text(graph_config(name, PLATFORMS[backend], inputs, outputs, gpu=gpu))
             models.append({"name": name, "platform": PLATFORMS[backend], "graph": onnx_file})
     return {"repository": str(out), "artifact": str(art), "backend": backend, "models": models, **counts}
+
+
+def python_environment() -> dict[str, Any]:
+    """This interpreter's version and site folders: what the repository's model.py puts first on the stub's sys.path."""
+    paths = sysconfig.get_paths()
+    folders = list(dict.fromkeys(p for p in (paths["purelib"], paths["platlib"]) if p))
+    return {"python": list(sys.version_info[:2]), "site": folders}
 
 
 def _check_settings(manifest: io.Manifest, *, backend: str, instances: int, method: str, gamma: int | None,

@@ -158,11 +158,20 @@ def loadtest(url: str, clients: int, duration: float, prompt_files: tuple[Path, 
 @click.option("--max-tokens", default=128, help="New tokens per request unless its sampling_parameters say otherwise.")
 @click.option("--threads", type=int, default=None, help="Intra-op threads per instance (default: all cores).")
 @click.option("--force", is_flag=True, help="Replace --out if it exists.")
+@click.option("--serve", "serve_it", is_flag=True,
+              help="Then start the Triton Inference Server bundled in the nvidia-pytriton wheel on it, on the CPU, "
+                   "until interrupted (needs `pip install 'specrt[cpu,triton-server]'`).")
+@click.option("--address", default="127.0.0.1", show_default=True, help="With --serve: the address to listen on.")
+@click.option("--http-port", default=8000, show_default=True, help="With --serve: KServe HTTP/REST port.")
+@click.option("--grpc-port", default=8001, show_default=True, help="With --serve: KServe gRPC port.")
+@click.option("--metrics-port", default=8002, show_default=True, help="With --serve: Prometheus /metrics port.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def triton(artifact: Path | None, out: Path | None, check: Path | None, backend: str, instances: int, method: str,
-           gamma: int | None, scheduler: str, max_tokens: int, threads: int | None, force: bool, as_json: bool) -> None:
+           gamma: int | None, scheduler: str, max_tokens: int, threads: int | None, force: bool, serve_it: bool,
+           address: str, http_port: int, grpc_port: int, metrics_port: int, as_json: bool) -> None:
     """Write a Triton Inference Server model repository for ARTIFACT: a decoupled Python model that streams tokens
-    from a specrt engine, and one debugging model per graph. With --check REPO, validate a repository instead."""
+    from a specrt engine, and one debugging model per graph. With --serve, start a real Triton server on it. With
+    --check REPO, validate a repository instead."""
     if check is not None:
         if artifact is not None or out is not None:
             raise SpecrtError("--check REPO validates a repository; give it without ARTIFACT and --out")
@@ -184,8 +193,19 @@ def triton(artifact: Path | None, out: Path | None, check: Path | None, backend:
         raise SpecrtError("give ARTIFACT and --out REPO to write a repository, or --check REPO to validate one")
     from specrt.serve.triton.repository import write_repository
 
+    if serve_it:
+        from specrt.serve.triton import server
+
+        if backend != "onnxruntime":
+            raise SpecrtError("--serve runs the bundled CPU server: use --backend onnxruntime (for TensorRT, serve the "
+                              "repository from the NGC container)")
+        server.check_environment()
+        server.bundle()  # before writing anything
     report = write_repository(artifact, out, backend=backend, instances=instances, method=method, gamma=gamma,
                               scheduler=scheduler, max_tokens=max_tokens, threads=threads, force=force)
+    if serve_it:
+        _serve_triton(out, report, address=address, ports=(http_port, grpc_port, metrics_port), as_json=as_json)
+        return
     if as_json:
         click.echo(json.dumps(report))
         return
@@ -193,3 +213,38 @@ def triton(artifact: Path | None, out: Path | None, check: Path | None, backend:
     click.echo(f"wrote {out}: specrt (Python backend, decoupled, {method}) and {len(graphs)} {backend} debugging "
                f"models ({', '.join(graphs)}); {report['linked']} files hard-linked, {report['copied']} copied")
     click.echo(f"check it with `specrt triton --check {out}`; serve it with `tritonserver --model-repository {out}`")
+
+
+def _serve_triton(repo: Path, report: dict, *, address: str, ports: tuple[int, int, int], as_json: bool) -> None:
+    """Run the bundled tritonserver on the repository just written until interrupted (or until it exits)."""
+    import signal
+    import tempfile
+
+    from specrt.serve.triton import server
+
+    def interrupted(*_):
+        raise KeyboardInterrupt  # SIGTERM stops the server too, like Ctrl-C
+
+    signal.signal(signal.SIGTERM, interrupted)
+
+    http, grpc, metrics = ports
+    with tempfile.TemporaryDirectory(prefix="specrt-triton-") as work:
+        log = Path(work) / "tritonserver.log"
+        proc = server.start(repo, work, http_port=http, grpc_port=grpc, metrics_port=metrics, address=address, log=log)
+        info = {"repository": str(repo), "server": server.bundle().version, "pid": proc.pid,
+                "http": f"{address}:{http}", "grpc": f"{address}:{grpc}", "metrics": f"{address}:{metrics}"}
+        if as_json:
+            click.echo(json.dumps({**report, "serving": info}), nl=True)
+        else:
+            click.echo(f"tritonserver (nvidia-pytriton {info['server']}) serving {repo}, model `specrt` ready: "
+                       f"HTTP {info['http']}, gRPC {info['grpc']}, metrics http://{info['metrics']}/metrics; "
+                       "Ctrl-C stops it")
+        sys.stdout.flush()
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:
+            code = 0
+        finally:
+            server.stop(proc)
+        if code:
+            raise SpecrtError(f"tritonserver exited with {code}: {server.log_tail(log)}")
