@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -219,3 +220,17 @@ def test_bench_openvino_baselines_on_the_default_model(smollm2_art, tmp_path):
         assert rows["ar"]["vs"][name]["median"] > 0 and row["speedup_ci"][0] <= row["speedup"]
     assert report["engines"]["openvino-lookup"]["prompt_lookup"] == OPENVINO_LOOKUP
     assert len({info["pid"] for info in report["engines"].values()}) == 3
+
+
+def test_demo_compares_plain_decoding_with_speculation():
+    """`specrt demo`: the default artifact, ar and dspark+ngram on one prompt, each one's speed, the speedup, and the
+    outputs checked identical."""
+    from click.testing import CliRunner
+
+    from specrt.cli import main
+
+    r = CliRunner().invoke(main, ["demo", "--max-new-tokens", "24"])
+    assert r.exit_code == 0, r.output
+    assert re.search(r"specrt dspark\+ngram: decode [\d.]+ tokens/s, tau [\d.]+ tokens per target call: [\d.]+x ar",
+                     r.output), r.output
+    assert "outputs identical: all 24 tokens (checked)" in r.output
