@@ -1,4 +1,4 @@
-"""The C++ runtime (runtime/cpp, its first slice: greedy `ar` through the C API of specrt.h), built here with CMake
+"""The C++ runtime (runtime/cpp, its first slice: greedy `ar` and `ngram` through the C API of specrt.h), built here with CMake
 against ONNX Runtime's headers (scripts/cpp_deps.sh: Debian's libonnxruntime-dev 1.21 through a private APT
 configuration) and the onnxruntime wheel's library: token-identical to the Python engine on tiny Llama and Qwen3
 targets (standard and cpu attention, whose cache grows) and on the default model; bad artifacts and requests are
@@ -66,17 +66,35 @@ def tiny_arts(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     return arts
 
 
+def _python_rounds(art: Path, prompt: list[int], max_new: int) -> tuple[list[int], int, int]:
+    """The Python engine's n-gram run (fixed lengths): tokens, rounds after prefill, drafts accepted."""
+    with Engine(art, method="ngram", scheduler="fixed", threads=1) as engine:
+        outs, stats = engine.generate([Request(prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True))])
+    return outs[0].output_ids, len(stats.rounds), sum(a for _, a, _ in stats.rounds)
+
+
 @pytest.mark.parametrize("name", ["llama-standard", "llama-cpu", "qwen3-standard", "qwen3-cpu"])
-def test_greedy_ar_is_token_identical_to_python(specrt_cpp, tiny_arts, name):
-    """Prompts shorter and longer than a prefill chunk, 90 new tokens: the cpu lowering's cache grows past 64
-    positions mid-generation."""
+def test_greedy_is_token_identical_to_python(specrt_cpp, tiny_arts, name):
+    """Prompts shorter and longer than a prefill chunk (repeating pieces, so lookups hit), 90 new tokens: the cpu
+    lowering's cache grows past 64 positions mid-generation. `ar` and `ngram` give AR's tokens; `ngram` also runs
+    the Python engine's rounds: as many, with as many drafts accepted."""
     rng = np.random.default_rng(5)
-    prompts = [rng.integers(3, 256, n).tolist() for n in (1, 7, 8, 19, 40)]
+    prompts = [rng.integers(3, 256, n).tolist() for n in (1, 7)]
+    prompts += [(rng.integers(3, 256, k).tolist() * 6)[:n] for k, n in ((3, 8), (5, 19), (4, 40))]
     want = _python(tiny_arts[name], prompts, 90)
+    hits = 0
     for prompt, ids in zip(prompts, want):
         r = _cpp(specrt_cpp, tiny_arts[name], prompt, 90, "--ignore-eos")
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["output_ids"] == ids
+        r = _cpp(specrt_cpp, tiny_arts[name], prompt, 90, "--ignore-eos", "--method", "ngram")
+        assert r.returncode == 0, r.stderr
+        got = json.loads(r.stdout)
+        tokens, rounds, accepted = _python_rounds(tiny_arts[name], prompt, 90)
+        assert got["output_ids"] == ids == tokens
+        assert (got["rounds"], got["accepted"]) == (rounds, accepted)
+        hits += accepted
+    assert hits > 0  # the lookups found drafts the target accepted
 
 
 @pytest.mark.slow
@@ -88,9 +106,10 @@ def test_default_model_greedy_is_token_identical(specrt_cpp, served_art):
                    ("Why is the sky blue?", "Write a Python function that reverses a string.")]
     want = _python(served_art, prompts, 48)
     for prompt, ids in zip(prompts, want):
-        r = _cpp(specrt_cpp, served_art, prompt, 48, "--ignore-eos")
-        assert r.returncode == 0, r.stderr
-        assert json.loads(r.stdout)["output_ids"] == ids
+        for method in ("ar", "ngram"):
+            r = _cpp(specrt_cpp, served_art, prompt, 48, "--ignore-eos", "--method", method)
+            assert r.returncode == 0, r.stderr
+            assert json.loads(r.stdout)["output_ids"] == ids, method
     # without --ignore-eos it stops at the artifact's end-of-sequence token, as the Python engine does
     r = _cpp(specrt_cpp, served_art, prompts[0], 400)
     with Engine(served_art, method="ar", threads=1) as engine:
@@ -130,3 +149,5 @@ def test_bad_artifacts_and_requests_are_one_line_errors(specrt_cpp, tiny_arts, t
         assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     r = subprocess.run([str(specrt_cpp), str(art), "--input-ids", "5,x"], capture_output=True, text=True)
     assert r.returncode == 2 and "comma-separated" in r.stderr
+    r = _cpp(specrt_cpp, art, [5, 6], 4, "--method", "dspark")
+    assert r.returncode == 1 and "runs ar and ngram" in r.stderr

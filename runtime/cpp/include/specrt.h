@@ -1,8 +1,9 @@
 /* specrt's C API: load an artifact that `specrt export` wrote and generate from it on ONNX Runtime.
  *
- * Status: this first slice of the C++ runtime runs plain greedy decoding (method "ar") over the artifact's
- * target graph, one request at a time, token ids in and out; it is token-identical to the Python engine
- * (tests/test_cpp.py). Speculative methods, sampling, tokenizers and several requests in flight are not here yet.
+ * Status: this first slice of the C++ runtime runs greedy decoding over the artifact's target graph, one request at
+ * a time, token ids in and out: plain decoding ("ar") and the lossless draft/verify loop with n-gram lookups
+ * ("ngram", fixed lengths, packed verification); it is token-identical to the Python engine (tests/test_cpp.py).
+ * The draft heads (MTP, DSpark), sampling, tokenizers and several requests in flight are not here yet.
  *
  * Ownership: every handle a function returns is the caller's and is freed with its *_free/close function.
  * Errors: functions return SPECRT_OK or an error code; specrt_last_error() describes the last error of the calling
@@ -29,7 +30,8 @@ typedef enum specrt_status {
 typedef struct specrt_engine specrt_engine;
 
 typedef struct specrt_options {
-    int threads; /* intra-op threads per session; 0: all cores */
+    int threads;        /* intra-op threads per session; 0: all cores */
+    const char* method; /* "ar" (NULL: ar) or "ngram" */
 } specrt_options;
 
 /* Open the artifact in `artifact_dir` (checks its format version and the target graph's I/O against the manifest). */
@@ -41,9 +43,11 @@ void specrt_engine_close(specrt_engine* engine);
 specrt_status specrt_generate(specrt_engine* engine, const int64_t* prompt, size_t n_prompt, size_t max_new_tokens,
                               int ignore_eos, int64_t* out, size_t* n_out);
 
-/* The vocabulary size, and the decode seconds of the last specrt_generate (excluding prefill). */
+/* The vocabulary size; the decode seconds of the last specrt_generate (excluding prefill); its rounds (target calls
+ * after prefill) and, into *accepted, the drafts accepted in them. */
 int64_t specrt_vocab_size(const specrt_engine* engine);
 double specrt_last_decode_seconds(const specrt_engine* engine);
+size_t specrt_last_rounds(const specrt_engine* engine, size_t* accepted);
 
 const char* specrt_last_error(void);
 

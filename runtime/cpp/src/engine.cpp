@@ -1,5 +1,5 @@
 // specrt's C++ runtime, first slice: the artifact's manifest and target graph on ONNX Runtime's C++ API, and greedy
-// plain decoding (method "ar") behind the C API of include/specrt.h. The calls are filled as the Python runtime's
+// plain decoding ("ar") and n-gram drafting with packed verification ("ngram") behind the C API of include/specrt.h. The calls are filled as the Python runtime's
 // call contract fills them (runtime/calls/target.py: prefill chunks, decode grid); the KV cache is one buffer per
 // layer bound as both past and present (runtime/backends/ort.py), grown by GROWTH positions where the graph's cache
 // length is the named axis S.
@@ -103,7 +103,7 @@ struct GraphSpec {
 };
 
 struct Manifest {
-    int64_t vocab_size = 0, max_seq = 0;
+    int64_t vocab_size = 0, max_seq = 0, gamma = 0;  // gamma: drafts a verify call takes at most (verify_len - 1)
     std::set<int64_t> eos;
     GraphSpec target;
 };
@@ -129,6 +129,7 @@ Manifest load_manifest(const fs::path& dir) {
             throw Error(SPECRT_ERROR_ARTIFACT, dir.string() + ": artifact format " + std::to_string(version) +
                                                    ", this runtime reads format " + std::to_string(kFormatVersion) +
                                                    " (re-export it with this version of specrt)");
+        m.gamma = j.at("export").at("verify_len").get<int64_t>() - 1;
         const json& model = j.at("model");
         m.vocab_size = model.at("vocab_size").get<int64_t>();
         for (const json& e : model.at("eos_token_ids")) m.eos.insert(e.get<int64_t>());
@@ -346,13 +347,35 @@ int64_t argmax(const float* row, int64_t n) { return std::max_element(row, row +
 
 }  // namespace
 
+// Up to `steps` tokens that followed the latest earlier occurrence of the longest suffix (n <= max_n) of `history`
+// (runtime/drafters.py lookup): prompt lookup, no graph call.
+std::vector<int64_t> lookup(const std::vector<int64_t>& history, size_t max_n, size_t steps) {
+    const size_t size = history.size();
+    for (size_t n = std::min(max_n, size - 1); n >= 1; --n) {
+        // windows start at 0..size-1-n: strictly before the suffix itself, each followed by >= 1 token
+        for (size_t start = size - 1 - n + 1; start-- > 0;) {
+            if (std::equal(history.end() - n, history.end(), history.begin() + start)) {
+                size_t from = start + n, to = std::min(size, from + steps);
+                return std::vector<int64_t>(history.begin() + from, history.begin() + to);
+            }
+        }
+    }
+    return {};
+}
+
 struct specrt_engine {
     Manifest manifest;
     std::unique_ptr<Runner> target;
+    bool ngram = false;
     double decode_seconds = 0.0;
+    size_t rounds = 0, accepted = 0;
 
     specrt_engine(const char* dir, const specrt_options* options) {
         if (!dir) throw Error(SPECRT_ERROR_REQUEST, "no artifact directory given");
+        std::string method = options && options->method ? options->method : "ar";
+        if (method == "ngram") ngram = true;
+        else if (method != "ar")
+            throw Error(SPECRT_ERROR_REQUEST, "method " + method + ": this runtime runs ar and ngram (not yet the heads)");
         fs::path path(dir);
         manifest = load_manifest(path);
         target = std::make_unique<Runner>(ort_env(), path, manifest.target, options ? options->threads : 0);
@@ -361,16 +384,18 @@ struct specrt_engine {
 
     std::vector<int64_t> generate(const std::vector<int64_t>& prompt, size_t max_new, bool ignore_eos) {
         const int64_t capacity = manifest.max_seq - 1;  // the last position absorbs padding writes
+        const int64_t gamma = ngram ? manifest.gamma : 0;
         if (prompt.empty()) throw Error(SPECRT_ERROR_REQUEST, "empty prompt");
         for (int64_t t : prompt)
             if (t < 0 || t >= manifest.vocab_size)
                 throw Error(SPECRT_ERROR_REQUEST, "token id " + std::to_string(t) + " is outside the vocabulary (0.." +
                                                       std::to_string(manifest.vocab_size - 1) + ")");
-        if (static_cast<int64_t>(prompt.size() + max_new) > capacity)
+        if (static_cast<int64_t>(prompt.size() + max_new) + gamma > capacity)
             throw Error(SPECRT_ERROR_REQUEST, "prompt of " + std::to_string(prompt.size()) + " tokens + max_new_tokens " +
                                                   std::to_string(max_new) + " exceeds the artifact's " +
                                                   std::to_string(capacity) + " cache positions");
         std::vector<int64_t> out;
+        rounds = accepted = 0;
         if (max_new == 0) return out;
         const int64_t vocab = manifest.vocab_size;
         // prefill, chunk by chunk (runtime/calls/target.py prefill): the logits of each chunk's last token
@@ -389,21 +414,47 @@ struct specrt_engine {
             in.at("logit_rows")[0] = len - 1;
             logits = &target->run(pb, "logits");
         }
-        int64_t token = argmax(logits->data(), vocab), length = n;
-        out.push_back(token);
-        // decode steps (runtime/calls/target.py grid, T = 1): the anchor at position L of slot 0
-        Bucket db = manifest.target.bucket("decode", {{"B", 1}});
-        auto& d = target->inputs(db);
-        auto t0 = std::chrono::steady_clock::now();
-        while (out.size() < max_new && (ignore_eos || !manifest.eos.count(token))) {
-            d.at("input_ids")[0] = token;
-            d.at("position_ids")[0] = length;
-            d.at("write_index")[0] = length;
-            d.at("token_rows")[0] = 0;
-            d.at("logit_rows")[0] = 0;
-            token = argmax(target->run(db, "logits").data(), vocab);
-            ++length;
+        std::vector<int64_t> history(prompt);
+        int64_t length = n;  // tokens in the cache; the last of `history` (the anchor) is not yet
+        auto finished = [&](int64_t token) {
+            return out.size() >= max_new || (!ignore_eos && manifest.eos.count(token));
+        };
+        auto emit = [&](int64_t token) {
             out.push_back(token);
+            history.push_back(token);
+            return finished(token);
+        };
+        if (emit(argmax(logits->data(), vocab))) return out;
+        auto t0 = std::chrono::steady_clock::now();
+        while (true) {
+            // draft (n-gram lookups) and schedule (fixed: every draft, capped by gamma and the token budget)
+            std::vector<int64_t> drafts = gamma ? lookup(history, 3, static_cast<size_t>(gamma)) : std::vector<int64_t>{};
+            const int64_t room = std::clamp<int64_t>(static_cast<int64_t>(max_new - out.size()) - 1, 0, gamma);
+            const int64_t ell = std::min<int64_t>(static_cast<int64_t>(drafts.size()), room);
+            // verify [anchor, d_1..d_ell] at positions L..L+ell (runtime/calls/target.py grid, packed rows)
+            Bucket b = ell ? manifest.target.bucket("verify", {{"B", 1}, {"T", ell + 1}, {"P", ell + 1}})
+                           : manifest.target.bucket("decode", {{"B", 1}});
+            const int64_t T = b.at("T");
+            auto& v = target->inputs(b);
+            v.at("input_ids")[0] = history.back();
+            for (int64_t k = 1; k < T; ++k) v.at("input_ids")[k] = k <= ell ? drafts[k - 1] : 0;
+            for (int64_t k = 0; k < T; ++k) v.at("position_ids")[k] = length + k;
+            v.at("write_index")[0] = length;
+            auto& rows = v.at("token_rows");  // the anchor and the drafts, then cells no token uses
+            for (size_t k = 0; k < rows.size(); ++k) rows[k] = static_cast<int64_t>(k);
+            auto& lrows = v.at("logit_rows");
+            for (size_t k = 0; k < lrows.size(); ++k) lrows[k] = static_cast<int64_t>(k);
+            const std::vector<float>& l = target->run(b, "logits");
+            // accept: the longest prefix of drafts equal to the target's argmax before them, then the bonus
+            int64_t a = 0;
+            while (a < ell && argmax(l.data() + a * vocab, vocab) == drafts[a]) ++a;
+            const int64_t bonus = argmax(l.data() + a * vocab, vocab);
+            ++rounds;
+            accepted += static_cast<size_t>(a);
+            length += a + 1;
+            bool done = false;
+            for (int64_t k = 0; k < a && !done; ++k) done = emit(drafts[k]);
+            if (done || emit(bonus)) break;
         }
         decode_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         return out;
@@ -462,6 +513,11 @@ specrt_status specrt_generate(specrt_engine* engine, const int64_t* prompt, size
 int64_t specrt_vocab_size(const specrt_engine* engine) { return engine ? engine->manifest.vocab_size : 0; }
 
 double specrt_last_decode_seconds(const specrt_engine* engine) { return engine ? engine->decode_seconds : 0.0; }
+
+size_t specrt_last_rounds(const specrt_engine* engine, size_t* accepted) {
+    if (accepted) *accepted = engine ? engine->accepted : 0;
+    return engine ? engine->rounds : 0;
+}
 
 const char* specrt_last_error(void) { return last_error.c_str(); }
 

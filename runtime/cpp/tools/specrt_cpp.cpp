@@ -1,5 +1,5 @@
 // specrt-cpp: the C API from the command line (an example of embedding it).
-//   specrt-cpp ART --input-ids 1,2,3 [--max-new-tokens 64] [--threads N] [--ignore-eos] [--json]
+//   specrt-cpp ART --input-ids 1,2,3 [--method ar|ngram] [--max-new-tokens 64] [--threads N] [--ignore-eos] [--json]
 // prints the generated token ids and the decode speed; a bad artifact or request is one line on stderr, exit 1.
 #include "specrt.h"
 
@@ -10,8 +10,8 @@
 #include <vector>
 
 static int usage(const char* why) {
-    std::fprintf(stderr, "specrt-cpp: %s\nusage: specrt-cpp ART --input-ids 1,2,3 [--max-new-tokens 64] [--threads N] "
-                         "[--ignore-eos] [--json]\n", why);
+    std::fprintf(stderr, "specrt-cpp: %s\nusage: specrt-cpp ART --input-ids 1,2,3 [--method ar|ngram] [--max-new-tokens 64] "
+                         "[--threads N] [--ignore-eos] [--json]\n", why);
     return 2;
 }
 
@@ -19,7 +19,7 @@ int main(int argc, char** argv) {
     const char* art = nullptr;
     std::vector<int64_t> prompt;
     size_t max_new = 64;
-    specrt_options options{0};
+    specrt_options options{0, "ar"};
     bool ignore_eos = false, as_json = false;
     for (int i = 1; i < argc; ++i) {
         std::string a = argv[i];
@@ -39,6 +39,10 @@ int main(int argc, char** argv) {
             const char* v = value();
             if (!v || std::atoll(v) < 0) return usage("--max-new-tokens needs a count");
             max_new = static_cast<size_t>(std::atoll(v));
+        } else if (a == "--method") {
+            const char* v = value();
+            if (!v) return usage("--method needs a name");
+            options.method = v;
         } else if (a == "--threads") {
             const char* v = value();
             if (!v) return usage("--threads needs a count");
@@ -68,11 +72,15 @@ int main(int argc, char** argv) {
         return 1;
     }
     double secs = specrt_last_decode_seconds(engine);
+    size_t accepted = 0, rounds = specrt_last_rounds(engine, &accepted);
     double tps = n > 1 && secs > 0 ? (n - 1) / secs : 0.0;
     std::string ids;
     for (size_t i = 0; i < n; ++i) ids += (i ? "," : "") + std::to_string(out[i]);
-    if (as_json) std::printf("{\"output_ids\": [%s], \"decode_tokens_per_s\": %.3f}\n", ids.c_str(), tps);
-    else std::printf("%s\n-- %zu tokens, decode %.1f tok/s\n", ids.c_str(), n, tps);
+    if (as_json)
+        std::printf("{\"output_ids\": [%s], \"decode_tokens_per_s\": %.3f, \"rounds\": %zu, \"accepted\": %zu}\n",
+                    ids.c_str(), tps, rounds, accepted);
+    else std::printf("%s\n-- %zu tokens, decode %.1f tok/s, %zu rounds, %zu drafts accepted\n", ids.c_str(), n, tps,
+                     rounds, accepted);
     specrt_engine_close(engine);
     return 0;
 }
