@@ -217,9 +217,9 @@ class DeviceRounds:
         """Write every backlog longer than one propose call takes through the head's prefill bucket, all but its
         last row (which stays pending), as the host's hybrid does (GraphDrafter.prefill)."""
         t = self.gamma + 1
+        bucket = self.head.spec.bucket("prefill")
         for i in np.flatnonzero(self.pending[:n] > t):
             r = int(self.pending[i])
-            bucket = self.head.spec.bucket("prefill")
             for start in range(0, r - 1, bucket["C"]):
                 stop = min(start + bucket["C"], r - 1)
                 feeds = self.head.module_inputs(int(i), bucket)

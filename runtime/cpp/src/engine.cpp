@@ -264,32 +264,35 @@ private:
     Call& call(const Bucket& bucket) {
         auto it = calls_.find(bucket);
         if (it != calls_.end()) return it->second;
+        if (bucket.at("B") > slots_)  // checked before the call is kept: a failed call leaves nothing behind
+            throw Error(SPECRT_ERROR_REQUEST, "a call over " + std::to_string(bucket.at("B")) + " slots, " +
+                                                  std::to_string(slots_) + " allocated");
         Call& c = calls_[bucket];
         c.binding = std::make_unique<Ort::IoBinding>(*session_);
-        auto mem = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
-        for (const TensorSpec& t : spec_.inputs) {
-            if (t.name.rfind("past.", 0) == 0) continue;
-            if (t.dtype != "int64") throw Error(SPECRT_ERROR_ARTIFACT, spec_.file + ": input " + t.name + " is " + t.dtype);
-            std::vector<int64_t> shape = t.resolve(bucket);
-            auto& buf = c.in[t.name];
-            buf.assign(count(shape), 0);
-            c.values.push_back(Ort::Value::CreateTensor<int64_t>(mem, buf.data(), buf.size(), shape.data(), shape.size()));
-            c.binding->BindInput(t.name.c_str(), c.values.back());
-        }
-        for (const TensorSpec& t : spec_.outputs) {
-            if (t.name.rfind("present.", 0) == 0) continue;
-            if (t.dtype != "float32") throw Error(SPECRT_ERROR_ARTIFACT, spec_.file + ": output " + t.name + " is " + t.dtype);
-            std::vector<int64_t> shape = t.resolve(bucket);
-            auto& buf = c.out[t.name];
-            buf.assign(count(shape), 0.0f);
-            c.values.push_back(Ort::Value::CreateTensor<float>(mem, buf.data(), buf.size(), shape.data(), shape.size()));
-            c.binding->BindOutput(t.name.c_str(), c.values.back());
-        }
         c.slots = bucket.at("B");
-        if (c.slots > slots_) throw Error(SPECRT_ERROR_REQUEST, "a call over " + std::to_string(c.slots) + " slots, " +
-                                                                    std::to_string(slots_) + " allocated");
+        bind_host(c, spec_.inputs, "past.", "int64", c.in, bucket, true);
+        bind_host(c, spec_.outputs, "present.", "float32", c.out, bucket, false);
         bind_cache(c);
         return c;
+    }
+
+    // Host buffers for the call's tensors of `specs` (all of dtype `dtype`, the cache's `skip` ones aside), bound as
+    // its inputs or outputs.
+    template <typename T>
+    void bind_host(Call& c, const std::vector<TensorSpec>& specs, const char* skip, const char* dtype,
+                   std::map<std::string, std::vector<T>>& buffers, const Bucket& bucket, bool input) {
+        auto mem = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
+        for (const TensorSpec& t : specs) {
+            if (t.name.rfind(skip, 0) == 0) continue;
+            if (t.dtype != dtype)
+                throw Error(SPECRT_ERROR_ARTIFACT, spec_.file + ": " + (input ? "input " : "output ") + t.name + " is " + t.dtype);
+            std::vector<int64_t> shape = t.resolve(bucket);
+            auto& buf = buffers[t.name];
+            buf.assign(count(shape), T{});
+            c.values.push_back(Ort::Value::CreateTensor<T>(mem, buf.data(), buf.size(), shape.data(), shape.size()));
+            if (input) c.binding->BindInput(t.name.c_str(), c.values.back());
+            else c.binding->BindOutput(t.name.c_str(), c.values.back());
+        }
     }
 
     // Each layer's cache rows [0, B) as both past and present (the graph scatters new K/V into it in place).
@@ -425,6 +428,10 @@ struct specrt_engine {
             return finished(token);
         };
         if (emit(argmax(logits->data(), vocab))) return out;
+        // each verify length's call (0: a decode step), chosen once rather than every round
+        std::vector<Bucket> calls{manifest.target.bucket("decode", {{"B", 1}})};
+        for (int64_t ell = 1; ell <= gamma; ++ell)
+            calls.push_back(manifest.target.bucket("verify", {{"B", 1}, {"T", ell + 1}, {"P", ell + 1}}));
         auto t0 = std::chrono::steady_clock::now();
         while (true) {
             // draft (n-gram lookups) and schedule (fixed: every draft, capped by gamma and the token budget)
@@ -432,8 +439,7 @@ struct specrt_engine {
             const int64_t room = std::clamp<int64_t>(static_cast<int64_t>(max_new - out.size()) - 1, 0, gamma);
             const int64_t ell = std::min<int64_t>(static_cast<int64_t>(drafts.size()), room);
             // verify [anchor, d_1..d_ell] at positions L..L+ell (runtime/calls/target.py grid, packed rows)
-            Bucket b = ell ? manifest.target.bucket("verify", {{"B", 1}, {"T", ell + 1}, {"P", ell + 1}})
-                           : manifest.target.bucket("decode", {{"B", 1}});
+            const Bucket& b = calls[ell];
             const int64_t T = b.at("T");
             auto& v = target->inputs(b);
             v.at("input_ids")[0] = history.back();
