@@ -1,11 +1,18 @@
-"""The C++ runtime (runtime/cpp, its first slice: greedy `ar` and `ngram` through the C API of specrt.h), built here with CMake
-against ONNX Runtime's headers (scripts/cpp_deps.sh: Debian's libonnxruntime-dev 1.21 through a private APT
-configuration) and the onnxruntime wheel's library: token-identical to the Python engine on tiny Llama and Qwen3
-targets (standard and cpu attention, whose cache grows) and on the default model; bad artifacts and requests are
-one-line errors and exit 1, never a crash."""
+"""The C++ runtime (runtime/cpp: libspecrt and its C API, specrt.h), built here with CMake against ONNX Runtime's
+headers (scripts/cpp_deps.sh: Debian's libonnxruntime-dev 1.21 through a private APT configuration) and the
+onnxruntime wheel's library, driven through `specrt-cpp` (which uses only the C API) and ctest's C program:
+
+- greedy output token-identical to the Python engine for every method and scheduler, several requests in flight,
+  on tiny Llama and Qwen3 targets (standard and cpu attention, whose cache grows), a tiny target with DSpark and MTP
+  heads, DeepSpec's own checkpoint, and the default model; where the round's choices are deterministic (fixed and
+  threshold lengths) also the same rounds with as many drafts accepted;
+- sampled output following the target's distribution (chi-square against the exact distribution of the first three
+  tokens, computed by transformers' model of the same checkpoint), for plain decoding and every drafter;
+- bad artifacts, options and requests: one-line errors and exit 1, never a crash."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -16,11 +23,17 @@ import pytest
 
 from specrt.artifact import ExportSettings
 from specrt.exporter.export import export_artifact
+from specrt.exporter.loaders.deepspec import random_dspark_checkpoint
+from specrt.exporter.loaders.mtp import random_mtp_checkpoint
 from specrt.runtime.engine import Engine, Request
+from specrt.runtime.profile import Profile, save_profile
 from specrt.runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).parents[1]
-BUILD, DEPS = ROOT / "build" / "cpp", ROOT / "build" / "cpp-deps"
+# SPECRT_CPP_SANITIZE=1: build with AddressSanitizer and UndefinedBehaviorSanitizer (into build/cpp-asan) and run
+# every test below on that build (docs/cpp.md)
+SANITIZE = os.environ.get("SPECRT_CPP_SANITIZE") == "1"
+BUILD, DEPS = ROOT / "build" / ("cpp-asan" if SANITIZE else "cpp"), ROOT / "build" / "cpp-deps"
 
 
 def _run(cmd: list, what: str, timeout: int = 900) -> None:
@@ -36,15 +49,23 @@ def specrt_cpp() -> Path:
         pytest.skip(f"building the C++ runtime needs {', '.join(missing)} (Debian: apt-get install cmake g++)")
     _run([ROOT / "scripts" / "cpp_deps.sh", DEPS], "scripts/cpp_deps.sh (ONNX Runtime's headers)")
     _run(["cmake", "-S", ROOT / "runtime" / "cpp", "-B", BUILD, f"-DSPECRT_DEPS={DEPS}",
-          f"-DPython3_EXECUTABLE={sys.executable}"], "cmake configure")
+          f"-DPython3_EXECUTABLE={sys.executable}", f"-DSPECRT_SANITIZE={'ON' if SANITIZE else 'OFF'}"],
+         "cmake configure")
     _run(["cmake", "--build", BUILD, "-j2"], "cmake --build")
     return BUILD / "specrt-cpp"
 
 
-def _cpp(binary: Path, art: Path, ids: list[int], max_new: int, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(binary), str(art), "--input-ids", ",".join(map(str, ids)), "--max-new-tokens",
-                           str(max_new), "--threads", "1", "--json", *extra], capture_output=True, text=True,
-                          timeout=300)
+def _cpp(binary: Path, art: Path, ids: list[int] | list[list[int]], max_new: int, *extra: str
+         ) -> subprocess.CompletedProcess:
+    prompts = ids if ids and isinstance(ids[0], list) else [ids]
+    args = [a for p in prompts for a in ("--input-ids", ",".join(map(str, p)))]
+    return subprocess.run([str(binary), str(art), *args, "--max-new-tokens", str(max_new), "--threads", "1", "--json",
+                           *extra], capture_output=True, text=True, timeout=600)
+
+
+def _outputs(r: subprocess.CompletedProcess) -> dict:
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
 
 
 def _python(art: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
@@ -86,12 +107,12 @@ def test_greedy_is_token_identical_to_python(specrt_cpp, tiny_arts, name):
     for prompt, ids in zip(prompts, want):
         r = _cpp(specrt_cpp, tiny_arts[name], prompt, 90, "--ignore-eos")
         assert r.returncode == 0, r.stderr
-        assert json.loads(r.stdout)["output_ids"] == ids
+        assert json.loads(r.stdout)["outputs"] == [ids]
         r = _cpp(specrt_cpp, tiny_arts[name], prompt, 90, "--ignore-eos", "--method", "ngram")
         assert r.returncode == 0, r.stderr
         got = json.loads(r.stdout)
         tokens, rounds, accepted = _python_rounds(tiny_arts[name], prompt, 90)
-        assert got["output_ids"] == ids == tokens
+        assert got["outputs"] == [ids] == [tokens]
         assert (got["rounds"], got["accepted"]) == (rounds, accepted)
         hits += accepted
     assert hits > 0  # the lookups found drafts the target accepted
@@ -109,12 +130,12 @@ def test_default_model_greedy_is_token_identical(specrt_cpp, served_art):
         for method in ("ar", "ngram"):
             r = _cpp(specrt_cpp, served_art, prompt, 48, "--ignore-eos", "--method", method)
             assert r.returncode == 0, r.stderr
-            assert json.loads(r.stdout)["output_ids"] == ids, method
+            assert json.loads(r.stdout)["outputs"] == [ids], method
     # without --ignore-eos it stops at the artifact's end-of-sequence token, as the Python engine does
     r = _cpp(specrt_cpp, served_art, prompts[0], 400)
     with Engine(served_art, method="ar", threads=1) as engine:
         out = engine.generate([Request(prompts[0], SamplingParams(max_new_tokens=400))])[0][0].output_ids
-    assert json.loads(r.stdout)["output_ids"] == out
+    assert json.loads(r.stdout)["outputs"] == [out]
 
 
 def test_bad_artifacts_and_requests_are_one_line_errors(specrt_cpp, tiny_arts, tmp_path):
@@ -149,5 +170,207 @@ def test_bad_artifacts_and_requests_are_one_line_errors(specrt_cpp, tiny_arts, t
         assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     r = subprocess.run([str(specrt_cpp), str(art), "--input-ids", "5,x"], capture_output=True, text=True)
     assert r.returncode == 2 and "comma-separated" in r.stderr
-    r = _cpp(specrt_cpp, art, [5, 6], 4, "--method", "dspark")
-    assert r.returncode == 1 and "runs ar and ngram" in r.stderr
+    for extra, message in [(("--method", "dspark"), "needs an artifact exported with a dspark head"),
+                           (("--method", "eagle"), "unknown method 'eagle'"),
+                           (("--method", "ngram", "--scheduler", "sps"), "plan on a cost profile"),
+                           (("--method", "ngram", "--scheduler", "best"), "unknown scheduler 'best'"),
+                           (("--method", "ngram", "--gamma", "9"), "gamma must be between 1 and 3"),
+                           (("--temperature", "-1"), "temperature must be a finite number >= 0"),
+                           (("--top-p", "0"), "top_p must be in (0, 1]"),
+                           (("--max-new-tokens", "0"), "max_new_tokens must be >= 1")]:
+        r = _cpp(specrt_cpp, art, [5, 6], 4, *extra)
+        assert r.returncode == 1 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, (extra, r.stderr)
+    r = _cpp(specrt_cpp, art, [], 4)
+    assert r.returncode == 1 and "empty prompt" in r.stderr
+
+
+# -- draft heads, schedulers, several requests in flight ---------------------------------------------------------
+
+FIXTURE = Path(__file__).parent / "fixtures" / "deepspec_dspark_tiny"
+HEAD_METHODS = ("ngram", "dspark", "mtp", "dspark+ngram", "mtp+ngram")
+SCHEDULERS = ("fixed", "threshold", "sps", "sps-async")
+
+
+def _store_profile(art: Path, heads: tuple[str, ...]) -> None:
+    """A cost profile for one thread with a knee (each token past the anchors costs more), so Algorithm 1 admits
+    confident drafts and refuses doubtful ones; both engines refine it online from their own timings."""
+    verify = {b: {p: 10.0 + 1.0 * max(0, p - b) for p in range(b, 8 * b + 1)} for b in (1, 2, 4)}
+    save_profile(art, Profile(backend="ort", threads=1, position=16, machine="test", created="", verify=verify,
+                              draft={h: {1: 2.0, 2: 3.0, 4: 4.0} for h in heads}))
+
+
+@pytest.fixture(scope="module")
+def head_arts(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """A tiny Llama with a DSpark head (confidence head, Markov head) and an MTP head, 4 slots; DeepSpec's own tiny
+    checkpoint (Qwen3 target, DSpark draft) at 2 slots. Both with a stored profile."""
+    root = tmp_path_factory.mktemp("cpp_heads")
+    target = tiny_model_dir("llama", num_layers=2)
+    draft = random_dspark_checkpoint(root / "draft", target, layers=1, block_size=4, markov_rank=16, confidence=True)
+    mtp = random_mtp_checkpoint(root / "mtp", target)
+    tiny = export_artifact(target, root / "tiny", ExportSettings(batch=4, max_seq=128, prefill_chunk=8, verify_len=5),
+                           draft=draft, mtp=mtp, progress=False)
+    _store_profile(tiny, ("dspark", "mtp"))
+    deepspec = export_artifact(FIXTURE / "target", root / "deepspec",
+                               ExportSettings(batch=2, max_seq=96, prefill_chunk=8, verify_len=5),
+                               draft=FIXTURE / "draft", progress=False)
+    _store_profile(deepspec, ("dspark",))
+    return {"tiny": tiny, "deepspec": deepspec}
+
+
+def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    """Prompts with repeated pieces (so n-gram lookups find matches), some longer than a prefill chunk."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        piece = rng.integers(3, vocab, int(rng.integers(2, 6))).tolist()
+        out.append((piece * 6 + rng.integers(3, vocab, int(rng.integers(1, 9))).tolist())[:int(rng.integers(5, 30))])
+    return out
+
+
+def _python_run(art: Path, prompts: list[list[int]], max_new: int, **config) -> tuple[list[list[int]], int, int]:
+    """The Python engine's outputs for `prompts` added at once, its slot rounds and drafts accepted."""
+    with Engine(art, threads=1, **config) as engine:
+        outs, stats = engine.generate([Request(p, SamplingParams(max_new_tokens=max_new, ignore_eos=True), id=i)
+                                       for i, p in enumerate(prompts)])
+    return [o.output_ids for o in outs], len(stats.rounds), sum(a for _, a, _ in stats.rounds)
+
+
+@pytest.mark.parametrize("case", ["tiny", "deepspec"])
+def test_every_method_and_scheduler_is_token_identical_to_python(specrt_cpp, head_arts, case):
+    """Three requests in flight at once (slots beyond the first two on the tiny target; one waits for a slot on
+    DeepSpec's, which has two): every method under every scheduler gives plain decoding's tokens. Where the choices
+    are deterministic (fixed and threshold lengths; not the cost-aware ones, which both engines refine from their own
+    timings) the C++ rounds are the Python engine's: as many slot rounds, as many drafts accepted."""
+    art = head_arts[case]
+    vocab = json.loads((art / "manifest.json").read_text())["model"]["vocab_size"]
+    prompts = _prompts(vocab, 3, seed=11)
+    want, _, _ = _python_run(art, prompts, 40, method="ar")
+    methods = HEAD_METHODS if case == "tiny" else ("ngram", "dspark", "dspark+ngram")
+    accepted_somewhere = 0
+    for method in methods:
+        for scheduler in SCHEDULERS:
+            got = _outputs(_cpp(specrt_cpp, art, prompts, 40, "--ignore-eos", "--method", method,
+                                "--scheduler", scheduler))
+            assert got["outputs"] == want, (method, scheduler)
+            if scheduler in ("fixed", "threshold") and "+" not in method:
+                _, rounds, accepted = _python_run(art, prompts, 40, method=method, scheduler=scheduler)
+                assert (got["rounds"], got["accepted"]) == (rounds, accepted), (method, scheduler)
+            accepted_somewhere += got["accepted"]
+    assert accepted_somewhere > 0
+
+
+def _exact_triples(model_dir: Path, prompt: list[int], params: SamplingParams) -> dict[tuple[int, int, int], float]:
+    """The exact probability of every first three tokens under `params`, from transformers' model of the target."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specrt.runtime.sampling import distribution
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+
+    def dist(ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].numpy()
+        return distribution(logits, params)
+
+    out = {}
+    p1 = dist(prompt)
+    for a in np.flatnonzero(p1):
+        p2 = dist(prompt + [int(a)])
+        for b in np.flatnonzero(p2):
+            p3 = dist(prompt + [int(a), int(b)])
+            for c in np.flatnonzero(p3):
+                out[(int(a), int(b), int(c))] = p1[a] * p2[b] * p3[c]
+    return out
+
+
+@pytest.mark.parametrize("method", ["ar", "ngram", "dspark", "mtp", "dspark+ngram"])
+def test_sampled_tokens_follow_the_target_distribution(specrt_cpp, head_arts, tiny_model_dir, method):
+    """1600 seeded requests of three tokens at temperature 0.9, top-k 3 (27 possible sequences): the first comes from
+    prefill, the others from draft/verify rounds (drafts drawn by the head's graph, or one-hot lookups). Their
+    frequencies match the target's exact distribution (chi-square, p > 1e-3), no sequence of probability 0 appears,
+    and the rounds accepted drafts (the rejection-sampling path ran)."""
+    from scipy.stats import chisquare
+
+    art = head_arts["tiny"]
+    prompt = [7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9]
+    params = SamplingParams(temperature=0.9, top_k=3)
+    exact = _exact_triples(tiny_model_dir("llama", num_layers=2), prompt, params)
+    got = _outputs(_cpp(specrt_cpp, art, prompt, 3, "--ignore-eos", "--method", method, "--scheduler", "fixed",
+                        "--temperature", "0.9", "--top-k", "3", "--seed", "7", "--repeat", "1600"))
+    seen: dict[tuple, int] = {}
+    for ids in got["outputs"]:
+        seen[tuple(ids)] = seen.get(tuple(ids), 0) + 1
+    assert sum(seen.values()) == 1600
+    assert set(seen) <= set(exact), "a sequence of probability 0 was emitted"
+    keys = sorted(exact)
+    observed = np.array([seen.get(k, 0) for k in keys], float)
+    expected = np.array([exact[k] for k in keys]) * 1600
+    assert chisquare(observed, expected * observed.sum() / expected.sum()).pvalue > 1e-3
+    if method != "ar":
+        assert got["accepted"] > 0
+
+
+def test_c_api_from_c(specrt_cpp, tiny_arts):
+    """ctest's C program (runtime/cpp/tests/c_api_test.c, compiled as C99): add / step / abort, generate, and errors
+    for bad calls, the engine working after each."""
+    env = {**os.environ, "SPECRT_TEST_ARTIFACT": str(tiny_arts["llama-cpu"])}
+    r = subprocess.run(["ctest", "--test-dir", str(BUILD), "--output-on-failure"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0 and "100% tests passed" in r.stdout, r.stdout + r.stderr
+    assert "Skipped" not in r.stdout
+
+
+@pytest.mark.slow
+def test_default_model_every_method_is_token_identical(specrt_cpp, served_art):
+    """The default model with its shipped DSpark and MTP heads and its stored profile: every method (sps, the
+    default scheduler) gives plain decoding's tokens, two requests in flight."""
+    from specrt.runtime.prompts import encode_prompt
+
+    with Engine(served_art, method="ar", threads=1) as engine:
+        prompts = [encode_prompt(engine.tokenizer, p) for p in
+                   ("Write a Python function that checks whether a number is prime.", "Why is the sky blue?")]
+    want, _, _ = _python_run(served_art, prompts, 64, method="ar")
+    for method in ("dspark", "mtp", "dspark+ngram", "mtp+ngram"):
+        got = _outputs(_cpp(specrt_cpp, served_art, prompts, 64, "--ignore-eos", "--method", method,
+                            "--scheduler", "sps"))
+        assert got["outputs"] == want, method
+
+
+@pytest.mark.parametrize("draft", ["good", "bad", "disjoint", "onehot"])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
+                                    SamplingParams(temperature=1.3, top_p=0.8)], ids=["t1", "topk", "topp"])
+def test_cpp_rejection_sampling_commits_tokens_from_the_target_distribution(specrt_cpp, draft, params):
+    """The C++ accept_sampled on its own (runtime/cpp/tests/acceptance_test.cpp), as tests/test_acceptance.py checks
+    the Python one: whatever the draft distribution (close to the target, unrelated, disjoint from it, one-hot), the
+    first and second committed tokens follow the target's distribution, computed here by runtime/sampling.py from the
+    same logits; a draft close to the target is mostly accepted, a disjoint one never."""
+    from scipy.stats import chisquare
+
+    from specrt.runtime.sampling import distribution
+
+    if draft == "disjoint" and params.top_k == 0 and params.top_p == 1.0:
+        pytest.skip("a draft disjoint from the target needs tokens the target never emits (top-k/top-p)")
+    r = subprocess.run([str(BUILD / "acceptance_test"), draft, str(params.temperature), str(params.top_k),
+                        str(params.top_p), "20000"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    logits = np.array(got["logits"], np.float32).reshape(4, 12)
+    for counts, row in ((got["first"], 0), (got["second"], 1)):
+        if draft == "disjoint" and row == 1:
+            assert sum(counts) == 0  # nothing accepted: no second token
+            continue
+        p = distribution(logits[row], params)
+        counts = np.array(counts, float)
+        assert counts[p == 0].sum() == 0, "a token of probability 0 was committed"
+        expected = p * counts.sum()
+        big = expected >= 5
+        obs = np.append(counts[big], counts[~big].sum())
+        exp = np.append(expected[big], expected[~big].sum())
+        if exp[-1] == 0:
+            obs, exp = obs[:-1], exp[:-1]
+        assert chisquare(obs, exp).pvalue > 1e-3, (draft, row)
+    if draft == "good":
+        assert got["mean_accepted"] > 1.0
+    if draft == "disjoint":
+        assert got["mean_accepted"] == 0.0

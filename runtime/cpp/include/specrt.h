@@ -1,14 +1,18 @@
-/* specrt's C API: load an artifact that `specrt export` wrote and generate from it on ONNX Runtime.
+/* specrt's C API: load an artifact that `specrt export` wrote and generate from it on ONNX Runtime, with the same
+ * lossless draft/verify loop as the Python engine (token-identical greedy output; sampled output with exactly the
+ * target's distribution).
  *
- * Status: this first slice of the C++ runtime runs greedy decoding over the artifact's target graph, one request at
- * a time, token ids in and out: plain decoding ("ar") and the lossless draft/verify loop with n-gram lookups
- * ("ngram", fixed lengths, packed verification); it is token-identical to the Python engine (tests/test_cpp.py).
- * The draft heads (MTP, DSpark), sampling, tokenizers and several requests in flight are not here yet.
+ * Methods: "ar" (plain decoding), "ngram", "dspark", "mtp", "dspark+ngram", "mtp+ngram". Schedulers: "fixed",
+ * "threshold", "sps", "sps-async" (sps and the hybrids read the artifact's profile.json, written by `specrt profile`).
+ * Requests are token ids (the tokenizer stays with the caller for now); several may be in flight over the artifact's
+ * slots: add them, step the engine, read each step's events.
  *
- * Ownership: every handle a function returns is the caller's and is freed with its *_free/close function.
- * Errors: functions return SPECRT_OK or an error code; specrt_last_error() describes the last error of the calling
- * thread (valid until its next specrt call). Threads: one engine is driven by one thread at a time, as in Python;
- * different engines may run on different threads.
+ * Ownership: a handle a function returns is the caller's and is freed with its close function; pointers the engine
+ * returns (events, token arrays) stay valid until the next call on that engine.
+ * Errors: functions return SPECRT_OK or an error code; specrt_last_error() describes the calling thread's last error
+ * (valid until its next specrt call).
+ * Threads: one engine is driven by one thread at a time (as in Python); different engines may run on different
+ * threads at once.
  */
 #ifndef SPECRT_H
 #define SPECRT_H
@@ -22,32 +26,73 @@ extern "C" {
 
 typedef enum specrt_status {
     SPECRT_OK = 0,
-    SPECRT_ERROR_ARTIFACT = 1, /* a missing, corrupt or unsupported artifact */
-    SPECRT_ERROR_REQUEST = 2,  /* a bad argument or request (empty prompt, token out of range, too long) */
+    SPECRT_ERROR_ARTIFACT = 1, /* a missing, corrupt or unsupported artifact (or its profile) */
+    SPECRT_ERROR_REQUEST = 2,  /* a bad argument or request (empty prompt, token out of range, too long, bad option) */
     SPECRT_ERROR_RUNTIME = 3   /* ONNX Runtime failed */
 } specrt_status;
 
 typedef struct specrt_engine specrt_engine;
 
 typedef struct specrt_options {
-    int threads;        /* intra-op threads per session; 0: all cores */
-    const char* method; /* "ar" (NULL: ar) or "ngram" */
+    int threads;           /* intra-op threads per session; 0: all cores */
+    const char* method;    /* NULL: "ar" */
+    const char* scheduler; /* NULL: "fixed" */
+    int gamma;             /* drafts verified per round at most; 0: the artifact's */
+    int slots;             /* request slots allocated up front; 0: sized to the queue whenever the engine is idle */
+    int ngram;             /* the longest suffix n-gram lookups match (3) */
+    double threshold;      /* the threshold scheduler's survival cut (0.3) */
 } specrt_options;
 
-/* Open the artifact in `artifact_dir` (checks its format version and the target graph's I/O against the manifest). */
+typedef struct specrt_params {
+    double temperature;            /* 0: greedy */
+    int top_k;                     /* 0: off */
+    double top_p;                  /* 1: off */
+    int64_t seed;                  /* -1: unseeded; a seeded request draws with seed + its id */
+    size_t max_new_tokens;         /* >= 1 */
+    const int64_t* stop_token_ids; /* end the request like EOS (kept in the output) */
+    size_t n_stop_token_ids;
+    int ignore_eos;
+} specrt_params;
+
+typedef struct specrt_event {
+    int64_t request_id;
+    const int64_t* token_ids; /* the tokens this step committed for the request */
+    size_t n_tokens;
+    const char* finish_reason; /* NULL while it runs; "eos", "length" or "abort" when it has finished */
+} specrt_event;
+
+void specrt_options_init(specrt_options* options); /* the defaults above */
+void specrt_params_init(specrt_params* params);    /* greedy, 128 tokens, no seed */
+
+/* Open the artifact in `artifact_dir` (its format version and graphs' I/O are checked against the manifest). */
 specrt_status specrt_engine_open(const char* artifact_dir, const specrt_options* options, specrt_engine** engine);
 void specrt_engine_close(specrt_engine* engine);
 
-/* Greedy decoding of `prompt` (n_prompt token ids): up to `max_new_tokens` ids into `out` (room for max_new_tokens),
- * their count into *n_out; stops after an end-of-sequence id of the artifact unless `ignore_eos`. */
-specrt_status specrt_generate(specrt_engine* engine, const int64_t* prompt, size_t n_prompt, size_t max_new_tokens,
-                              int ignore_eos, int64_t* out, size_t* n_out);
+/* Queue a request (checked now); its id into *request_id (NULL: not wanted). */
+specrt_status specrt_add_request(specrt_engine* engine, const int64_t* prompt, size_t n_prompt,
+                                 const specrt_params* params, int64_t* request_id);
+/* Admit waiting requests into free slots, then one decode step or draft/verify round over the active ones; what
+ * happened to each request touched into *events / *n_events (valid until the next call on the engine). */
+specrt_status specrt_step(specrt_engine* engine, const specrt_event** events, size_t* n_events);
+/* Drop a queued or running request; SPECRT_ERROR_REQUEST if it is not unfinished. */
+specrt_status specrt_abort(specrt_engine* engine, int64_t request_id);
+int specrt_has_unfinished(const specrt_engine* engine);
 
-/* The vocabulary size; the decode seconds of the last specrt_generate (excluding prefill); its rounds (target calls
- * after prefill) and, into *accepted, the drafts accepted in them. */
+/* One request start to finish on an idle engine: up to params->max_new_tokens ids into `out` (room for that many),
+ * their count into *n_out. */
+specrt_status specrt_generate(specrt_engine* engine, const int64_t* prompt, size_t n_prompt,
+                              const specrt_params* params, int64_t* out, size_t* n_out);
+
+/* The vocabulary size; gamma (drafts verified per round at most; 0 for ar). */
 int64_t specrt_vocab_size(const specrt_engine* engine);
-double specrt_last_decode_seconds(const specrt_engine* engine);
-size_t specrt_last_rounds(const specrt_engine* engine, size_t* accepted);
+int specrt_gamma(const specrt_engine* engine);
+/* Counters since open (or the last specrt_generate, which resets them): slot rounds (decode steps for ar), drafts
+ * accepted, seconds in decode steps and rounds (prefill excluded), tokens generated. */
+typedef struct specrt_stats {
+    size_t rounds, accepted, generated;
+    double decode_seconds, prefill_seconds;
+} specrt_stats;
+specrt_stats specrt_get_stats(const specrt_engine* engine);
 
 const char* specrt_last_error(void);
 

@@ -1,60 +1,92 @@
 // specrt-cpp: the C API from the command line (an example of embedding it).
-//   specrt-cpp ART --input-ids 1,2,3 [--method ar|ngram] [--max-new-tokens 64] [--threads N] [--ignore-eos] [--json]
-// prints the generated token ids and the decode speed; a bad artifact or request is one line on stderr, exit 1.
+//   specrt-cpp ART --input-ids 1,2,3 [--input-ids ...] [--method M] [--scheduler S] [--max-new-tokens 64]
+//              [--threads N] [--gamma G] [--slots N] [--temperature T --top-k K --top-p P --seed S] [--ignore-eos]
+//              [--repeat N] [--json]
+// Every prompt (each --input-ids, each repeated N times) is queued at once and the engine is stepped until all have
+// finished, several in flight over the artifact's slots; prints each request's token ids and the decode speed. A bad
+// artifact or request is one line on stderr, exit 1.
 #include "specrt.h"
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
-static int usage(const char* why) {
-    std::fprintf(stderr, "specrt-cpp: %s\nusage: specrt-cpp ART --input-ids 1,2,3 [--method ar|ngram] [--max-new-tokens 64] "
-                         "[--threads N] [--ignore-eos] [--json]\n", why);
+static const char* kUsage =
+    "usage: specrt-cpp ART --input-ids 1,2,3 [--method ar|ngram|dspark|mtp|dspark+ngram|mtp+ngram] "
+    "[--scheduler fixed|threshold|sps|sps-async] [--max-new-tokens 64] [--threads N] [--gamma G] [--temperature T] "
+    "[--top-k K] [--top-p P] [--seed S] [--ignore-eos] [--repeat N] [--json]";
+
+static int usage(const std::string& why) {
+    std::fprintf(stderr, "specrt-cpp: %s\n%s\n", why.c_str(), kUsage);
     return 2;
+}
+
+static bool number(const char* v, double* out) {
+    if (!v || !*v) return false;
+    char* end;
+    *out = std::strtod(v, &end);
+    return *end == 0;
 }
 
 int main(int argc, char** argv) {
     const char* art = nullptr;
-    std::vector<int64_t> prompt;
-    size_t max_new = 64;
-    specrt_options options{0, "ar"};
-    bool ignore_eos = false, as_json = false;
+    std::vector<std::vector<int64_t>> prompts;
+    specrt_options options;
+    specrt_options_init(&options);
+    specrt_params params;
+    specrt_params_init(&params);
+    params.max_new_tokens = 64;
+    bool as_json = false;
+    long repeat = 1;
     for (int i = 1; i < argc; ++i) {
         std::string a = argv[i];
-        auto value = [&]() -> const char* { return i + 1 < argc ? argv[++i] : nullptr; };
+        const char* v = nullptr;
+        auto value = [&]() { return v = (i + 1 < argc ? argv[++i] : nullptr); };
+        double x = 0;
         if (a == "--input-ids") {
-            const char* v = value();
-            if (!v) return usage("--input-ids needs a value");
+            if (!value()) return usage("--input-ids needs a value");
+            std::vector<int64_t>& prompt = prompts.emplace_back();
             for (const char* p = v; *p;) {
                 char* end;
                 long long id = std::strtoll(p, &end, 10);
-                if (end == p) return usage("--input-ids: comma-separated integers");
+                if (end == p || (*end && *end != ',')) return usage("--input-ids: comma-separated integers");
                 prompt.push_back(id);
                 p = *end == ',' ? end + 1 : end;
-                if (*end && *end != ',') return usage("--input-ids: comma-separated integers");
             }
-        } else if (a == "--max-new-tokens") {
-            const char* v = value();
-            if (!v || std::atoll(v) < 0) return usage("--max-new-tokens needs a count");
-            max_new = static_cast<size_t>(std::atoll(v));
         } else if (a == "--method") {
-            const char* v = value();
-            if (!v) return usage("--method needs a name");
+            if (!value()) return usage("--method needs a name");
             options.method = v;
-        } else if (a == "--threads") {
-            const char* v = value();
-            if (!v) return usage("--threads needs a count");
-            options.threads = std::atoi(v);
+        } else if (a == "--scheduler") {
+            if (!value()) return usage("--scheduler needs a name");
+            options.scheduler = v;
+        } else if (a == "--max-new-tokens" || a == "--threads" || a == "--gamma" || a == "--top-k" || a == "--seed" ||
+                   a == "--repeat" || a == "--slots") {
+            if (!number(value(), &x) || x < (a == "--seed" ? -1 : 0) || x != static_cast<long long>(x))
+                return usage(a + " needs a whole number");
+            if (a == "--max-new-tokens") params.max_new_tokens = static_cast<size_t>(x);
+            else if (a == "--threads") options.threads = static_cast<int>(x);
+            else if (a == "--gamma") options.gamma = static_cast<int>(x);
+            else if (a == "--top-k") params.top_k = static_cast<int>(x);
+            else if (a == "--seed") params.seed = static_cast<int64_t>(x);
+            else if (a == "--slots") options.slots = static_cast<int>(x);
+            else repeat = static_cast<long>(x);
+        } else if (a == "--temperature" || a == "--top-p") {
+            if (!number(value(), &x)) return usage(a + " needs a number");
+            (a == "--temperature" ? params.temperature : params.top_p) = x;
         } else if (a == "--ignore-eos") {
-            ignore_eos = true;
+            params.ignore_eos = 1;
         } else if (a == "--json") {
             as_json = true;
+        } else if (a == "--help" || a == "-h") {
+            std::printf("%s\n", kUsage);
+            return 0;
         } else if (!art && a.rfind("--", 0) != 0) {
             art = argv[i];
         } else {
-            return usage(("unknown argument " + a).c_str());
+            return usage("unknown argument " + a);
         }
     }
     if (!art) return usage("give an artifact directory");
@@ -63,24 +95,45 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "specrt-cpp: %s\n", specrt_last_error());
         return 1;
     }
-    std::vector<int64_t> out(max_new);
-    size_t n = 0;
-    specrt_status s = specrt_generate(engine, prompt.data(), prompt.size(), max_new, ignore_eos, out.data(), &n);
-    if (s != SPECRT_OK) {
+    auto failed = [&]() {
         std::fprintf(stderr, "specrt-cpp: %s\n", specrt_last_error());
         specrt_engine_close(engine);
         return 1;
+    };
+    if (prompts.empty()) prompts.emplace_back();  // the engine says what is wrong with an empty prompt
+    std::map<int64_t, std::vector<int64_t>> outputs;  // request id -> its tokens (ids count up from 0)
+    for (long r = 0; r < repeat; ++r)
+        for (const auto& prompt : prompts) {
+            int64_t id = 0;
+            if (specrt_add_request(engine, prompt.data(), prompt.size(), &params, &id) != SPECRT_OK) return failed();
+            outputs[id];
+        }
+    while (specrt_has_unfinished(engine)) {
+        const specrt_event* events = nullptr;
+        size_t n = 0;
+        if (specrt_step(engine, &events, &n) != SPECRT_OK) return failed();
+        for (size_t i = 0; i < n; ++i)
+            outputs[events[i].request_id].insert(outputs[events[i].request_id].end(), events[i].token_ids,
+                                                 events[i].token_ids + events[i].n_tokens);
     }
-    double secs = specrt_last_decode_seconds(engine);
-    size_t accepted = 0, rounds = specrt_last_rounds(engine, &accepted);
-    double tps = n > 1 && secs > 0 ? (n - 1) / secs : 0.0;
-    std::string ids;
-    for (size_t i = 0; i < n; ++i) ids += (i ? "," : "") + std::to_string(out[i]);
+    specrt_stats s = specrt_get_stats(engine);
+    size_t tokens = 0;
+    std::string all;
+    for (const auto& [id, ids] : outputs) {
+        std::string text;
+        for (size_t i = 0; i < ids.size(); ++i) text += (i ? "," : "") + std::to_string(ids[i]);
+        all += (all.empty() ? "[" : ", [") + text + "]";
+        tokens += ids.empty() ? 0 : ids.size() - 1;  // the first token of each comes from its prefill
+        if (!as_json) std::printf("%s\n", text.c_str());
+    }
+    const double tps = s.decode_seconds > 0 ? tokens / s.decode_seconds : 0.0;
     if (as_json)
-        std::printf("{\"output_ids\": [%s], \"decode_tokens_per_s\": %.3f, \"rounds\": %zu, \"accepted\": %zu}\n",
-                    ids.c_str(), tps, rounds, accepted);
-    else std::printf("%s\n-- %zu tokens, decode %.1f tok/s, %zu rounds, %zu drafts accepted\n", ids.c_str(), n, tps,
-                     rounds, accepted);
+        std::printf("{\"outputs\": [%s], \"decode_tokens_per_s\": %.3f, \"decode_seconds\": %.6f, \"rounds\": %zu, "
+                    "\"accepted\": %zu, \"gamma\": %d}\n",
+                    all.c_str(), tps, s.decode_seconds, s.rounds, s.accepted, specrt_gamma(engine));
+    else
+        std::printf("-- %zu requests, %zu tokens, decode %.1f tok/s, %zu rounds, %zu drafts accepted\n", outputs.size(),
+                    s.generated, tps, s.rounds, s.accepted);
     specrt_engine_close(engine);
     return 0;
 }

@@ -1,0 +1,95 @@
+#include "costs.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace specrt {
+
+namespace {
+constexpr int kPrior = 2, kWindow = 16, kSeen = 6, kExploreEvery = 8;  // runtime/costs.py
+}
+
+double CostTable::verify_ms(int64_t batch, int64_t tokens) const {
+    const int64_t b = ceil_key(profile_.verify, batch);
+    const auto& row = profile_.verify.at(b);
+    const int64_t p = ceil_key(row, tokens);
+    auto hit = estimate_.find({"verify", "", b, p});
+    if (hit != estimate_.end()) return hit->second;
+    for (auto it = std::make_reverse_iterator(row.find(p)); it != row.rend(); ++it) {  // nearest observed cell below
+        auto below = estimate_.find({"verify", "", b, it->first});
+        if (below != estimate_.end()) return row.at(p) * below->second / it->second;
+    }
+    return row.at(p) * std::exp(log_drift_);
+}
+
+double CostTable::draft_ms(const std::string& head, int64_t batch) const {
+    auto h = profile_.draft.find(head);
+    if (h == profile_.draft.end()) return 0.0;  // n-gram lookups: no graph call
+    const int64_t b = ceil_key(h->second, batch);
+    auto e = estimate_.find({"draft", head, b, 0});
+    return e != estimate_.end() ? e->second : h->second.at(b) * std::exp(log_drift_);
+}
+
+const std::vector<double>& CostTable::verify_curve(int64_t batch, int64_t tokens) {
+    auto key = std::make_pair(batch, tokens);
+    auto it = curves_.find(key);
+    if (it != curves_.end()) return it->second;
+    const int64_t b = ceil_key(profile_.verify, batch);
+    std::vector<int64_t> cells;
+    std::vector<double> ms;
+    for (const auto& [p, _] : profile_.verify.at(b)) {
+        cells.push_back(p);
+        ms.push_back(verify_ms(b, p));
+    }
+    std::vector<double> curve(tokens + 1);
+    for (int64_t p = 0; p <= tokens; ++p) {
+        size_t at = std::lower_bound(cells.begin(), cells.end(), p) - cells.begin();
+        curve[p] = ms[std::min(at, cells.size() - 1)];
+    }
+    return curves_[key] = std::move(curve);
+}
+
+std::vector<char> CostTable::exploring(int64_t batch, int64_t tokens) const {
+    if (since_explore_ < kExploreEvery) return {};
+    const int64_t b = ceil_key(profile_.verify, batch);
+    const auto& row = profile_.verify.at(b);
+    std::vector<char> out(tokens + 1);
+    for (int64_t p = 0; p <= tokens; ++p) {
+        auto s = seen_.find({"verify", "", b, ceil_key(row, p)});
+        out[p] = p <= row.rbegin()->first && (s == seen_.end() || static_cast<int>(s->second.size()) < kSeen);
+    }
+    return out;
+}
+
+void CostTable::observe_verify(int64_t batch, int64_t tokens, double ms) {
+    const int64_t b = ceil_key(profile_.verify, batch);
+    const int64_t p = ceil_key(profile_.verify.at(b), tokens);
+    observe({"verify", "", b, p}, profile_.verify.at(b).at(p), ms);
+    ++since_explore_;
+}
+
+void CostTable::observe_draft(const std::string& head, int64_t batch, double ms) {
+    auto h = profile_.draft.find(head);
+    if (h == profile_.draft.end()) return;
+    const int64_t b = ceil_key(h->second, batch);
+    observe({"draft", head, b, 0}, h->second.at(b), ms);
+}
+
+void CostTable::observe(const Cell& cell, double profiled, double ms) {
+    if (!(ms > 0 && std::isfinite(ms))) return;
+    curves_.clear();
+    auto& seen = seen_[cell];
+    seen.push_back(ms);
+    if (static_cast<int>(seen.size()) > kWindow) seen.pop_front();
+    std::vector<double> values(kPrior, profiled);
+    values.insert(values.end(), seen.begin(), seen.end());
+    std::sort(values.begin(), values.end());
+    estimate_[cell] = values[(values.size() - 1) / 2];  // the lower median
+    ++observations_;
+    if (profiled > 0) {  // clipped: one stall moves the drift by at most log(4) / its weight
+        const double ratio = std::clamp(std::log(ms / profiled), -std::log(4.0), std::log(4.0));
+        log_drift_ += (ratio - log_drift_) / static_cast<double>(std::min<int64_t>(observations_, 4 * kWindow));
+    }
+}
+
+}  // namespace specrt

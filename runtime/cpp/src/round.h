@@ -1,0 +1,141 @@
+// The round's parts: proposals, drafters (n-gram lookups, a draft head's graph, a head with lookups) and schedulers
+// (fixed, threshold, sps, sps-async), as runtime/drafters.py, runtime/hybrid.py, runtime/schedulers.py and
+// runtime/steps.py define them.
+#pragma once
+
+#include "costs.h"
+#include "engine.h"
+
+namespace specrt {
+
+// Drafts for slots [0, n): row i holds slot i's first counts[i] drafts (idle slots: 0).
+struct Proposal {
+    int64_t n = 0, width = 0;  // width: drafts per row at most
+    std::vector<int64_t> tokens, counts;
+    std::vector<float> survival;  // [n, width] the drafts' prefix survival where the drafter reports it
+    std::vector<float> confidence;  // [n, width] confidence logits (a DSpark head)
+    DraftDist q;  // the distributions sampled drafts were drawn from (none: one-hot drafts)
+    std::vector<char> onehot;  // rows drafted deterministically beside q (lookups in a hybrid)
+    std::string head;  // the head whose graph drafted this round ("": lookups only)
+};
+
+// The slots a drafter sees this round (nullptr: idle) and, per slot, the pending context rows to write first.
+struct Views {
+    std::vector<Slot*> slots;
+    std::vector<const Context*> ctx;
+};
+
+class Drafter {
+public:
+    virtual ~Drafter() = default;
+    int64_t steps = 0;
+    virtual void allocate(int64_t slots) = 0;
+    // A fresh slot's prompt context; returns the rows still pending for its first proposal.
+    virtual std::optional<Context> prefill(int64_t slot, Context ctx) = 0;
+    virtual Proposal propose(const Views& views) = 0;
+    virtual void observe(int64_t /*slot*/, int64_t /*verified*/, int64_t /*accepted*/) {}
+};
+
+// Per draft position, the conditional acceptance measured so far (a prior worth two tries).
+class AcceptanceHistory {
+public:
+    explicit AcceptanceHistory(int64_t gamma, double later = 0.5);
+    void observe(int64_t verified, int64_t accepted);
+    std::vector<float> survival() const;  // [gamma]: P(the first k + 1 drafts are all accepted)
+
+private:
+    std::vector<double> hits_, tries_;
+};
+
+std::vector<int64_t> lookup(const std::vector<int64_t>& history, size_t max_n, size_t steps);
+
+class NGramDrafter : public Drafter {
+public:
+    NGramDrafter(int64_t steps, int64_t max_n);
+    void allocate(int64_t) override {}
+    std::optional<Context> prefill(int64_t, Context) override { return std::nullopt; }
+    Proposal propose(const Views& views) override;
+
+private:
+    int64_t max_n_;
+};
+
+class GraphDrafter : public Drafter {
+public:
+    GraphDrafter(const fs::path& dir, const Manifest& m, const HeadSpec& head, int threads);
+    void allocate(int64_t slots) override { runner_.allocate(slots); }
+    std::optional<Context> prefill(int64_t slot, Context ctx) override;
+    Proposal propose(const Views& views) override;
+
+    const HeadSpec& head() const { return head_; }
+    int64_t max_rows() const { return max_rows_; }
+
+private:
+    void fill(Tensors& feeds, const std::vector<const Context*>& ctx, const std::vector<int64_t>& anchors,
+              int64_t b);
+
+    HeadSpec head_;
+    Runner runner_;
+    std::vector<int32_t> column_;  // token -> draft-vocabulary column
+    int64_t max_rows_ = 1;
+};
+
+class HybridDrafter : public Drafter {
+public:
+    HybridDrafter(std::unique_ptr<GraphDrafter> head, CostTable& costs, int64_t max_n);
+    void allocate(int64_t slots) override;
+    std::optional<Context> prefill(int64_t slot, Context ctx) override;
+    Proposal propose(const Views& views) override;
+    void observe(int64_t slot, int64_t verified, int64_t accepted) override;
+    int64_t head_rounds() const { return rounds_[1]; }
+
+private:
+    double head_rate(int64_t n) const;
+    void fold();
+
+    std::unique_ptr<GraphDrafter> head_;
+    CostTable& costs_;
+    NGramDrafter lookup_;
+    AcceptanceHistory history_[2];
+    std::vector<std::optional<Context>> backlog_;
+    std::vector<int64_t> source_;
+    int64_t rounds_[2] = {0, 0}, since_head_ = 0, last_n_ = 0;
+    double committed_ = 0.0, cost_ = 0.0;
+    bool last_head_ = false;
+    std::vector<std::pair<int64_t, int64_t>> last_;
+};
+
+class Scheduler {
+public:
+    Scheduler(int64_t gamma, std::vector<float> temperatures) : gamma(gamma), temperatures_(std::move(temperatures)), history_(gamma) {}
+    virtual ~Scheduler() = default;
+    const int64_t gamma;
+    // Verify lengths [n] (0: a plain decode step), before the loop's cap.
+    virtual std::vector<int64_t> schedule(const Views& views, const Proposal& p) = 0;
+    void observe(int64_t verified, int64_t accepted) { history_.observe(verified, accepted); }
+
+protected:
+    std::vector<float> survival(const Proposal& p) const;  // [n, gamma], zero past each row's drafts
+
+private:
+    std::vector<float> temperatures_;
+    AcceptanceHistory history_;
+};
+
+std::unique_ptr<Scheduler> make_scheduler(const std::string& name, int64_t gamma, std::vector<float> temperatures,
+                                          double threshold, CostTable* costs);
+
+// Algorithm 1 on survivals a [n, g] of the `active` rows (runtime/steps.py admission): lengths [n], the round's
+// expected committed tokens per ms, and whether a pair was admitted to explore.
+struct Admission {
+    std::vector<int64_t> lengths;
+    double rate = 0.0;
+    bool explored = false;
+};
+Admission admission(const std::vector<float>& a, int64_t n, int64_t g, const std::vector<char>& active, double fixed_ms,
+                    const std::vector<double>& verify_ms, const std::vector<char>& explore);
+// The same on a cost table (runtime/schedulers.py admission).
+Admission admission(const std::vector<float>& a, int64_t n, int64_t g, const std::vector<char>& active, double fixed_ms,
+                    CostTable& costs, bool explore);
+
+}  // namespace specrt

@@ -1,0 +1,212 @@
+#include "runner.h"
+
+#include <algorithm>
+#include <cstring>
+#include <sched.h>
+
+namespace specrt {
+
+namespace {
+
+constexpr int64_t kGrowth = 64;  // positions a sized cache grows by (runtime/backends/ort.py GROWTH)
+const char* const kCacheLen = "S";
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+size_t count(const std::vector<int64_t>& shape) {
+    size_t n = 1;
+    for (int64_t d : shape) n *= static_cast<size_t>(d);
+    return n;
+}
+
+// The graph file's declared I/O against the manifest's (specrt/artifact.py check_graph_io).
+void check_graph_io(Ort::Session& session, const GraphSpec& spec) {
+    Ort::AllocatorWithDefaultOptions alloc;
+    std::map<std::string, std::vector<Dim>> declared;
+    auto add = [&](size_t n, bool input) {
+        for (size_t i = 0; i < n; ++i) {
+            auto name = input ? session.GetInputNameAllocated(i, alloc) : session.GetOutputNameAllocated(i, alloc);
+            Ort::TypeInfo type = input ? session.GetInputTypeInfo(i) : session.GetOutputTypeInfo(i);
+            auto info = type.GetTensorTypeAndShapeInfo();  // a view into `type`: keep it alive
+            std::vector<int64_t> dims = info.GetShape();
+            std::vector<const char*> names(dims.size());
+            info.GetSymbolicDimensions(names.data(), names.size());
+            std::vector<Dim> shape;
+            for (size_t k = 0; k < dims.size(); ++k) {
+                if (names[k] && names[k][0]) shape.emplace_back(std::string(names[k]));
+                else shape.emplace_back(dims[k]);
+            }
+            declared[name.get()] = shape;
+        }
+    };
+    add(session.GetInputCount(), true);
+    add(session.GetOutputCount(), false);
+    for (const auto* list : {&spec.inputs, &spec.outputs}) {
+        for (const TensorSpec& t : *list) {
+            auto it = declared.find(t.name);
+            if (it == declared.end())
+                throw Error(SPECRT_ERROR_ARTIFACT, spec.file + ": the graph has no " + t.name + " (corrupt artifact? re-export it)");
+            if (it->second != t.shape)
+                throw Error(SPECRT_ERROR_ARTIFACT, spec.file + ": " + t.name + " is " + dims_text(it->second) +
+                                                       " in the graph, " + dims_text(t.shape) + " in the manifest");
+        }
+    }
+}
+
+std::unique_ptr<Ort::Session> open_session(Ort::Env& env, const fs::path& dir, const GraphSpec& spec, int threads,
+                                           bool spin) {
+    fs::path file = dir / spec.file;
+    if (!fs::is_regular_file(file)) throw Error(SPECRT_ERROR_ARTIFACT, file.string() + " is missing (corrupt artifact? re-export it)");
+    Ort::SessionOptions so;
+    so.SetIntraOpNumThreads(threads > 0 ? threads : default_threads());
+    so.SetInterOpNumThreads(1);
+    so.SetGraphOptimizationLevel(GraphOptimizationLevel::ORT_ENABLE_ALL);
+    so.SetLogSeverityLevel(3);
+    // drafts run in turn with the target: idle spinning threads would steal the cores it needs next
+    if (!spin) so.AddConfigEntry("session.intra_op.allow_spinning", "0");
+    std::unique_ptr<Ort::Session> session;
+    try {
+        session = std::make_unique<Ort::Session>(env, file.c_str(), so);
+    } catch (const Ort::Exception& e) {
+        throw Error(SPECRT_ERROR_ARTIFACT, "cannot load " + spec.file + ": " + first_line(e.what()));
+    }
+    check_graph_io(*session, spec);
+    return session;
+}
+
+}  // namespace
+
+int default_threads() {  // the cores this process may run on (os.sched_getaffinity in Python)
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+    return 1;
+}
+
+Ort::Env& ort_env() {
+    static Ort::Env env(ORT_LOGGING_LEVEL_ERROR, "specrt");
+    return env;
+}
+
+Runner::Runner(Ort::Env& env, const fs::path& dir, const GraphSpec& spec, int threads, bool spin)
+    : spec_(spec), greedy_spec_(spec) {
+    session_ = open_session(env, dir, spec, threads, spin);
+    if (auto g = spec.greedy()) {
+        greedy_spec_ = *g;
+        greedy_session_ = open_session(env, dir, greedy_spec_, threads, spin);
+    }
+    for (const TensorSpec& t : spec.inputs) {
+        if (t.name.rfind("past.", 0) != 0) continue;
+        if (t.dtype != "float32")
+            throw Error(SPECRT_ERROR_ARTIFACT, spec.file + ": a " + t.dtype + " KV cache (this runtime reads float32)");
+        if (t.shape.size() != 4) throw Error(SPECRT_ERROR_ARTIFACT, spec.file + ": " + t.name + " is not [B, H, S, D]");
+        cache_specs_.push_back(t);
+    }
+    for (const auto* list : {&spec.inputs, &spec.outputs})
+        for (const TensorSpec& t : *list)
+            if (t.name.rfind("past.", 0) != 0 && t.name.rfind("present.", 0) != 0 && t.dtype != "int64" &&
+                t.dtype != "float32")
+                throw Error(SPECRT_ERROR_ARTIFACT, spec.file + ": " + t.name + " is " + t.dtype +
+                                                       " (this runtime reads int64 and float32 graphs)");
+    sized_ = spec.sized_cache();
+}
+
+void Runner::allocate(int64_t slots) {
+    if (slots == slots_ && !cache_.empty()) return;
+    slots_ = slots;
+    calls_.clear();
+    cache_.clear();
+    length_ = 0;
+    resize(sized_ ? std::min(kGrowth, spec_.max_seq) : spec_.max_seq);
+}
+
+Tensors& Runner::inputs(int64_t slot, const Bucket& bucket, bool greedy) { return call(slot, bucket, greedy).in; }
+
+Tensors& Runner::run(int64_t slot, const Bucket& bucket, bool greedy) {
+    Call& c = call(slot, bucket, greedy);
+    if (sized_) {
+        const auto& w = c.in.at("write_index").i;
+        int64_t need = *std::max_element(w.begin(), w.end()) + bucket.at("T");
+        if (need > length_ && length_ < spec_.max_seq) resize(std::min(spec_.max_seq, (need + kGrowth - 1) / kGrowth * kGrowth));
+    }
+    if (c.length != length_) bind_cache(c);
+    try {
+        (c.greedy ? greedy_session_ : session_)->Run(Ort::RunOptions{nullptr}, *c.binding);
+    } catch (const Ort::Exception& e) {
+        throw Error(SPECRT_ERROR_RUNTIME, spec_.file + ": " + first_line(e.what()));
+    }
+    return c.out;
+}
+
+Runner::Call& Runner::call(int64_t slot, const Bucket& bucket, bool greedy) {
+    greedy = greedy && greedy_session_;
+    Key key{greedy, slot, bucket};
+    auto it = calls_.find(key);
+    if (it != calls_.end()) return it->second;
+    const int64_t b = bucket.at("B");
+    if (slot < 0 || slot + b > slots_)  // checked before the call is kept: a refused call leaves nothing behind
+        throw Error(SPECRT_ERROR_REQUEST, spec_.name + ": a call over slots [" + std::to_string(slot) + ", " +
+                                              std::to_string(slot + b) + "), " + std::to_string(slots_) + " allocated");
+    Call c;
+    c.slot = slot;
+    c.slots = b;
+    c.greedy = greedy;
+    const GraphSpec& spec = greedy ? greedy_spec_ : spec_;
+    c.binding = std::make_unique<Ort::IoBinding>(greedy ? *greedy_session_ : *session_);
+    auto mem = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
+    for (bool input : {true, false}) {
+        for (const TensorSpec& t : input ? spec.inputs : spec.outputs) {
+            if (t.name.rfind(input ? "past." : "present.", 0) == 0) continue;
+            Tensor& x = (input ? c.in : c.out)[t.name];
+            x.dtype = t.dtype;
+            x.shape = t.resolve(bucket);
+            if (t.dtype == "int64") {
+                x.i.assign(count(x.shape), 0);
+                c.values.push_back(Ort::Value::CreateTensor<int64_t>(mem, x.i.data(), x.i.size(), x.shape.data(), x.shape.size()));
+            } else {
+                x.f.assign(count(x.shape), 0.0f);
+                c.values.push_back(Ort::Value::CreateTensor<float>(mem, x.f.data(), x.f.size(), x.shape.data(), x.shape.size()));
+            }
+            if (input) c.binding->BindInput(t.name.c_str(), c.values.back());
+            else c.binding->BindOutput(t.name.c_str(), c.values.back());
+        }
+    }
+    Call& kept = calls_.emplace(key, std::move(c)).first->second;
+    bind_cache(kept);
+    return kept;
+}
+
+// Each layer's cache rows [slot, slot + B) as both past and present.
+void Runner::bind_cache(Call& c) {
+    auto mem = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
+    c.cache_values.clear();
+    for (size_t i = 0; i < cache_specs_.size(); ++i) {
+        const TensorSpec& t = cache_specs_[i];
+        std::vector<int64_t> shape = t.resolve({{"B", c.slots}, {kCacheLen, length_}});
+        size_t per_slot = count(shape) / static_cast<size_t>(c.slots);
+        c.cache_values.push_back(Ort::Value::CreateTensor<float>(mem, cache_[i].data() + c.slot * per_slot, count(shape),
+                                                                 shape.data(), shape.size()));
+        c.binding->BindInput(t.name.c_str(), c.cache_values.back());
+        std::string present = "present." + t.name.substr(5);
+        c.binding->BindOutput(present.c_str(), c.cache_values.back());
+    }
+    c.length = length_;
+}
+
+// (Re)allocate every layer's cache at `length` positions per slot, keeping what it holds.
+void Runner::resize(int64_t length) {
+    std::vector<std::vector<float>> next(cache_specs_.size());
+    for (size_t i = 0; i < cache_specs_.size(); ++i) {
+        std::vector<int64_t> shape = cache_specs_[i].resolve({{"B", slots_}, {kCacheLen, length}});
+        next[i].assign(count(shape), 0.0f);
+        if (!cache_.empty() && length_ > 0) {  // [B, H, S, D]: copy each (slot, head)'s first min(S) rows
+            int64_t rows = shape[0] * shape[1], d = shape[3], keep = std::min(length, length_);
+            for (int64_t r = 0; r < rows; ++r)
+                std::memcpy(next[i].data() + r * length * d, cache_[i].data() + r * length_ * d, keep * d * sizeof(float));
+        }
+    }
+    cache_ = std::move(next);
+    length_ = length;
+}
+
+}  // namespace specrt

@@ -1,0 +1,69 @@
+// One graph family of an artifact on one ONNX Runtime session (runtime/backends/ort.py's OrtRunner): host buffers and
+// an Ort::IoBinding per (slot, bucket) made on first use and reused; each layer's KV cache one buffer bound in place
+// as both past.* and present.* (the graph scatters new K/V into it); a cache of named length S grows by GROWTH
+// positions before a call that writes past it. A draft family's greedy variant runs on its own session over the
+// same cache.
+#pragma once
+
+#include "artifact.h"
+
+#include <onnxruntime/onnxruntime_cxx_api.h>
+
+#include <memory>
+#include <tuple>
+
+namespace specrt {
+
+// A host tensor of a call: int64 or float32 (scalars have one element).
+struct Tensor {
+    std::string dtype;
+    std::vector<int64_t> shape;
+    std::vector<int64_t> i;
+    std::vector<float> f;
+
+    int64_t* i64() { return i.data(); }
+    float* f32() { return f.data(); }
+    size_t size() const { return dtype == "int64" ? i.size() : f.size(); }
+};
+using Tensors = std::map<std::string, Tensor>;
+
+class Runner {
+public:
+    Runner(Ort::Env& env, const fs::path& dir, const GraphSpec& spec, int threads, bool spin);
+
+    const GraphSpec& spec() const { return spec_; }
+    int64_t slots() const { return slots_; }
+    // Zeroed caches for `slots` slots (bindings of another size are dropped).
+    void allocate(int64_t slots);
+    // The bound host inputs of a call over slots [slot, slot + B) at `bucket`: fill them in place, then run().
+    Tensors& inputs(int64_t slot, const Bucket& bucket, bool greedy = false);
+    // Run that call; its outputs stay valid until it runs again.
+    Tensors& run(int64_t slot, const Bucket& bucket, bool greedy = false);
+
+private:
+    struct Call {
+        Tensors in, out;
+        std::vector<Ort::Value> values, cache_values;  // the tensors bound (views on in, out and the cache)
+        std::unique_ptr<Ort::IoBinding> binding;
+        int64_t slot = 0, slots = 0, length = -1;
+        bool greedy = false;
+    };
+    using Key = std::tuple<bool, int64_t, Bucket>;
+
+    Call& call(int64_t slot, const Bucket& bucket, bool greedy);
+    void bind_cache(Call& c);
+    void resize(int64_t length);
+
+    GraphSpec spec_, greedy_spec_;
+    std::unique_ptr<Ort::Session> session_, greedy_session_;
+    std::vector<TensorSpec> cache_specs_;
+    std::vector<std::vector<float>> cache_;
+    std::map<Key, Call> calls_;
+    int64_t slots_ = 0, length_ = 0;
+    bool sized_ = false;
+};
+
+Ort::Env& ort_env();
+int default_threads();
+
+}  // namespace specrt
