@@ -1,68 +1,11 @@
 """Light runtime tokenizer: `tokenizers` + a jinja2 chat template, no transformers import."""
 from __future__ import annotations
 
-import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from specrt.errors import SpecrtError
-from specrt.tokenizer_info import read_tokenizer_info
-
-MAX_RENDER_CHARS = 1 << 22  # a chat template's output (and any string or list it builds) is bounded by this
-def _compile_template(template: str):
-    """Compile a HF chat template the way transformers does (sandboxed, trim/lstrip blocks)."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationTag(jinja2.ext.Extension):
-        """`{% generation %}...{% endgeneration %}` (assistant-mask marker): renders its body."""
-        tags = {"generation"}
-
-        def parse(self, parser):  # type: ignore[no-untyped-def]
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-        def _render(self, caller):  # type: ignore[no-untyped-def]
-            return caller()
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    class BoundedEnvironment(ImmutableSandboxedEnvironment):
-        """The sandbox, plus bounds on what `*` and `**` may build: a template comes with the artifact, which
-        may come from someone else (`{{ 'x' * 4000000000 }}` would otherwise take all memory)."""
-
-        intercepted_binops = frozenset(["*", "**"])
-
-        def call_binop(self, context, operator, left, right):  # type: ignore[no-untyped-def]
-            if operator == "*":
-                for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) \
-                            and len(seq) * n > MAX_RENDER_CHARS:
-                        raise jinja2.exceptions.SecurityError(
-                            f"the template repeats a sequence to more than {MAX_RENDER_CHARS} items")
-            if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
-                    and right * max(abs(left).bit_length(), 1) > 4096:
-                raise jinja2.exceptions.SecurityError("the template raises a number to too large a power")
-            return super().call_binop(context, operator, left, right)
-
-    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                             extensions=[GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise SpecrtError(f"invalid chat template: {e}") from None
+from specrt.tokenizer_info import MAX_RENDER_CHARS, compile_template as _compile_template, read_tokenizer_info
 
 
 class Tokenizer:

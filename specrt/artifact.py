@@ -41,6 +41,10 @@ from specrt.errors import SpecrtError
 from specrt.model_config import ModelConfig
 
 FORMAT_VERSION = 4
+# Fields added to the manifest within a format version (readers ignore what they do not know); a cached default
+# artifact (tools/default_artifact.py) is re-exported when this moves. 2: tokenizer.chat (the chat template's text
+# around one user message, for the C++ runtime).
+MANIFEST_REVISION = 2
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.bin"
 TOKENIZER_DIR = "tokenizer"

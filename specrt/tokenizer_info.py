@@ -2,10 +2,69 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
 
 from specrt.errors import SpecrtError
+
+MAX_RENDER_CHARS = 1 << 22  # a chat template's output (and any string or list it builds) is bounded by this
+
+
+def compile_template(template: str):
+    """Compile a HF chat template the way transformers does (sandboxed, trim/lstrip blocks)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` (assistant-mask marker): renders its body."""
+        tags = {"generation"}
+
+        def parse(self, parser):  # type: ignore[no-untyped-def]
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):  # type: ignore[no-untyped-def]
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        """The sandbox, plus bounds on what `*` and `**` may build: a template comes with the artifact, which
+        may come from someone else (`{{ 'x' * 4000000000 }}` would otherwise take all memory)."""
+
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context, operator, left, right):  # type: ignore[no-untyped-def]
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) \
+                            and len(seq) * n > MAX_RENDER_CHARS:
+                        raise jinja2.exceptions.SecurityError(
+                            f"the template repeats a sequence to more than {MAX_RENDER_CHARS} items")
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
+                    and right * max(abs(left).bit_length(), 1) > 4096:
+                raise jinja2.exceptions.SecurityError("the template raises a number to too large a power")
+            return super().call_binop(context, operator, left, right)
+
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                             extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise SpecrtError(f"invalid chat template: {e}") from None
+
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                       "cls_token", "mask_token")
@@ -54,4 +113,34 @@ def read_tokenizer_info(tok_dir: Path, extra_eos_token_ids: Iterable[int] = ()) 
     eos_ids = list(dict.fromkeys(int(i) for i in [*eos, *extra_eos_token_ids] if i is not None))
     files = sorted(p.name for p in tok_dir.iterdir() if p.is_file())
     return {"files": files, "chat_template": template, "bos_token_id": bos,
-            "eos_token_ids": eos_ids, "special_tokens": special}
+            "eos_token_ids": eos_ids, "special_tokens": special, "chat": chat_affixes(template, special)}
+
+
+def chat_affixes(template: str | None, special: dict[str, str]) -> dict[str, str] | None:
+    """The chat template rendered once around one user message, for runtimes without Jinja (the C++ runtime):
+    {"prefix", "suffix"} with render([user: x], generation prompt) == prefix + x + suffix for every x, checked on
+    two contents that a template transforming or testing its content would render differently; or {"unsupported":
+    why}. None without a template."""
+    import jinja2
+
+    if not template:
+        return None
+    if "strftime_now" in template:
+        return {"unsupported": "the chat template renders the current date"}
+    try:
+        compiled = compile_template(template)
+
+        def render(content: str) -> str:
+            return compiled.render(messages=[{"role": "user", "content": content}], add_generation_prompt=True,
+                                   tools=None, documents=None, **special)
+
+        a, b = " \n specrt A 1 \n", "Specrt\tb?"
+        ra, rb = render(a), render(b)
+    except (SpecrtError, jinja2.TemplateError, MemoryError, RecursionError, OverflowError, TypeError) as e:
+        return {"unsupported": f"the chat template does not render one user message ({type(e).__name__})"}
+    if ra.count(a) != 1:
+        return {"unsupported": "the chat template does not insert a message's content verbatim"}
+    prefix, suffix = ra.split(a)
+    if rb != prefix + b + suffix:
+        return {"unsupported": "the chat template renders a message's content differently by what it says"}
+    return {"prefix": prefix, "suffix": suffix}

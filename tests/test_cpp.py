@@ -374,3 +374,148 @@ def test_cpp_rejection_sampling_commits_tokens_from_the_target_distribution(spec
         assert got["mean_accepted"] > 1.0
     if draft == "disjoint":
         assert got["mean_accepted"] == 0.0
+
+
+# -- text in, text out -----------------------------------------------------------------------------------------------
+
+DATASETS = ROOT / "datasets"  # copies of the shared prompt sets (datasets/README.md)
+EDGE_TEXTS = ["héllo wörld 你好 🤖 <|im_start|>user\nhi<|im_end|>", "  leading  spaces\n\n\ttabs \r\n", "x" * 3000,
+              "it's we're I'll DON'T", "١٢٣ 12345 ½ ⅔", "<|im_end|><|im_end|>a<|endoftext|>", " ", "\u00a0\u2003nbsp",
+              "e\u0301 combining", "emoji 👩‍👩‍👧 flags 🇫🇷"]
+
+
+def _dataset_texts() -> list[str]:
+    texts = []
+    for path in sorted(DATASETS.glob("*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                texts.extend(t for t in json.loads(line)["turns"] if isinstance(t, str))
+    return texts
+
+
+def _tokenize(file: Path, texts: list[str], add_special: bool = False) -> list[dict]:
+    lines = "".join(json.dumps({"text": t, "add_special": add_special}) + "\n" for t in texts)
+    r = subprocess.run([str(BUILD / "tokenize"), str(file)], input=lines, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return [json.loads(line) for line in r.stdout.splitlines()]
+
+
+def _check_tokenizer(file: Path, texts: list[str], add_special: bool) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(file))
+    got = _tokenize(file, texts, add_special)
+    assert len(got) == len(texts)
+    for text, g in zip(texts, got):
+        want = tok.encode(text, add_special_tokens=add_special).ids
+        assert g["ids"] == want, text[:200]
+        decoded = tok.decode(want, skip_special_tokens=False)
+        assert g["decoded"] == decoded and g["streamed"] == decoded, text[:200]
+
+
+def test_tokenizer_ids_equal_the_tokenizers_library_on_every_dataset_prompt(specrt_cpp, served_art):
+    """The default model's tokenizer (SmolLM2: byte-level BPE with GPT-2's regex, special tokens): every turn of every
+    prompt set in datasets/ (2,333 lines) and some edge cases (non-Latin scripts, emoji sequences, combining marks,
+    special tokens inside text, runs of whitespace, a 3,000-character word) give the tokenizers library's ids; decoding
+    them, whole or streamed a token at a time, gives its text."""
+    texts = _dataset_texts() + EDGE_TEXTS
+    assert len(texts) > 2300
+    _check_tokenizer(served_art / "tokenizer" / "tokenizer.json", texts, add_special=False)
+
+
+def test_tokenizer_llama3_style_split_regex_and_bos(specrt_cpp, tmp_path):
+    """The other byte-level layout (Llama 3, Qwen): a Split pre-tokenizer with its own regex before ByteLevel, merges
+    that a whole-word lookup may skip (ignore_merges), and a post-processor that adds a BOS; a vocabulary trained here
+    on the prompt sets with the tokenizers library, then compared with it (with and without special tokens)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+    tok = Tokenizer(models.BPE(ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    texts = _dataset_texts()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=3000, special_tokens=["<|begin_of_text|>", "<|eot|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])])
+    file = tmp_path / "tokenizer.json"
+    tok.save(str(file))
+    sample = texts[::7] + EDGE_TEXTS
+    _check_tokenizer(file, sample, add_special=False)
+    _check_tokenizer(file, sample, add_special=True)
+
+
+@pytest.fixture(scope="module")
+def chat_art(served_art) -> Path:
+    """The served artifact's manifest with the chat template's text around a user message, as `specrt export` now
+    writes it (the session's served artifact may have been exported before)."""
+    from specrt.tokenizer_info import chat_affixes
+
+    m = json.loads((served_art / "manifest.json").read_text())
+    want = chat_affixes(m["tokenizer"]["chat_template"], m["tokenizer"]["special_tokens"])
+    assert want and "prefix" in want
+    if m["tokenizer"].get("chat") != want:
+        m["tokenizer"]["chat"] = want
+        (served_art / "manifest.json").write_text(json.dumps(m))
+    return served_art
+
+
+def test_text_prompts_through_the_chat_template_match_python(specrt_cpp, chat_art):
+    """`specrt-cpp ART --prompt TEXT`: the chat template's stored text around the message gives the Python engine's
+    prompt ids (its Jinja rendering); the generated text, streamed through the events, is the Python engine's text,
+    for plain decoding and dspark+ngram; --raw skips the template."""
+    from specrt.runtime.prompts import encode_prompt
+
+    prompts = ["Write a Python function that reverses a string.", "Explain ünïcode, 漢字 and emoji 🤖 briefly."]
+    with Engine(chat_art, method="ar", threads=1) as engine:
+        ids = [encode_prompt(engine.tokenizer, p) for p in prompts]
+        raw_ids = encode_prompt(engine.tokenizer, prompts[0], raw=True)
+        outs, _ = engine.generate([Request(i, SamplingParams(max_new_tokens=40), id=k) for k, i in enumerate(ids)])
+        texts = [o.text for o in outs]
+    args = [a for p in prompts for a in ("--prompt", p)]
+    for method in ("ar", "dspark+ngram"):
+        r = subprocess.run([str(specrt_cpp), str(chat_art), *args, "--method", method, "--scheduler", "sps",
+                            "--max-new-tokens", "40", "--threads", "1", "--json"], capture_output=True, text=True,
+                           timeout=300)
+        got = _outputs(r)
+        assert got["outputs"] == [o.output_ids for o in outs], method
+        assert got["texts"] == texts, method
+    r = subprocess.run([str(specrt_cpp), str(chat_art), "--prompt", prompts[0], "--raw", "--max-new-tokens", "8",
+                        "--threads", "1", "--json"], capture_output=True, text=True, timeout=300)
+    with Engine(chat_art, method="ar", threads=1) as engine:
+        want = engine.generate([Request(raw_ids, SamplingParams(max_new_tokens=8))])[0][0].output_ids
+    assert _outputs(r)["outputs"] == [want]
+    # streamed to the terminal when there is one request
+    r = subprocess.run([str(specrt_cpp), str(chat_art), "--prompt", prompts[0], "--max-new-tokens", "40",
+                        "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.rstrip("\n") == texts[0] and "tok/s" in r.stderr
+
+
+def test_text_errors_name_the_problem(specrt_cpp, tiny_arts, served_art, tmp_path):
+    """Text on an artifact without a tokenizer, and on one whose manifest predates the stored chat text: one line
+    naming the fix; invalid UTF-8 is refused."""
+    r = _cpp_text(specrt_cpp, tiny_arts["llama-standard"], "hello")
+    assert r.returncode == 1 and "has no tokenizer" in r.stderr
+    old = Path(shutil.copytree(served_art, tmp_path / "old", ignore=shutil.ignore_patterns("weights.bin")))
+    os.link(served_art / "weights.bin", old / "weights.bin")  # ONNX Runtime refuses external data behind a symlink
+    m = json.loads((old / "manifest.json").read_text())
+    m["tokenizer"].pop("chat", None)
+    (old / "manifest.json").write_text(json.dumps(m))
+    r = _cpp_text(specrt_cpp, old, "hello")
+    assert r.returncode == 1 and "re-export it" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = _cpp_text(specrt_cpp, old, "hello", "--raw")
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([str(specrt_cpp).encode(), str(old).encode(), b"--prompt", b"bad \xff utf8", b"--raw"],
+                       capture_output=True, timeout=300)
+    assert r.returncode == 1 and b"not valid UTF-8" in r.stderr
+
+
+def _cpp_text(binary: Path, art: Path, text: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(binary), str(art), "--prompt", text, "--max-new-tokens", "4", "--threads", "1", *extra],
+                          capture_output=True, text=True, timeout=300)

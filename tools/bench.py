@@ -30,7 +30,7 @@ from specrt.runtime.prompts import encode_prompt, read_prompts_file
 from specrt.runtime.tokenizer import Tokenizer
 from specrt.runtime.stats import RunStats
 from specrt.tools.bench_stats import fmt, median_ci
-from specrt.tools.bench_workers import BASELINES, REPORTED_ONLY, EngineSpec, Generation, Worker, require
+from specrt.tools.bench_workers import BASELINES, CPP_BASELINES, REPORTED_ONLY, EngineSpec, Generation, Worker, require
 from specrt.tools.machine import CpuSample, QuietCheck, machine_info
 from specrt.tools.plots import save_figure
 
@@ -289,14 +289,16 @@ def run_bench(artifact: Path, prompt_files, limit, max_new_tokens: int, names: l
             except SpecrtError as e:
                 raise SpecrtError(f"{stem} prompt {i + 1}: {e}") from None
     longest = max((len(ids) for prompts in sets.values() for ids in prompts), default=0)
-    source = str(artifact_source(manifest)) if baselines else None
+    source = str(artifact_source(manifest)) if any(n not in CPP_BASELINES for n in baselines) else None
     exact = {k: v for k, v in options.items() if k in ("backend", "device", "dtype")}
     specs = [EngineSpec(m, str(artifact), threads=threads,
                         options=tuple(sorted(dict(options, gamma=options["gamma"] if m != "ar" else None).items())))
              for m in names]
     specs += [EngineSpec(n, str(artifact), source=source, threads=threads, n_ctx=longest + max_new_tokens + 8,
                          options=tuple(sorted((k, v) for k, v in exact.items() if k != "backend")))
-              for n in baselines]
+              for n in baselines if n not in CPP_BASELINES]
+    specs += [EngineSpec(n, str(artifact), threads=threads, options=tuple(sorted(options.items())))
+              for n in baselines if n in CPP_BASELINES]  # the C++ runtime: the methods' own settings
     workers = start_workers(specs)
     try:
         runs = run_interleaved(workers, sets, max_new_tokens=max_new_tokens, eos=sorted(manifest.eos_ids),

@@ -21,10 +21,13 @@ from pathlib import Path
 
 from specrt.errors import SpecrtError
 
-BASELINES = ("hf", "llama.cpp", "openvino", "openvino-lookup")
+# specrt's C++ runtime (runtime/cpp, through its C API) running each method on the artifact itself
+CPP_BASELINES = tuple(f"cpp-{m}" for m in ("ar", "ngram", "dspark", "mtp", "dspark+ngram", "mtp+ngram"))
+BASELINES = ("hf", "llama.cpp", "openvino", "openvino-lookup", *CPP_BASELINES)
 # Baselines with their own arithmetic (quantized weights, their own kernels and caches): their tokens are reported
 # (first difference), never required to equal specrt ar's. hf runs the same fp32 weights and must match.
-REPORTED_ONLY = ("llama.cpp", "openvino", "openvino-lookup")
+REPORTED_ONLY = ("llama.cpp", "openvino", "openvino-lookup")  # (the cpp baselines must match ar's tokens exactly)
+CPP_BUILD = "build it: docs/cpp.md (scripts/cpp_deps.sh, then cmake), or set SPECRT_CPP_LIB to its libspecrt.so"
 LLAMA_CPP_INSTALL = "pip install 'specrt[llama]' (builds llama.cpp from source, ~15 min on 2 cores)"
 OPENVINO_INSTALL = "pip install 'specrt[openvino]'"
 # OpenVINO GenAI's prompt lookup: drafts per round and the longest n-gram looked up (specrt's ngram default: 3)
@@ -168,6 +171,83 @@ def _llama_cpp(spec: EngineSpec):
                               "version": getattr(llama_cpp, "__version__", "?"), "threads": n, "n_ctx": spec.n_ctx}
 
 
+def cpp_library() -> Path:
+    """libspecrt.so: $SPECRT_CPP_LIB, else the checkout's build/cpp (docs/cpp.md)."""
+    lib = Path(os.environ.get("SPECRT_CPP_LIB") or Path(__file__).resolve().parents[1] / "build" / "cpp" / "libspecrt.so")
+    if not lib.is_file():
+        raise SpecrtError(f"the cpp baselines need specrt's C++ runtime ({lib} is missing): {CPP_BUILD}")
+    return lib
+
+
+def _cpp(spec: EngineSpec):
+    """A method of specrt's C++ runtime, through its C API (ctypes): one request at a time, stepped."""
+    import ctypes as C
+
+    lib = C.CDLL(str(cpp_library()))
+
+    class Options(C.Structure):
+        _fields_ = [("threads", C.c_int), ("method", C.c_char_p), ("scheduler", C.c_char_p), ("gamma", C.c_int),
+                    ("slots", C.c_int), ("ngram", C.c_int), ("threshold", C.c_double)]
+
+    class Params(C.Structure):
+        _fields_ = [("temperature", C.c_double), ("top_k", C.c_int), ("top_p", C.c_double), ("seed", C.c_int64),
+                    ("max_new_tokens", C.c_size_t), ("stop_token_ids", C.POINTER(C.c_int64)),
+                    ("n_stop_token_ids", C.c_size_t), ("ignore_eos", C.c_int)]
+
+    class Event(C.Structure):
+        _fields_ = [("request_id", C.c_int64), ("token_ids", C.POINTER(C.c_int64)), ("n_tokens", C.c_size_t),
+                    ("text", C.c_char_p), ("n_text", C.c_size_t), ("finish_reason", C.c_char_p)]
+
+    class Stats(C.Structure):
+        _fields_ = [("rounds", C.c_size_t), ("accepted", C.c_size_t), ("generated", C.c_size_t),
+                    ("decode_seconds", C.c_double), ("prefill_seconds", C.c_double)]
+
+    lib.specrt_last_error.restype = C.c_char_p
+    lib.specrt_get_stats.restype = Stats
+    lib.specrt_gamma.restype = C.c_int
+    lib.specrt_has_unfinished.restype = C.c_int
+    opts = dict(spec.options)
+    method = spec.name.removeprefix("cpp-")
+    options = Options(spec.threads or 0, method.encode(), (opts.get("scheduler") or "fixed").encode(),
+                      opts.get("gamma") or 0, 0, opts.get("ngram") or 3, opts.get("threshold") or 0.3)
+    engine = C.c_void_p()
+
+    def check(status: int) -> None:
+        if status:
+            raise SpecrtError(f"specrt C++ runtime: {lib.specrt_last_error().decode()}")
+
+    check(lib.specrt_engine_open(spec.artifact.encode(), C.byref(options), C.byref(engine)))
+
+    def generate(ids: list[int], max_new_tokens: int, eos: list[int]) -> Generation:
+        prompt = (C.c_int64 * len(ids))(*ids)
+        stop = (C.c_int64 * max(1, len(eos)))(*eos)
+        params = Params(0.0, 0, 1.0, -1, max_new_tokens, stop, len(eos), 0)
+        before = lib.specrt_get_stats(engine)
+        events, count = C.POINTER(Event)(), C.c_size_t()
+        tokens: list[int] = []
+        times: list[float] = []
+        t0 = time.perf_counter()
+        check(lib.specrt_add_request(engine, prompt, len(ids), C.byref(params), None))
+        while lib.specrt_has_unfinished(engine):
+            check(lib.specrt_step(engine, C.byref(events), C.byref(count)))
+            now = time.perf_counter() - t0
+            for i in range(count.value):
+                n = events[i].n_tokens
+                new = events[i].token_ids[:n]
+                if not times and n:  # the first step also ran the prefill: its first token came when that ended
+                    times.append(lib.specrt_get_stats(engine).prefill_seconds - before.prefill_seconds)
+                    n -= 1
+                times.extend([now] * n)
+                tokens.extend(int(t) for t in new)
+        return Generation(tokens, times)
+
+    def describe() -> dict:
+        return {"engine": "specrt C++ runtime", "pid": os.getpid(), "method": method, "library": str(cpp_library()),
+                "gamma": lib.specrt_gamma(engine), "scheduler": options.scheduler.decode(), "threads": spec.threads}
+
+    return generate, describe
+
+
 def _openvino(spec: EngineSpec):
     genai = require(spec.name)
     import numpy as np
@@ -218,11 +298,14 @@ def _openvino(spec: EngineSpec):
     return generate, lambda: info
 
 
-LOADERS = {"hf": _hf, "llama.cpp": _llama_cpp, "openvino": _openvino, "openvino-lookup": _openvino}
+LOADERS = {"hf": _hf, "llama.cpp": _llama_cpp, "openvino": _openvino, "openvino-lookup": _openvino,
+           **{name: _cpp for name in CPP_BASELINES}}
 
 
 def require(baseline: str):
     """The module an optional baseline needs, or a one-line SpecrtError saying how to install it."""
+    if baseline in CPP_BASELINES:
+        return cpp_library()
     module, install = (("llama_cpp", LLAMA_CPP_INSTALL) if baseline == "llama.cpp"
                        else ("openvino_genai", OPENVINO_INSTALL))
     try:

@@ -40,7 +40,8 @@ from specrt.cli.options import scheduler_for
               help="Also run on the artifact's source model, each in its own process: hf (transformers generate()), "
                    "llama.cpp (llama-cpp-python on the source GGUF; optional extra specrt[llama]), openvino and "
                    "openvino-lookup (OpenVINO GenAI on the source GGUF, plain and with its prompt lookup; optional "
-                   "extra specrt[openvino]); repeat or comma-separate.")
+                   "extra specrt[openvino]), cpp-METHOD (specrt's C++ runtime on the artifact, e.g. cpp-ar, "
+                   "cpp-dspark+ngram: docs/cpp.md); repeat or comma-separate.")
 @click.option("--repeats", default=1, show_default=True,
               help="Passes over the prompts (each pass interleaves every engine prompt by prompt, rotating).")
 @click.option("--threads", type=int, default=None,

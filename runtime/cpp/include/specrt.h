@@ -4,8 +4,10 @@
  *
  * Methods: "ar" (plain decoding), "ngram", "dspark", "mtp", "dspark+ngram", "mtp+ngram". Schedulers: "fixed",
  * "threshold", "sps", "sps-async" (sps and the hybrids read the artifact's profile.json, written by `specrt profile`).
- * Requests are token ids (the tokenizer stays with the caller for now); several may be in flight over the artifact's
- * slots: add them, step the engine, read each step's events.
+ * Requests are token ids, or text: the artifact's tokenizer (byte-level BPE: SmolLM2, Llama 3, Qwen) encodes it, through
+ * the chat template unless raw (the exporter stores the template's text around a user message in the manifest), and
+ * each step's events carry the new text. Several requests may be in flight over the artifact's slots: add them, step
+ * the engine, read each step's events.
  *
  * Ownership: a handle a function returns is the caller's and is freed with its close function; pointers the engine
  * returns (events, token arrays) stay valid until the next call on that engine.
@@ -58,7 +60,10 @@ typedef struct specrt_event {
     int64_t request_id;
     const int64_t* token_ids; /* the tokens this step committed for the request */
     size_t n_tokens;
-    const char* finish_reason; /* NULL while it runs; "eos", "length" or "abort" when it has finished */
+    const char* text; /* their text (NUL-terminated, whole UTF-8 characters, special tokens skipped; "" without a
+                       * tokenizer) */
+    size_t n_text;
+    const char* finish_reason; /* NULL while it runs; "eos" or "length" when it has finished */
 } specrt_event;
 
 void specrt_options_init(specrt_options* options); /* the defaults above */
@@ -71,6 +76,19 @@ void specrt_engine_close(specrt_engine* engine);
 /* Queue a request (checked now); its id into *request_id (NULL: not wanted). */
 specrt_status specrt_add_request(specrt_engine* engine, const int64_t* prompt, size_t n_prompt,
                                  const specrt_params* params, int64_t* request_id);
+/* Queue a text request: a user message through the chat template, or `raw` text as it is (with the tokenizer's
+ * special tokens, such as a BOS). */
+specrt_status specrt_add_text(specrt_engine* engine, const char* text, int raw, const specrt_params* params,
+                              int64_t* request_id);
+/* The token ids of `text` (as specrt_add_text would queue them) into ids (room for `capacity`); *n_ids: how many
+ * there are (also when `capacity` is too small: then SPECRT_ERROR_REQUEST and nothing written). */
+specrt_status specrt_tokenize(specrt_engine* engine, const char* text, int raw, int64_t* ids, size_t capacity,
+                              size_t* n_ids);
+/* The text of `ids`, NUL-terminated, into `text` (room for `capacity` bytes); *n_text: its length without the NUL
+ * (also when `capacity` is too small: then SPECRT_ERROR_REQUEST). */
+specrt_status specrt_detokenize(specrt_engine* engine, const int64_t* ids, size_t n_ids, int skip_special, char* text,
+                                size_t capacity, size_t* n_text);
+
 /* Admit waiting requests into free slots, then one decode step or draft/verify round over the active ones; what
  * happened to each request touched into *events / *n_events (valid until the next call on the engine). */
 specrt_status specrt_step(specrt_engine* engine, const specrt_event** events, size_t* n_events);

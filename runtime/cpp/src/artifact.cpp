@@ -130,6 +130,21 @@ Manifest load_manifest(const fs::path& dir) {
         if (j.contains("tokenizer") && j["tokenizer"].is_object() && j["tokenizer"].contains("eos_token_ids") &&
             j["tokenizer"]["eos_token_ids"].is_array())
             for (const json& e : j["tokenizer"]["eos_token_ids"]) m.eos.insert(e.get<int64_t>());
+        if (j.contains("tokenizer") && j["tokenizer"].is_object()) {
+            const json& tok = j["tokenizer"];
+            m.tokenizer = true;
+            const bool templated = tok.contains("chat_template") && tok["chat_template"].is_string();
+            const json chat = tok.value("chat", json());
+            if (chat.is_object() && chat.contains("prefix")) {
+                m.chat = std::make_pair(chat.at("prefix").get<std::string>(), chat.at("suffix").get<std::string>());
+            } else if (chat.is_object() && chat.contains("unsupported")) {
+                m.chat_problem = "the chat template cannot run here (" + chat["unsupported"].get<std::string>() +
+                                 "): pass raw text or token ids";
+            } else if (templated) {
+                m.chat_problem = "this artifact's manifest does not carry its chat template's text around a message "
+                                 "(exported by an older specrt): re-export it, or pass raw text or token ids";
+            }
+        }
         for (const auto& [name, g] : j.at("graphs").items()) m.graphs[name] = graph_spec(name, g);
         if (!m.graphs.count("target")) throw Error(SPECRT_ERROR_ARTIFACT, path.string() + ": no target graph");
         m.max_seq = m.graphs["target"].max_seq;

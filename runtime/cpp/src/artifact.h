@@ -62,6 +62,9 @@ struct Manifest {
     std::set<int64_t> eos;
     std::map<std::string, GraphSpec> graphs;  // "target" and one per head
     std::map<std::string, HeadSpec> heads;
+    bool tokenizer = false;  // the artifact carries tokenizer/tokenizer.json
+    std::optional<std::pair<std::string, std::string>> chat;  // the chat template around one user message
+    std::string chat_problem;  // why text cannot go through the chat template here ("" when it can)
 };
 
 Manifest load_manifest(const fs::path& dir);

@@ -93,6 +93,43 @@ specrt_status specrt_add_request(specrt_engine* engine, const int64_t* prompt, s
     });
 }
 
+specrt_status specrt_add_text(specrt_engine* engine, const char* text, int raw, const specrt_params* params,
+                              int64_t* request_id) {
+    if (!engine || !text) return fail(SPECRT_ERROR_REQUEST, "specrt_add_text: a NULL argument");
+    return guarded([&] {
+        std::vector<int64_t> ids = engine->engine.tokenizer().encode_prompt(text, raw != 0);
+        int64_t id = engine->engine.add(ids, params_of(params));
+        if (request_id) *request_id = id;
+    });
+}
+
+specrt_status specrt_tokenize(specrt_engine* engine, const char* text, int raw, int64_t* ids, size_t capacity,
+                              size_t* n_ids) {
+    if (!engine || !text || !n_ids || (!ids && capacity)) return fail(SPECRT_ERROR_REQUEST, "specrt_tokenize: a NULL argument");
+    return guarded([&] {
+        std::vector<int64_t> out = engine->engine.tokenizer().encode_prompt(text, raw != 0);
+        *n_ids = out.size();
+        if (out.size() > capacity)
+            throw Error(SPECRT_ERROR_REQUEST, "specrt_tokenize: " + std::to_string(out.size()) + " ids, room for " +
+                                                  std::to_string(capacity));
+        std::copy(out.begin(), out.end(), ids);
+    });
+}
+
+specrt_status specrt_detokenize(specrt_engine* engine, const int64_t* ids, size_t n_ids, int skip_special, char* text,
+                                size_t capacity, size_t* n_text) {
+    if (!engine || (!ids && n_ids) || !n_text || (!text && capacity))
+        return fail(SPECRT_ERROR_REQUEST, "specrt_detokenize: a NULL argument");
+    return guarded([&] {
+        std::string out = engine->engine.tokenizer().decode(std::vector<int64_t>(ids, ids + n_ids), skip_special != 0);
+        *n_text = out.size();
+        if (out.size() + 1 > capacity)
+            throw Error(SPECRT_ERROR_REQUEST, "specrt_detokenize: " + std::to_string(out.size() + 1) + " bytes, room for " +
+                                                  std::to_string(capacity));
+        std::memcpy(text, out.c_str(), out.size() + 1);
+    });
+}
+
 specrt_status specrt_step(specrt_engine* engine, const specrt_event** events, size_t* n_events) {
     if (!engine || !events || !n_events) return fail(SPECRT_ERROR_REQUEST, "specrt_step: a NULL argument");
     *events = nullptr;
@@ -101,7 +138,7 @@ specrt_status specrt_step(specrt_engine* engine, const specrt_event** events, si
         engine->events = engine->engine.step();
         engine->views.clear();
         for (const specrt::Event& e : engine->events)
-            engine->views.push_back(specrt_event{e.id, e.tokens.data(), e.tokens.size(),
+            engine->views.push_back(specrt_event{e.id, e.tokens.data(), e.tokens.size(), e.text.c_str(), e.text.size(),
                                                  e.finish.empty() ? nullptr : e.finish.c_str()});
         *events = engine->views.data();
         *n_events = engine->views.size();

@@ -33,7 +33,7 @@ Engine::Engine(const fs::path& dir, const Options& options) : options_(options) 
     if (options.gamma < 0 || options.slots < 0 || options.ngram < 1 || options.threads < 0)
         throw Error(SPECRT_ERROR_REQUEST, "gamma, slots and threads must be >= 0 and ngram >= 1");
     manifest_ = load_manifest(dir);
-    target_ = std::make_unique<Runner>(ort_env(), dir, manifest_.graphs.at("target"), options.threads, /*spin=*/true);
+    target_ = std::make_unique<Runner>(ort_env(options.threads), dir, manifest_.graphs.at("target"), options.threads, /*spin=*/true);
     const std::string& method = options.method;
     speculative_ = method != "ar";
     if (speculative_) {
@@ -73,6 +73,15 @@ Engine::Engine(const fs::path& dir, const Options& options) : options_(options) 
         }
         gamma_ = std::min(gamma, drafter_->steps);
         scheduler_ = make_scheduler(options.scheduler, gamma_, temperatures, options.threshold, costs_.get());
+    }
+    if (!manifest_.tokenizer) {
+        tokenizer_problem_ = "this artifact has no tokenizer (its model had none): pass token ids";
+    } else {
+        try {
+            tokenizer_ = std::make_unique<Tokenizer>(dir / "tokenizer" / "tokenizer.json", manifest_.chat, manifest_.chat_problem);
+        } catch (const Error& e) {  // ids still work; text says why not
+            tokenizer_problem_ = e.what();
+        }
     }
     fixed_slots_ = options.slots > 0;
     if (fixed_slots_) allocate(std::min(options.slots, manifest_.batch));
@@ -127,6 +136,11 @@ bool Engine::abort(int64_t id) {
     return false;
 }
 
+const Tokenizer& Engine::tokenizer() const {
+    if (!tokenizer_) throw Error(SPECRT_ERROR_REQUEST, tokenizer_problem_);
+    return *tokenizer_;
+}
+
 void Engine::abort_all() {
     waiting_.clear();
     for (auto& s : slots_) s.reset();
@@ -169,6 +183,7 @@ void Engine::prefill(int64_t index, Request request, std::map<int64_t, Event>& e
     s.params = request.params;
     s.rng = Rng(request.params.seed >= 0 ? static_cast<uint64_t>(request.params.seed + request.id) : std::random_device{}());
     s.history = request.prompt;
+    if (tokenizer_) s.stream = std::make_shared<StreamDecoder>(*tokenizer_, true);
     s.prompt_tokens = static_cast<int64_t>(request.prompt.size());
     const GraphSpec& spec = target_->spec();
     const Bucket pb = spec.bucket("prefill");
@@ -367,6 +382,7 @@ int64_t Engine::emit(Slot& s, const std::vector<int64_t>& tokens, std::map<int64
             s.finish = "length";
         if (!s.finish.empty()) break;
     }
+    if (s.stream) e.text += s.stream->push(e.tokens.data() + e.tokens.size() - emitted, emitted);
     return emitted;
 }
 
@@ -376,6 +392,7 @@ void Engine::retire(int64_t index, std::map<int64_t, Event>& events) {
     Event& e = events[s->id];
     e.id = s->id;
     e.finish = s->finish;
+    if (s->stream) e.text += s->stream->flush();
     s.reset();
 }
 

@@ -12,6 +12,7 @@
 #include "artifact.h"
 #include "runner.h"
 #include "sampling.h"
+#include "tokenizer.h"
 
 #include <deque>
 #include <memory>
@@ -45,6 +46,7 @@ struct Slot {
     std::vector<int64_t> history, output;  // prompt + output; output
     std::optional<Context> ctx;
     std::string finish;  // "" while running: "eos", "length"
+    std::shared_ptr<StreamDecoder> stream;  // the text of its tokens, where the artifact has a tokenizer
 
     int64_t budget() const { return params.max_new_tokens - static_cast<int64_t>(output.size()); }
 };
@@ -52,6 +54,7 @@ struct Slot {
 struct Event {
     int64_t id = 0;
     std::vector<int64_t> tokens;
+    std::string text;    // the text of those tokens (special tokens skipped; whole UTF-8 characters)
     std::string finish;  // "" while running: "eos", "length", "abort"
 };
 
@@ -76,6 +79,8 @@ public:
 
     // Queue a request (checked now: one-line errors); returns its id.
     int64_t add(const std::vector<int64_t>& prompt, Params params, std::optional<int64_t> id = std::nullopt);
+    // The artifact's tokenizer (throws the reason where there is none this runtime can run).
+    const Tokenizer& tokenizer() const;
     // Admit waiting requests, then one decode step or round over the active slots.
     std::vector<Event> step();
     // Drop a queued or running request; false if it is not unfinished.
@@ -107,6 +112,8 @@ private:
     std::string head_;  // the head whose features slots carry ("": none)
     int64_t feature_offset_ = 0, feature_dim_ = 0, gamma_ = 0, next_id_ = 0;
     bool speculative_ = false, fixed_slots_ = false;
+    std::unique_ptr<Tokenizer> tokenizer_;
+    std::string tokenizer_problem_;
     std::vector<std::optional<Slot>> slots_;
     std::deque<Request> waiting_;
     Stats stats_;

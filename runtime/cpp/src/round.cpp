@@ -129,7 +129,7 @@ Proposal NGramDrafter::propose(const Views& views) {
 // -- a draft head's graph -------------------------------------------------------------------------------------------
 
 GraphDrafter::GraphDrafter(const fs::path& dir, const Manifest& m, const HeadSpec& head, int threads)
-    : head_(head), runner_(ort_env(), dir, m.graphs.at(head.name), threads, /*spin=*/false) {
+    : head_(head), runner_(ort_env(threads), dir, m.graphs.at(head.name), threads, /*spin=*/false) {
     steps = head.steps;
     if (head.kind != "dspark" && head.kind != "mtp")
         throw Error(SPECRT_ERROR_ARTIFACT, "head " + head.name + " is of kind " + head.kind + " (this runtime runs dspark and mtp)");

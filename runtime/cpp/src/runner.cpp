@@ -63,7 +63,13 @@ std::unique_ptr<Ort::Session> open_session(Ort::Env& env, const fs::path& dir, c
     so.SetGraphOptimizationLevel(GraphOptimizationLevel::ORT_ENABLE_ALL);
     so.SetLogSeverityLevel(3);
     // drafts run in turn with the target: idle spinning threads would steal the cores it needs next
-    if (!spin) so.AddConfigEntry("session.intra_op.allow_spinning", "0");
+    if (global_pool_threads() == (threads > 0 ? threads : default_threads())) {
+        // the process's one pool, which every session of an engine shares: the target's threads, spinning after a
+        // call, cannot steal the cores a draft head's call needs next (they are the same threads)
+        so.DisablePerSessionThreads();
+    } else if (!spin) {
+        so.AddConfigEntry("session.intra_op.allow_spinning", "0");
+    }
     std::unique_ptr<Ort::Session> session;
     try {
         session = std::make_unique<Ort::Session>(env, file.c_str(), so);
@@ -83,10 +89,25 @@ int default_threads() {  // the cores this process may run on (os.sched_getaffin
     return 1;
 }
 
-Ort::Env& ort_env() {
-    static Ort::Env env(ORT_LOGGING_LEVEL_ERROR, "specrt");
+namespace {
+int pool_threads = 0;  // the global pool's size, fixed by the first engine of the process
+}
+
+Ort::Env& ort_env(int threads) {
+    // ONNX Runtime has one environment per process: its global thread pool is sized for the first engine opened;
+    // an engine asking for another count later runs sessions with threads of their own
+    static Ort::Env env = [threads] {
+        pool_threads = threads > 0 ? threads : default_threads();
+        Ort::ThreadingOptions tp;
+        tp.SetGlobalIntraOpNumThreads(pool_threads);
+        tp.SetGlobalInterOpNumThreads(1);
+        tp.SetGlobalSpinControl(1);
+        return Ort::Env(tp, ORT_LOGGING_LEVEL_ERROR, "specrt");
+    }();
     return env;
 }
+
+int global_pool_threads() { return pool_threads; }
 
 Runner::Runner(Ort::Env& env, const fs::path& dir, const GraphSpec& spec, int threads, bool spin)
     : spec_(spec), greedy_spec_(spec) {

@@ -63,7 +63,10 @@ private:
     bool sized_ = false;
 };
 
-Ort::Env& ort_env();
+// The process's ONNX Runtime environment, with a global intra-op pool of `threads` (0: the cores this process may run
+// on) sized by the first call; global_pool_threads() says its size.
+Ort::Env& ort_env(int threads);
+int global_pool_threads();
 int default_threads();
 
 }  // namespace specrt

@@ -1,10 +1,11 @@
 // specrt-cpp: the C API from the command line (an example of embedding it).
-//   specrt-cpp ART --input-ids 1,2,3 [--input-ids ...] [--method M] [--scheduler S] [--max-new-tokens 64]
+//   specrt-cpp ART (--prompt TEXT | --input-ids 1,2,3) [more prompts] [--raw] [--method M] [--scheduler S] [--max-new-tokens 64]
 //              [--threads N] [--gamma G] [--slots N] [--temperature T --top-k K --top-p P --seed S] [--ignore-eos]
 //              [--repeat N] [--json]
 // Every prompt (each --input-ids, each repeated N times) is queued at once and the engine is stepped until all have
-// finished, several in flight over the artifact's slots; prints each request's token ids and the decode speed. A bad
-// artifact or request is one line on stderr, exit 1.
+// finished, several in flight over the artifact's slots. Text prompts go through the chat template (unless --raw)
+// and print the generated text (streamed as it comes when there is one request); id prompts print the ids. Then the
+// decode speed. A bad artifact or request is one line on stderr, exit 1.
 #include "specrt.h"
 
 #include <cstdio>
@@ -15,7 +16,7 @@
 #include <vector>
 
 static const char* kUsage =
-    "usage: specrt-cpp ART --input-ids 1,2,3 [--method ar|ngram|dspark|mtp|dspark+ngram|mtp+ngram] "
+    "usage: specrt-cpp ART (--prompt TEXT | --input-ids 1,2,3)... [--raw] [--method ar|ngram|dspark|mtp|dspark+ngram|mtp+ngram] "
     "[--scheduler fixed|threshold|sps|sps-async] [--max-new-tokens 64] [--threads N] [--gamma G] [--temperature T] "
     "[--top-k K] [--top-p P] [--seed S] [--ignore-eos] [--repeat N] [--json]";
 
@@ -34,6 +35,8 @@ static bool number(const char* v, double* out) {
 int main(int argc, char** argv) {
     const char* art = nullptr;
     std::vector<std::vector<int64_t>> prompts;
+    std::vector<std::string> texts;  // text prompts (added after the id prompts)
+    bool raw = false;
     specrt_options options;
     specrt_options_init(&options);
     specrt_params params;
@@ -56,6 +59,11 @@ int main(int argc, char** argv) {
                 prompt.push_back(id);
                 p = *end == ',' ? end + 1 : end;
             }
+        } else if (a == "--prompt") {
+            if (!value()) return usage("--prompt needs a text");
+            texts.push_back(v);
+        } else if (a == "--raw") {
+            raw = true;
         } else if (a == "--method") {
             if (!value()) return usage("--method needs a name");
             options.method = v;
@@ -100,40 +108,75 @@ int main(int argc, char** argv) {
         specrt_engine_close(engine);
         return 1;
     };
-    if (prompts.empty()) prompts.emplace_back();  // the engine says what is wrong with an empty prompt
-    std::map<int64_t, std::vector<int64_t>> outputs;  // request id -> its tokens (ids count up from 0)
-    for (long r = 0; r < repeat; ++r)
+    if (prompts.empty() && texts.empty()) prompts.emplace_back();  // the engine says what is wrong with an empty prompt
+    struct Output {
+        std::vector<int64_t> ids;
+        std::string text;
+        bool is_text = false;
+    };
+    std::map<int64_t, Output> outputs;  // request id -> what it generated (ids count up from 0, in the order added)
+    for (long r = 0; r < repeat; ++r) {
         for (const auto& prompt : prompts) {
             int64_t id = 0;
             if (specrt_add_request(engine, prompt.data(), prompt.size(), &params, &id) != SPECRT_OK) return failed();
             outputs[id];
         }
+        for (const auto& text : texts) {
+            int64_t id = 0;
+            if (specrt_add_text(engine, text.c_str(), raw, &params, &id) != SPECRT_OK) return failed();
+            outputs[id].is_text = true;
+        }
+    }
+    const bool stream = !as_json && outputs.size() == 1 && outputs.begin()->second.is_text;
     while (specrt_has_unfinished(engine)) {
         const specrt_event* events = nullptr;
         size_t n = 0;
         if (specrt_step(engine, &events, &n) != SPECRT_OK) return failed();
-        for (size_t i = 0; i < n; ++i)
-            outputs[events[i].request_id].insert(outputs[events[i].request_id].end(), events[i].token_ids,
-                                                 events[i].token_ids + events[i].n_tokens);
+        for (size_t i = 0; i < n; ++i) {
+            Output& o = outputs[events[i].request_id];
+            o.ids.insert(o.ids.end(), events[i].token_ids, events[i].token_ids + events[i].n_tokens);
+            o.text.append(events[i].text, events[i].n_text);
+            if (stream) {
+                std::fwrite(events[i].text, 1, events[i].n_text, stdout);
+                std::fflush(stdout);
+            }
+        }
     }
     specrt_stats s = specrt_get_stats(engine);
     size_t tokens = 0;
-    std::string all;
-    for (const auto& [id, ids] : outputs) {
-        std::string text;
-        for (size_t i = 0; i < ids.size(); ++i) text += (i ? "," : "") + std::to_string(ids[i]);
-        all += (all.empty() ? "[" : ", [") + text + "]";
-        tokens += ids.empty() ? 0 : ids.size() - 1;  // the first token of each comes from its prefill
-        if (!as_json) std::printf("%s\n", text.c_str());
+    std::string all, all_texts;
+    auto quoted = [](const std::string& t) {  // a JSON string (the text is valid UTF-8)
+        std::string q = "\"";
+        for (unsigned char c : t) {
+            if (c == '"' || c == '\\') q += '\\', q += static_cast<char>(c);
+            else if (c == '\n') q += "\\n";
+            else if (c == '\t') q += "\\t";
+            else if (c == '\r') q += "\\r";
+            else if (c < 0x20) {
+                char buf[8];
+                std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+                q += buf;
+            } else q += static_cast<char>(c);
+        }
+        return q + "\"";
+    };
+    for (const auto& [id, o] : outputs) {
+        std::string ids;
+        for (size_t i = 0; i < o.ids.size(); ++i) ids += (i ? "," : "") + std::to_string(o.ids[i]);
+        all += (all.empty() ? "[" : ", [") + ids + "]";
+        all_texts += (all_texts.empty() ? "" : ", ") + quoted(o.text);
+        tokens += o.ids.empty() ? 0 : o.ids.size() - 1;  // the first token of each comes from its prefill
+        if (!as_json && !stream) std::printf("%s\n", o.is_text ? o.text.c_str() : ids.c_str());
     }
+    if (stream) std::printf("\n");
     const double tps = s.decode_seconds > 0 ? tokens / s.decode_seconds : 0.0;
     if (as_json)
-        std::printf("{\"outputs\": [%s], \"decode_tokens_per_s\": %.3f, \"decode_seconds\": %.6f, \"rounds\": %zu, "
-                    "\"accepted\": %zu, \"gamma\": %d}\n",
-                    all.c_str(), tps, s.decode_seconds, s.rounds, s.accepted, specrt_gamma(engine));
+        std::printf("{\"outputs\": [%s], \"texts\": [%s], \"decode_tokens_per_s\": %.3f, \"decode_seconds\": %.6f, "
+                    "\"rounds\": %zu, \"accepted\": %zu, \"gamma\": %d}\n",
+                    all.c_str(), all_texts.c_str(), tps, s.decode_seconds, s.rounds, s.accepted, specrt_gamma(engine));
     else
-        std::printf("-- %zu requests, %zu tokens, decode %.1f tok/s, %zu rounds, %zu drafts accepted\n", outputs.size(),
-                    s.generated, tps, s.rounds, s.accepted);
+        std::fprintf(stderr, "-- %zu requests, %zu tokens, decode %.1f tok/s, %zu rounds, %zu drafts accepted\n",
+                     outputs.size(), s.generated, tps, s.rounds, s.accepted);
     specrt_engine_close(engine);
     return 0;
 }
