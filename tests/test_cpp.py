@@ -319,6 +319,12 @@ def test_c_api_from_c(specrt_cpp, tiny_arts):
                        env=env, timeout=300)
     assert r.returncode == 0 and "100% tests passed" in r.stdout, r.stdout + r.stderr
     assert "Skipped" not in r.stdout
+    if shutil.which("nm"):  # the library exports its C API and none of its C++ classes (which a program's own
+        # specrt:: classes, as in specrt.hpp, would otherwise interpose on)
+        symbols = subprocess.run(["nm", "-DC", "--defined-only", str(BUILD / "libspecrt.so")], capture_output=True,
+                                 text=True, check=True).stdout
+        ours = {line.split()[-1] for line in symbols.splitlines() if "specrt" in line}
+        assert ours and all(s.startswith("specrt_") for s in ours), sorted(ours)[:5]
 
 
 @pytest.mark.slow

@@ -22,6 +22,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#if defined(__GNUC__)
+#define SPECRT_API __attribute__((visibility("default"))) /* the library exports these functions only */
+#else
+#define SPECRT_API
+#endif
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -66,53 +72,53 @@ typedef struct specrt_event {
     const char* finish_reason; /* NULL while it runs; "eos" or "length" when it has finished */
 } specrt_event;
 
-void specrt_options_init(specrt_options* options); /* the defaults above */
-void specrt_params_init(specrt_params* params);    /* greedy, 128 tokens, no seed */
+SPECRT_API void specrt_options_init(specrt_options* options); /* the defaults above */
+SPECRT_API void specrt_params_init(specrt_params* params);    /* greedy, 128 tokens, no seed */
 
 /* Open the artifact in `artifact_dir` (its format version and graphs' I/O are checked against the manifest). */
-specrt_status specrt_engine_open(const char* artifact_dir, const specrt_options* options, specrt_engine** engine);
-void specrt_engine_close(specrt_engine* engine);
+SPECRT_API specrt_status specrt_engine_open(const char* artifact_dir, const specrt_options* options, specrt_engine** engine);
+SPECRT_API void specrt_engine_close(specrt_engine* engine);
 
 /* Queue a request (checked now); its id into *request_id (NULL: not wanted). */
-specrt_status specrt_add_request(specrt_engine* engine, const int64_t* prompt, size_t n_prompt,
+SPECRT_API specrt_status specrt_add_request(specrt_engine* engine, const int64_t* prompt, size_t n_prompt,
                                  const specrt_params* params, int64_t* request_id);
 /* Queue a text request: a user message through the chat template, or `raw` text as it is (with the tokenizer's
  * special tokens, such as a BOS). */
-specrt_status specrt_add_text(specrt_engine* engine, const char* text, int raw, const specrt_params* params,
+SPECRT_API specrt_status specrt_add_text(specrt_engine* engine, const char* text, int raw, const specrt_params* params,
                               int64_t* request_id);
 /* The token ids of `text` (as specrt_add_text would queue them) into ids (room for `capacity`); *n_ids: how many
  * there are (also when `capacity` is too small: then SPECRT_ERROR_REQUEST and nothing written). */
-specrt_status specrt_tokenize(specrt_engine* engine, const char* text, int raw, int64_t* ids, size_t capacity,
+SPECRT_API specrt_status specrt_tokenize(specrt_engine* engine, const char* text, int raw, int64_t* ids, size_t capacity,
                               size_t* n_ids);
 /* The text of `ids`, NUL-terminated, into `text` (room for `capacity` bytes); *n_text: its length without the NUL
  * (also when `capacity` is too small: then SPECRT_ERROR_REQUEST). */
-specrt_status specrt_detokenize(specrt_engine* engine, const int64_t* ids, size_t n_ids, int skip_special, char* text,
+SPECRT_API specrt_status specrt_detokenize(specrt_engine* engine, const int64_t* ids, size_t n_ids, int skip_special, char* text,
                                 size_t capacity, size_t* n_text);
 
 /* Admit waiting requests into free slots, then one decode step or draft/verify round over the active ones; what
  * happened to each request touched into *events / *n_events (valid until the next call on the engine). */
-specrt_status specrt_step(specrt_engine* engine, const specrt_event** events, size_t* n_events);
+SPECRT_API specrt_status specrt_step(specrt_engine* engine, const specrt_event** events, size_t* n_events);
 /* Drop a queued or running request; SPECRT_ERROR_REQUEST if it is not unfinished. */
-specrt_status specrt_abort(specrt_engine* engine, int64_t request_id);
-int specrt_has_unfinished(const specrt_engine* engine);
+SPECRT_API specrt_status specrt_abort(specrt_engine* engine, int64_t request_id);
+SPECRT_API int specrt_has_unfinished(const specrt_engine* engine);
 
 /* One request start to finish on an idle engine: up to params->max_new_tokens ids into `out` (room for that many),
  * their count into *n_out. */
-specrt_status specrt_generate(specrt_engine* engine, const int64_t* prompt, size_t n_prompt,
+SPECRT_API specrt_status specrt_generate(specrt_engine* engine, const int64_t* prompt, size_t n_prompt,
                               const specrt_params* params, int64_t* out, size_t* n_out);
 
 /* The vocabulary size; gamma (drafts verified per round at most; 0 for ar). */
-int64_t specrt_vocab_size(const specrt_engine* engine);
-int specrt_gamma(const specrt_engine* engine);
+SPECRT_API int64_t specrt_vocab_size(const specrt_engine* engine);
+SPECRT_API int specrt_gamma(const specrt_engine* engine);
 /* Counters since open (or the last specrt_generate, which resets them): slot rounds (decode steps for ar), drafts
  * accepted, seconds in decode steps and rounds (prefill excluded), tokens generated. */
 typedef struct specrt_stats {
     size_t rounds, accepted, generated;
     double decode_seconds, prefill_seconds;
 } specrt_stats;
-specrt_stats specrt_get_stats(const specrt_engine* engine);
+SPECRT_API specrt_stats specrt_get_stats(const specrt_engine* engine);
 
-const char* specrt_last_error(void);
+SPECRT_API const char* specrt_last_error(void);
 
 #ifdef __cplusplus
 }
