@@ -116,31 +116,98 @@ def read_tokenizer_info(tok_dir: Path, extra_eos_token_ids: Iterable[int] = ()) 
             "eos_token_ids": eos_ids, "special_tokens": special, "chat": chat_affixes(template, special)}
 
 
-def chat_affixes(template: str | None, special: dict[str, str]) -> dict[str, str] | None:
-    """The chat template rendered once around one user message, for runtimes without Jinja (the C++ runtime):
-    {"prefix", "suffix"} with render([user: x], generation prompt) == prefix + x + suffix for every x, checked on
-    two contents that a template transforming or testing its content would render differently; or {"unsupported":
-    why}. None without a template."""
-    import jinja2
+def chat_affixes(template: str | None, special: dict[str, str]) -> dict | None:
+    """The chat template's text around messages, rendered here once for runtimes without Jinja (the C++ runtime).
 
+    {"prefix", "suffix", "trim"}: render([user: x], generation prompt) == prefix + x + suffix for every x (x.strip()
+    where "trim": the template trims contents, as Llama 3's does); and "roles":
+    conversations of system, user and assistant messages as start[first role] + content, then between["a>b"] +
+    content for each next message, then end[last role] (+ "generation" for the generation prompt), checked against
+    the template on conversations not used to derive them ({"unsupported": why} where the template is not that
+    regular). Contents that a template transforming or testing them would render differently are used throughout.
+    {"unsupported": why} for the whole entry when not even one user message renders that way; None without a
+    template."""
     if not template:
         return None
     if "strftime_now" in template:
         return {"unsupported": "the chat template renders the current date"}
     try:
         compiled = compile_template(template)
+    except SpecrtError as e:
+        return {"unsupported": str(e)}
 
-        def render(content: str) -> str:
-            return compiled.render(messages=[{"role": "user", "content": content}], add_generation_prompt=True,
-                                   tools=None, documents=None, **special)
+    def render(messages: list[tuple[str, str]], generation: bool) -> str:
+        return compiled.render(messages=[{"role": r, "content": x} for r, x in messages],
+                               add_generation_prompt=generation, tools=None, documents=None, **special)
 
-        a, b = " \n specrt A 1 \n", "Specrt\tb?"
-        ra, rb = render(a), render(b)
-    except (SpecrtError, jinja2.TemplateError, MemoryError, RecursionError, OverflowError, TypeError) as e:
+    a, b = " \n specrt A 1 \n", "Specrt\tb?"
+    try:
+        ra, rb = render([("user", a)], True), render([("user", b)], True)
+    except Exception as e:  # noqa: BLE001 - a template can raise anything; it is then only unsupported here
         return {"unsupported": f"the chat template does not render one user message ({type(e).__name__})"}
-    if ra.count(a) != 1:
-        return {"unsupported": "the chat template does not insert a message's content verbatim"}
-    prefix, suffix = ra.split(a)
-    if rb != prefix + b + suffix:
-        return {"unsupported": "the chat template renders a message's content differently by what it says"}
-    return {"prefix": prefix, "suffix": suffix}
+    # the content verbatim, or stripped of surrounding whitespace (Jinja's `trim`, as Llama 3's template does)
+    for trim in (False, True):
+        show = str.strip if trim else (lambda x: x)
+        if ra.count(show(a)) == 1:
+            prefix, suffix = ra.split(show(a))
+            if rb == prefix + show(b) + suffix:
+                break
+    else:
+        return {"unsupported": "the chat template renders a message's content other than verbatim or trimmed"}
+    try:
+        roles = _chat_roles(render, show)
+    except Exception as e:  # noqa: BLE001
+        roles = {"unsupported": f"the chat template raises on a conversation ({type(e).__name__})"}
+    return {"prefix": prefix, "suffix": suffix, "trim": trim, "roles": roles}
+
+
+def _chat_roles(render, show) -> dict:
+    """start / between / end / generation text of conversations (see chat_affixes), derived from renders with
+    distinct contents and checked on others; `show`: how a content appears in the text (verbatim or trimmed)."""
+    c = [f" \n specrt {i} content \n" for i in range(8)]
+
+    def split(text: str, contents: list[str]) -> list[str] | None:
+        """The text around each content, in order (None if a content is missing or repeated)."""
+        pieces, rest = [], text
+        for x in map(show, contents):
+            if rest.count(x) != 1:
+                return None
+            head, rest = rest.split(x)
+            pieces.append(head)
+        return [*pieces, rest]
+
+    start, between, end = {}, {}, {}
+    u = split(render([("user", c[0])], False), [c[0]])
+    ua = split(render([("user", c[0]), ("assistant", c[1])], False), c[:2])
+    uau = split(render([("user", c[0]), ("assistant", c[1]), ("user", c[2])], False), c[:3])
+    with_generation = render([("user", c[0])], True)
+    if not (u and ua and uau) or not with_generation.startswith(render([("user", c[0])], False)):
+        return {"unsupported": "the chat template does not render user / assistant turns as text around each"}
+    start["user"], end["user"] = u
+    between["user>assistant"], end["assistant"] = ua[1], ua[2]
+    between["assistant>user"] = uau[2]
+    generation = with_generation[len(render([("user", c[0])], False)):]
+    try:
+        su = split(render([("system", c[3]), ("user", c[0])], False), [c[3], c[0]])
+    except Exception:  # noqa: BLE001 - a template without a system role
+        su = None
+    if su:
+        start["system"], between["system>user"] = su[0], su[1]
+
+    def compose(messages: list[tuple[str, str]], gen: bool) -> str | None:
+        roles = [r for r, _ in messages]
+        if roles[0] not in start or any(f"{p}>{q}" not in between for p, q in zip(roles, roles[1:])):
+            return None
+        text = start[roles[0]] + show(messages[0][1])
+        for (p, _), (q, x) in zip(messages, messages[1:]):
+            text += between[f"{p}>{q}"] + show(x)
+        return text + end[roles[-1]] + (generation if gen else "")
+
+    checks = [([("user", c[4]), ("assistant", c[5]), ("user", c[6]), ("assistant", c[7])], False),
+              ([("user", c[5]), ("assistant", c[6]), ("user", c[7])], True)]
+    if su:
+        checks.append(([("system", c[7]), ("user", c[4]), ("assistant", c[6]), ("user", c[5])], True))
+    for messages, gen in checks:
+        if compose(messages, gen) != render(messages, gen):
+            return {"unsupported": "the chat template's text around a turn depends on more than the roles beside it"}
+    return {"start": start, "between": between, "end": end, "generation": generation}

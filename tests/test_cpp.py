@@ -27,6 +27,7 @@ from specrt.exporter.loaders.deepspec import random_dspark_checkpoint
 from specrt.exporter.loaders.mtp import random_mtp_checkpoint
 from specrt.runtime.engine import Engine, Request
 from specrt.runtime.profile import Profile, save_profile
+from specrt.runtime.prompts import encode_prompt
 from specrt.runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).parents[1]
@@ -120,8 +121,6 @@ def test_greedy_is_token_identical_to_python(specrt_cpp, tiny_arts, name):
 
 @pytest.mark.slow
 def test_default_model_greedy_is_token_identical(specrt_cpp, served_art):
-    from specrt.runtime.prompts import encode_prompt
-
     with Engine(served_art, method="ar", threads=1) as engine:
         prompts = [encode_prompt(engine.tokenizer, p) for p in
                    ("Why is the sky blue?", "Write a Python function that reverses a string.")]
@@ -331,8 +330,6 @@ def test_c_api_from_c(specrt_cpp, tiny_arts):
 def test_default_model_every_method_is_token_identical(specrt_cpp, served_art):
     """The default model with its shipped DSpark and MTP heads and its stored profile: every method (sps, the
     default scheduler) gives plain decoding's tokens, two requests in flight."""
-    from specrt.runtime.prompts import encode_prompt
-
     with Engine(served_art, method="ar", threads=1) as engine:
         prompts = [encode_prompt(engine.tokenizer, p) for p in
                    ("Write a Python function that checks whether a number is prime.", "Why is the sky blue?")]
@@ -399,9 +396,13 @@ def _dataset_texts() -> list[str]:
     return texts
 
 
-def _tokenize(file: Path, texts: list[str], add_special: bool = False) -> list[dict]:
-    lines = "".join(json.dumps({"text": t, "add_special": add_special}) + "\n" for t in texts)
-    r = subprocess.run([str(BUILD / "tokenize"), str(file)], input=lines, capture_output=True, text=True, timeout=600)
+def _tokenize(file: Path, texts: list[str] | list[dict], add_special: bool = False, art: Path | None = None
+              ) -> list[dict]:
+    """runtime/cpp/tests/tokenize.cpp on texts (or its other requests, as dicts), with `art`'s chat text."""
+    requests = [t if isinstance(t, dict) else {"text": t, "add_special": add_special} for t in texts]
+    lines = "".join(json.dumps(q) + "\n" for q in requests)
+    r = subprocess.run([str(BUILD / "tokenize"), str(file), *([str(art)] if art else [])], input=lines,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     return [json.loads(line) for line in r.stdout.splitlines()]
 
@@ -476,8 +477,6 @@ def test_text_prompts_through_the_chat_template_match_python(specrt_cpp, chat_ar
     """`specrt-cpp ART --prompt TEXT`: the chat template's stored text around the message gives the Python engine's
     prompt ids (its Jinja rendering); the generated text, streamed through the events, is the Python engine's text,
     for plain decoding and dspark+ngram; --raw skips the template."""
-    from specrt.runtime.prompts import encode_prompt
-
     prompts = ["Write a Python function that reverses a string.", "Explain ünïcode, 漢字 and emoji 🤖 briefly."]
     with Engine(chat_art, method="ar", threads=1) as engine:
         ids = [encode_prompt(engine.tokenizer, p) for p in prompts]
@@ -525,3 +524,53 @@ def test_text_errors_name_the_problem(specrt_cpp, tiny_arts, served_art, tmp_pat
 def _cpp_text(binary: Path, art: Path, text: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(binary), str(art), "--prompt", text, "--max-new-tokens", "4", "--threads", "1", *extra],
                           capture_output=True, text=True, timeout=300)
+
+
+def test_chat_conversations_match_the_python_template(specrt_cpp, chat_art, tmp_path):
+    """Conversations (system, user and assistant turns, as the server's chat messages) through the chat text the
+    exporter stores give the ids of the Python runtime's Jinja rendering, for SmolLM2's template (which adds a
+    default system message when there is none) and for a Llama 3-style template that trims contents (whitespace
+    around them, Unicode spaces included); a conversation the stored text cannot express is an error naming it."""
+    from specrt.runtime.tokenizer import Tokenizer
+    from specrt.tokenizer_info import chat_affixes
+
+    texts = _dataset_texts()[:40]
+    convs = []
+    for i in range(0, 40, 4):
+        a, b, c, d = texts[i:i + 4]
+        convs += [[("user", a)], [("system", b), ("user", a)], [("user", a), ("assistant", b), ("user", c)],
+                  [("system", d), ("user", a), ("assistant", EDGE_TEXTS[i // 4]), ("user", c)]]
+    convs += [[("user", t)] for t in EDGE_TEXTS]
+    manifest = json.loads((chat_art / "manifest.json").read_text())
+    llama3 = ("{{- bos_token }}{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\n\n' + "
+              "message['content'] | trim + '<|im_end|>' }}{%- endfor %}{%- if add_generation_prompt %}"
+              "{{- '<|im_start|>assistant\n\n' }}{%- endif %}")
+    trimmed = tmp_path / "trimmed"
+    trimmed.mkdir()
+    info = dict(manifest["tokenizer"], chat_template=llama3)
+    info["chat"] = chat_affixes(llama3, info["special_tokens"])
+    assert info["chat"]["trim"] and "start" in info["chat"]["roles"]
+    (trimmed / "manifest.json").write_text(json.dumps(dict(manifest, tokenizer=info)))
+    file = chat_art / "tokenizer" / "tokenizer.json"
+    for art, tokenizer_info in ((chat_art, manifest["tokenizer"]), (trimmed, info)):
+        tok = Tokenizer.from_dir(chat_art / "tokenizer", tokenizer_info)
+        got = _tokenize(file, [{"messages": conv} for conv in convs], art=art)
+        for conv, g in zip(convs, got):
+            text = tok.apply_chat_template([{"role": r, "content": x} for r, x in conv], add_generation_prompt=True)
+            assert g.get("ids") == tok.encode(text), (art.name, conv)
+        got = _tokenize(file, [{"prompt": t} for t in texts[:10] + EDGE_TEXTS], art=art)
+        assert [g["ids"] for g in got] == [encode_prompt(tok, t) for t in texts[:10] + EDGE_TEXTS]
+    bad = _tokenize(file, [{"messages": [["assistant", "hi"]]}, {"messages": [["user", "a"], ["user", "b"]]},
+                           {"messages": []}], art=chat_art)
+    assert "starts with a assistant message is not known" in bad[0]["error"]
+    assert "user message after a user message is not known" in bad[1]["error"]
+    assert "at least one message" in bad[2]["error"]
+    r = subprocess.run([str(specrt_cpp), str(chat_art), "--system", "Answer in French.", "--prompt", "Hello!",
+                        "--max-new-tokens", "12", "--threads", "1", "--json"], capture_output=True, text=True,
+                       timeout=300)
+    tok = Tokenizer.from_dir(chat_art / "tokenizer", manifest["tokenizer"])
+    ids = tok.encode(tok.apply_chat_template([{"role": "system", "content": "Answer in French."},
+                                              {"role": "user", "content": "Hello!"}]))
+    with Engine(chat_art, method="ar", threads=1) as engine:
+        want = engine.generate([Request(ids, SamplingParams(max_new_tokens=12))])[0][0].output_ids
+    assert _outputs(r)["outputs"] == [want]

@@ -141,3 +141,35 @@ def test_smollm2_gguf_tokenizer(tmp_path):
         assert ids == ref.encode(text, add_special_tokens=False)
         assert tok.decode(ids) == ref.decode(ids) == text
         assert "".join(_stream(tok, ids)) == text
+
+
+def test_chat_affixes_say_what_a_runtime_without_jinja_can_render():
+    """specrt/tokenizer_info.py chat_affixes, what the exporter stores for the C++ runtime: the text around one user
+    message and around conversation turns, composed to equal the template's rendering; trimmed contents recorded;
+    templates whose text depends on the content, the date, or that refuse a role, marked as such."""
+    from specrt.tokenizer_info import chat_affixes, compile_template
+
+    chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    got = chat_affixes(chatml, {})
+    assert got["prefix"] == "<|im_start|>user\n" and got["suffix"] == "<|im_end|>\n<|im_start|>assistant\n"
+    assert not got["trim"] and got["roles"]["between"]["assistant>user"] == "<|im_end|>\n<|im_start|>user\n"
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": " u "},
+                {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+    roles = got["roles"]
+    composed = roles["start"]["system"] + "S" + roles["between"]["system>user"] + " u " + \
+        roles["between"]["user>assistant"] + "a" + roles["between"]["assistant>user"] + "v" + roles["end"]["user"] + \
+        roles["generation"]
+    assert composed == compile_template(chatml).render(messages=messages, add_generation_prompt=True)
+    trimmed = chat_affixes(chatml.replace("m['content']", "m['content'] | trim"), {})
+    assert trimmed["trim"] and "start" in trimmed["roles"]
+    no_system = chat_affixes("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}"
+                             "{% endif %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}", {})
+    assert "start" in no_system["roles"] and "system" not in no_system["roles"]["start"]
+    assert "other than verbatim" in chat_affixes("{% for m in messages %}{{ m['content'] | upper }}{% endfor %}",
+                                                 {})["unsupported"]
+    assert "date" in chat_affixes("{{ strftime_now('%d') }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                                  {})["unsupported"]
+    positional = chat_affixes("{% for m in messages %}{{ loop.index }}:{{ m['content'] }}{% endfor %}", {})
+    assert "prefix" in positional and "unsupported" in positional["roles"]
+    assert chat_affixes(None, {}) is None

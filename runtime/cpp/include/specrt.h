@@ -86,6 +86,15 @@ SPECRT_API specrt_status specrt_add_request(specrt_engine* engine, const int64_t
  * special tokens, such as a BOS). */
 SPECRT_API specrt_status specrt_add_text(specrt_engine* engine, const char* text, int raw, const specrt_params* params,
                               int64_t* request_id);
+/* A conversation through the chat template, with the generation prompt (as the server renders chat messages):
+ * messages[i].role is "system", "user" or "assistant"; where the template's text between two roles is not known (the
+ * manifest says why), SPECRT_ERROR_REQUEST. */
+typedef struct specrt_message {
+    const char* role;
+    const char* content;
+} specrt_message;
+SPECRT_API specrt_status specrt_add_chat(specrt_engine* engine, const specrt_message* messages, size_t n_messages,
+                                         const specrt_params* params, int64_t* request_id);
 /* The token ids of `text` (as specrt_add_text would queue them) into ids (room for `capacity`); *n_ids: how many
  * there are (also when `capacity` is too small: then SPECRT_ERROR_REQUEST and nothing written). */
 SPECRT_API specrt_status specrt_tokenize(specrt_engine* engine, const char* text, int raw, int64_t* ids, size_t capacity,

@@ -87,6 +87,15 @@ public:
         check(specrt_add_text(engine_, text.c_str(), g.raw, &p, &id));
         return id;
     }
+    // A conversation ((role, content) pairs) through the chat template, with the generation prompt.
+    int64_t add(const std::vector<std::pair<std::string, std::string>>& messages, const GenerateOptions& g = {}) {
+        std::vector<specrt_message> m;
+        for (const auto& [role, content] : messages) m.push_back(specrt_message{role.c_str(), content.c_str()});
+        specrt_params p = params(g);
+        int64_t id = 0;
+        check(specrt_add_chat(engine_, m.data(), m.size(), &p, &id));
+        return id;
+    }
     std::vector<Event> step() {
         const specrt_event* events = nullptr;
         size_t n = 0;

@@ -136,7 +136,24 @@ Manifest load_manifest(const fs::path& dir) {
             const bool templated = tok.contains("chat_template") && tok["chat_template"].is_string();
             const json chat = tok.value("chat", json());
             if (chat.is_object() && chat.contains("prefix")) {
-                m.chat = std::make_pair(chat.at("prefix").get<std::string>(), chat.at("suffix").get<std::string>());
+                ChatText t;
+                t.prefix = chat.at("prefix").get<std::string>();
+                t.suffix = chat.at("suffix").get<std::string>();
+                t.trim = chat.value("trim", false);
+                const json roles = chat.value("roles", json());
+                if (roles.is_object() && roles.contains("start")) {
+                    t.start = roles.at("start").get<std::map<std::string, std::string>>();
+                    t.between = roles.at("between").get<std::map<std::string, std::string>>();
+                    t.end = roles.at("end").get<std::map<std::string, std::string>>();
+                    t.generation = roles.at("generation").get<std::string>();
+                } else {
+                    t.roles_problem = roles.is_object() && roles.contains("unsupported")
+                                          ? "conversations cannot go through the chat template here (" +
+                                                roles["unsupported"].get<std::string>() + "): pass one user message"
+                                          : "this artifact's manifest has no chat text for conversations (exported by "
+                                            "an older specrt): re-export it";
+                }
+                m.chat = std::move(t);
             } else if (chat.is_object() && chat.contains("unsupported")) {
                 m.chat_problem = "the chat template cannot run here (" + chat["unsupported"].get<std::string>() +
                                  "): pass raw text or token ids";

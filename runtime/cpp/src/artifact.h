@@ -57,13 +57,22 @@ struct HeadSpec {
     std::vector<int64_t> vocab_ids;   // a reduced draft vocabulary (empty: the whole vocabulary)
 };
 
+// The chat template's text around messages, rendered by the exporter (specrt/tokenizer_info.py chat_affixes).
+struct ChatText {
+    std::string prefix, suffix;  // around one user message, with the generation prompt
+    bool trim = false;           // the template strips a content's surrounding whitespace
+    std::map<std::string, std::string> start, between, end;  // conversations: by first role, "a>b", last role
+    std::string generation;
+    std::string roles_problem;  // why conversations cannot be rendered ("" when they can)
+};
+
 struct Manifest {
     int64_t vocab_size = 0, max_seq = 0, gamma = 0, batch = 1;  // gamma: verify_len - 1
     std::set<int64_t> eos;
     std::map<std::string, GraphSpec> graphs;  // "target" and one per head
     std::map<std::string, HeadSpec> heads;
     bool tokenizer = false;  // the artifact carries tokenizer/tokenizer.json
-    std::optional<std::pair<std::string, std::string>> chat;  // the chat template around one user message
+    std::optional<ChatText> chat;  // the chat template's text around messages
     std::string chat_problem;  // why text cannot go through the chat template here ("" when it can)
 };
 

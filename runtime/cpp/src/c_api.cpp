@@ -103,6 +103,20 @@ specrt_status specrt_add_text(specrt_engine* engine, const char* text, int raw, 
     });
 }
 
+specrt_status specrt_add_chat(specrt_engine* engine, const specrt_message* messages, size_t n_messages,
+                              const specrt_params* params, int64_t* request_id) {
+    if (!engine || (!messages && n_messages)) return fail(SPECRT_ERROR_REQUEST, "specrt_add_chat: a NULL argument");
+    for (size_t i = 0; i < n_messages; ++i)
+        if (!messages[i].role || !messages[i].content)
+            return fail(SPECRT_ERROR_REQUEST, "specrt_add_chat: message " + std::to_string(i) + " has a NULL role or content");
+    return guarded([&] {
+        std::vector<std::pair<std::string, std::string>> chat;
+        for (size_t i = 0; i < n_messages; ++i) chat.emplace_back(messages[i].role, messages[i].content);
+        int64_t id = engine->engine.add(engine->engine.tokenizer().encode_chat(chat), params_of(params));
+        if (request_id) *request_id = id;
+    });
+}
+
 specrt_status specrt_tokenize(specrt_engine* engine, const char* text, int raw, int64_t* ids, size_t capacity,
                               size_t* n_ids) {
     if (!engine || !text || !n_ids || (!ids && capacity)) return fail(SPECRT_ERROR_REQUEST, "specrt_tokenize: a NULL argument");

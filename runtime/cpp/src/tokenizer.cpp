@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstring>
 #include <fstream>
 #include <mutex>
 
@@ -195,8 +196,7 @@ namespace {
 
 }  // namespace
 
-Tokenizer::Tokenizer(const std::filesystem::path& file, std::optional<std::pair<std::string, std::string>> chat,
-                     std::string chat_problem)
+Tokenizer::Tokenizer(const std::filesystem::path& file, std::optional<ChatText> chat, std::string chat_problem)
     : impl_(std::make_unique<Impl>()), chat_(std::move(chat)), chat_problem_(std::move(chat_problem)) {
     Impl& t = *impl_;
     std::ifstream f(file);
@@ -365,11 +365,69 @@ std::vector<int64_t> Tokenizer::encode(const std::string& text, bool add_special
     return out;
 }
 
+namespace {
+
+// Python's str.strip(): the whitespace str.isspace() names, at both ends (the template's `trim`).
+std::string strip(const std::string& s) {
+    auto space_at = [&](size_t i) -> size_t {  // the length of a whitespace character at s[i], else 0
+        const unsigned char c = static_cast<unsigned char>(s[i]);
+        if (c == ' ' || (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x1F)) return 1;
+        static const char* const wide[] = {"\xC2\x85", "\xC2\xA0", "\xE1\x9A\x80", "\xE2\x80\xA8", "\xE2\x80\xA9",
+                                           "\xE2\x80\xAF", "\xE2\x81\x9F", "\xE3\x80\x80"};
+        for (const char* w : wide)
+            if (s.compare(i, std::strlen(w), w) == 0) return std::strlen(w);
+        if (s.compare(i, 2, "\xE2\x80") == 0 && i + 2 < s.size() && static_cast<unsigned char>(s[i + 2]) >= 0x80 &&
+            static_cast<unsigned char>(s[i + 2]) <= 0x8A)
+            return 3;  // U+2000..U+200A
+        return 0;
+    };
+    size_t begin = 0, end = s.size();
+    while (begin < end) {
+        size_t n = space_at(begin);
+        if (!n) break;
+        begin += n;
+    }
+    while (end > begin) {  // step back over one character at a time
+        size_t k = end - 1;
+        while (k > begin && (static_cast<unsigned char>(s[k]) & 0xC0) == 0x80) --k;
+        if (space_at(k) != end - k) break;
+        end = k;
+    }
+    return s.substr(begin, end - begin);
+}
+
+}  // namespace
+
 std::vector<int64_t> Tokenizer::encode_prompt(const std::string& text, bool raw) const {
     if (raw) return encode(text, true);
     if (!chat_problem_.empty()) throw Error(SPECRT_ERROR_REQUEST, chat_problem_);
     if (!chat_) return encode(text, false);
-    return encode(chat_->first + text + chat_->second, false);
+    return encode(chat_->prefix + (chat_->trim ? strip(text) : text) + chat_->suffix, false);
+}
+
+std::vector<int64_t> Tokenizer::encode_chat(const std::vector<std::pair<std::string, std::string>>& messages) const {
+    if (messages.empty()) throw Error(SPECRT_ERROR_REQUEST, "a conversation needs at least one message");
+    if (!chat_problem_.empty()) throw Error(SPECRT_ERROR_REQUEST, chat_problem_);
+    if (!chat_) throw Error(SPECRT_ERROR_REQUEST, "this model has no chat template; pass a raw prompt instead");
+    const ChatText& c = *chat_;
+    if (!c.roles_problem.empty()) throw Error(SPECRT_ERROR_REQUEST, c.roles_problem);
+    auto show = [&](const std::string& x) { return c.trim ? strip(x) : x; };
+    auto first = c.start.find(messages[0].first);
+    if (first == c.start.end())
+        throw Error(SPECRT_ERROR_REQUEST, "the chat template's text for a conversation that starts with a " +
+                                              messages[0].first + " message is not known");
+    std::string text = first->second + show(messages[0].second);
+    for (size_t i = 1; i < messages.size(); ++i) {
+        auto b = c.between.find(messages[i - 1].first + ">" + messages[i].first);
+        if (b == c.between.end())
+            throw Error(SPECRT_ERROR_REQUEST, "the chat template's text for a " + messages[i].first +
+                                                  " message after a " + messages[i - 1].first + " message is not known");
+        text += b->second + show(messages[i].second);
+    }
+    auto e = c.end.find(messages.back().first);
+    if (e == c.end.end())
+        throw Error(SPECRT_ERROR_REQUEST, "the chat template's text after a " + messages.back().first + " message is not known");
+    return encode(text + e->second + c.generation, false);
 }
 
 std::string Tokenizer::bytes(const int64_t* ids, size_t n, bool skip_special) const {

@@ -5,6 +5,8 @@
 // exporter renders it once around a user message and stores the text before and after it in the manifest.
 #pragma once
 
+#include "artifact.h"
+
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -20,8 +22,7 @@ class Tokenizer {
 public:
     // Loads tokenizer.json; throws Error (artifact) on a file it cannot read, or on a tokenizer it does not
     // implement (the message says which part).
-    Tokenizer(const std::filesystem::path& file, std::optional<std::pair<std::string, std::string>> chat,
-              std::string chat_problem);
+    Tokenizer(const std::filesystem::path& file, std::optional<ChatText> chat, std::string chat_problem);
     ~Tokenizer();
 
     // Token ids of `text`; `add_special`: the post-processor's special tokens (a BOS), as tokenizers' encode does.
@@ -29,6 +30,9 @@ public:
     // A user message as the engine's prompt: through the chat template (its stored prefix and suffix) unless `raw`,
     // as runtime/prompts.py encode_prompt does.
     std::vector<int64_t> encode_prompt(const std::string& text, bool raw) const;
+    // A conversation ((role, content) pairs: system, user, assistant) through the chat template's stored text,
+    // with the generation prompt, as the server renders messages.
+    std::vector<int64_t> encode_chat(const std::vector<std::pair<std::string, std::string>>& messages) const;
     // The text of `ids` (invalid UTF-8 replaced by U+FFFD).
     std::string decode(const std::vector<int64_t>& ids, bool skip_special) const;
     // The bytes `ids` stand for.
@@ -37,7 +41,7 @@ public:
 private:
     struct Impl;
     std::unique_ptr<Impl> impl_;
-    std::optional<std::pair<std::string, std::string>> chat_;
+    std::optional<ChatText> chat_;
     std::string chat_problem_;
 };
 

@@ -1,5 +1,5 @@
 // specrt-cpp: the C API from the command line (an example of embedding it).
-//   specrt-cpp ART (--prompt TEXT | --input-ids 1,2,3) [more prompts] [--raw] [--method M] [--scheduler S] [--max-new-tokens 64]
+//   specrt-cpp ART (--prompt TEXT | --input-ids 1,2,3) [more prompts] [--raw | --system TEXT] [--method M] [--scheduler S] [--max-new-tokens 64]
 //              [--threads N] [--gamma G] [--slots N] [--temperature T --top-k K --top-p P --seed S] [--ignore-eos]
 //              [--repeat N] [--json]
 // Every prompt (each --input-ids, each repeated N times) is queued at once and the engine is stepped until all have
@@ -16,7 +16,7 @@
 #include <vector>
 
 static const char* kUsage =
-    "usage: specrt-cpp ART (--prompt TEXT | --input-ids 1,2,3)... [--raw] [--method ar|ngram|dspark|mtp|dspark+ngram|mtp+ngram] "
+    "usage: specrt-cpp ART (--prompt TEXT | --input-ids 1,2,3)... [--raw | --system TEXT] [--method ar|ngram|dspark|mtp|dspark+ngram|mtp+ngram] "
     "[--scheduler fixed|threshold|sps|sps-async] [--max-new-tokens 64] [--threads N] [--gamma G] [--temperature T] "
     "[--top-k K] [--top-p P] [--seed S] [--ignore-eos] [--repeat N] [--json]";
 
@@ -37,6 +37,7 @@ int main(int argc, char** argv) {
     std::vector<std::vector<int64_t>> prompts;
     std::vector<std::string> texts;  // text prompts (added after the id prompts)
     bool raw = false;
+    const char* system = nullptr;  // a system message before each text prompt
     specrt_options options;
     specrt_options_init(&options);
     specrt_params params;
@@ -62,6 +63,9 @@ int main(int argc, char** argv) {
         } else if (a == "--prompt") {
             if (!value()) return usage("--prompt needs a text");
             texts.push_back(v);
+        } else if (a == "--system") {
+            if (!value()) return usage("--system needs a text");
+            system = v;
         } else if (a == "--raw") {
             raw = true;
         } else if (a == "--method") {
@@ -123,7 +127,12 @@ int main(int argc, char** argv) {
         }
         for (const auto& text : texts) {
             int64_t id = 0;
-            if (specrt_add_text(engine, text.c_str(), raw, &params, &id) != SPECRT_OK) return failed();
+            if (system) {
+                const specrt_message chat[] = {{"system", system}, {"user", text.c_str()}};
+                if (specrt_add_chat(engine, chat, 2, &params, &id) != SPECRT_OK) return failed();
+            } else if (specrt_add_text(engine, text.c_str(), raw, &params, &id) != SPECRT_OK) {
+                return failed();
+            }
             outputs[id].is_text = true;
         }
     }
