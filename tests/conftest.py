@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random Hugging Face models of every supported family, built in the test."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,36 @@ def served_art(tmp_path_factory) -> Path:
                                   "--quiet"])
     assert r.exit_code == 0, r.output
     return out
+
+
+# The C++ runtime and the custom-op library (runtime/cpp), built once per session with CMake against ONNX Runtime's
+# headers (scripts/cpp_deps.sh: Debian's libonnxruntime-dev 1.21 through a private APT configuration) and the
+# onnxruntime wheel's library. SPECRT_CPP_SANITIZE=1: with AddressSanitizer and UndefinedBehaviorSanitizer, into
+# build/cpp-asan (docs/cpp.md).
+CPP_SANITIZE = os.environ.get("SPECRT_CPP_SANITIZE") == "1"
+CPP_BUILD = Path(__file__).parents[1] / "build" / ("cpp-asan" if CPP_SANITIZE else "cpp")
+
+
+@pytest.fixture(scope="session")
+def cpp_build() -> Path:
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    missing = [t for t in ("cmake", "g++", "apt-get", "dpkg-deb") if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"building the C++ runtime needs {', '.join(missing)} (Debian: apt-get install cmake g++)")
+
+    def run(cmd: list, what: str) -> None:
+        r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900)
+        if r.returncode:
+            pytest.fail(f"{what} failed:\n{(r.stdout + r.stderr)[-3000:]}")
+
+    deps = root / "build" / "cpp-deps"
+    run([root / "scripts" / "cpp_deps.sh", deps], "scripts/cpp_deps.sh (ONNX Runtime's headers)")
+    run(["cmake", "-S", root / "runtime" / "cpp", "-B", CPP_BUILD, f"-DSPECRT_DEPS={deps}",
+         f"-DPython3_EXECUTABLE={sys.executable}", f"-DSPECRT_SANITIZE={'ON' if CPP_SANITIZE else 'OFF'}"],
+        "cmake configure")
+    run(["cmake", "--build", CPP_BUILD, "-j2"], "cmake --build")
+    return CPP_BUILD

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,31 +28,15 @@ from specrt.runtime.engine import Engine, Request
 from specrt.runtime.profile import Profile, save_profile
 from specrt.runtime.prompts import encode_prompt
 from specrt.runtime.sampling import SamplingParams
+from conftest import CPP_BUILD
 
 ROOT = Path(__file__).parents[1]
-# SPECRT_CPP_SANITIZE=1: build with AddressSanitizer and UndefinedBehaviorSanitizer (into build/cpp-asan) and run
-# every test below on that build (docs/cpp.md)
-SANITIZE = os.environ.get("SPECRT_CPP_SANITIZE") == "1"
-BUILD, DEPS = ROOT / "build" / ("cpp-asan" if SANITIZE else "cpp"), ROOT / "build" / "cpp-deps"
-
-
-def _run(cmd: list, what: str, timeout: int = 900) -> None:
-    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout)
-    if r.returncode:
-        pytest.fail(f"{what} failed:\n{(r.stdout + r.stderr)[-3000:]}")
+BUILD = CPP_BUILD  # tests/conftest.py builds it (SPECRT_CPP_SANITIZE=1: the ASan/UBSan build)
 
 
 @pytest.fixture(scope="session")
-def specrt_cpp() -> Path:
-    missing = [t for t in ("cmake", "g++", "apt-get", "dpkg-deb") if shutil.which(t) is None]
-    if missing:
-        pytest.skip(f"building the C++ runtime needs {', '.join(missing)} (Debian: apt-get install cmake g++)")
-    _run([ROOT / "scripts" / "cpp_deps.sh", DEPS], "scripts/cpp_deps.sh (ONNX Runtime's headers)")
-    _run(["cmake", "-S", ROOT / "runtime" / "cpp", "-B", BUILD, f"-DSPECRT_DEPS={DEPS}",
-          f"-DPython3_EXECUTABLE={sys.executable}", f"-DSPECRT_SANITIZE={'ON' if SANITIZE else 'OFF'}"],
-         "cmake configure")
-    _run(["cmake", "--build", BUILD, "-j2"], "cmake --build")
-    return BUILD / "specrt-cpp"
+def specrt_cpp(cpp_build) -> Path:
+    return cpp_build / "specrt-cpp"
 
 
 def _cpp(binary: Path, art: Path, ids: list[int] | list[list[int]], max_new: int, *extra: str

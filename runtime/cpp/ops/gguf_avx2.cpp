@@ -1,0 +1,9 @@
+// The AVX2 row kernel (compiled with -mavx2 -mfma -mf16c; called only where the CPU has them).
+#include "gguf_simd.inc"
+
+namespace specrt::ops {
+void rows_avx2(Format f, const uint8_t* w, const int8_t* q, const float* d, const int32_t* s, int64_t m,
+               int64_t blocks, int64_t n0, int64_t n1, int64_t n_total, float* y) {
+    rows_simd<false>(f, w, q, d, s, m, blocks, n0, n1, n_total, y);
+}
+}  // namespace specrt::ops

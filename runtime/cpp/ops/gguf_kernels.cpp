@@ -1,0 +1,160 @@
+#include "gguf_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+namespace specrt::ops {
+
+namespace {
+
+float fp16(const uint8_t* p) {  // IEEE half (little-endian) to float
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {  // subnormal: normalize
+            int e = -1;
+            uint32_t m = mant;
+            do {
+                ++e;
+                m <<= 1;
+            } while (!(m & 0x400));
+            bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (m & 0x3FF) << 13;
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | mant << 13;
+    } else {
+        bits = sign | (exp + 127 - 15) << 23 | mant << 13;
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// The block's weight codes in element order as bytes (Q4: 0..15, unsigned; Q8_0: signed), its scale and minimum (or
+// the offset to subtract, -8, folded as a minimum of -8 d for Q4_0).
+struct Block {
+    float d, m;
+    const uint8_t* codes;
+};
+
+Block block_at(Format f, const uint8_t* p) {
+    switch (f) {
+        case Format::Q4_0: return {fp16(p), -8.0f * fp16(p), p + 2};
+        case Format::Q4_1: return {fp16(p), fp16(p + 2), p + 4};
+        default: return {fp16(p), 0.0f, p + 2};
+    }
+}
+
+// -- scalar reference ----------------------------------------------------------------------------------------------
+
+void rows_scalar(Format f, const uint8_t* w, const Activations& a, int64_t n0, int64_t n1, int64_t n_total, float* y) {
+    const int bytes = block_bytes(f);
+    const int64_t blocks = a.blocks;
+    std::vector<float> acc(a.m);
+    for (int64_t n = n0; n < n1; ++n) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        const uint8_t* row = w + n * blocks * bytes;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const Block blk = block_at(f, row + b * bytes);
+            int8_t wq[kBlock];
+            for (int i = 0; i < kBlock; ++i) {
+                if (f == Format::Q8_0) wq[i] = static_cast<int8_t>(blk.codes[i]);
+                else wq[i] = static_cast<int8_t>(i < 16 ? blk.codes[i] & 0x0F : blk.codes[i - 16] >> 4);
+            }
+            for (int64_t i = 0; i < a.m; ++i) {
+                const int8_t* q = a.q.data() + (i * blocks + b) * kBlock;
+                int32_t dot = 0;
+                for (int k = 0; k < kBlock; ++k) dot += wq[k] * q[k];
+                const float da = a.d[i * blocks + b];
+                acc[i] += blk.d * da * static_cast<float>(dot) + blk.m * da * static_cast<float>(a.s[i * blocks + b]);
+            }
+        }
+        for (int64_t i = 0; i < a.m; ++i) y[i * n_total + n] = acc[i];
+    }
+}
+
+}  // namespace
+
+// in gguf_avx2.cpp and gguf_avx512.cpp, each compiled for its instruction set (gguf_simd.inc)
+void rows_avx2(Format f, const uint8_t* w, const int8_t* q, const float* d, const int32_t* s, int64_t m,
+               int64_t blocks, int64_t n0, int64_t n1, int64_t n_total, float* y);
+void rows_vnni(Format f, const uint8_t* w, const int8_t* q, const float* d, const int32_t* s, int64_t m,
+               int64_t blocks, int64_t n0, int64_t n1, int64_t n_total, float* y);
+
+namespace {
+}  // namespace
+
+int block_bytes(Format f) { return f == Format::Q4_0 ? 18 : f == Format::Q4_1 ? 20 : 34; }
+
+bool parse_format(const std::string& name, Format* f) {
+    if (name == "Q4_0") *f = Format::Q4_0;
+    else if (name == "Q4_1") *f = Format::Q4_1;
+    else if (name == "Q8_0") *f = Format::Q8_0;
+    else return false;
+    return true;
+}
+
+const char* isa_name(Isa isa) { return isa == Isa::Avx512Vnni ? "avx512vnni" : isa == Isa::Avx2 ? "avx2" : "scalar"; }
+
+bool supported(Isa isa) {
+    __builtin_cpu_init();
+    switch (isa) {
+        case Isa::Avx512Vnni:
+            return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+                   __builtin_cpu_supports("avx512bw") && supported(Isa::Avx2);
+        case Isa::Avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        default: return true;
+    }
+}
+
+Isa best_isa() {
+    Isa best = supported(Isa::Avx512Vnni) ? Isa::Avx512Vnni : supported(Isa::Avx2) ? Isa::Avx2 : Isa::Scalar;
+    const char* want = std::getenv("SPECRT_OPS_ISA");
+    if (want) {
+        for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni})
+            if (std::strcmp(want, isa_name(isa)) == 0 && supported(isa)) return isa;
+    }
+    return best;
+}
+
+void quantize(const float* x, int64_t m, int64_t k, Activations& out) {
+    const int64_t blocks = k / kBlock;
+    out.m = m;
+    out.blocks = blocks;
+    out.q.resize(m * k);
+    out.d.resize(m * blocks);
+    out.s.resize(m * blocks);
+    for (int64_t i = 0; i < m * blocks; ++i) {
+        const float* v = x + i * kBlock;
+        float amax = 0.0f;
+        for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+        const float d = amax / 127.0f, inv = d > 0 ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int j = 0; j < kBlock; ++j) {
+            const int8_t q = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+            out.q[i * kBlock + j] = q;
+            sum += q;
+        }
+        out.d[i] = d;
+        out.s[i] = sum;
+    }
+}
+
+void matmul_rows(Isa isa, Format f, const uint8_t* w, const Activations& a, int64_t n0, int64_t n1, int64_t n_total,
+                 float* y) {
+    switch (isa) {
+        case Isa::Avx512Vnni:
+            rows_vnni(f, w, a.q.data(), a.d.data(), a.s.data(), a.m, a.blocks, n0, n1, n_total, y);
+            break;
+        case Isa::Avx2: rows_avx2(f, w, a.q.data(), a.d.data(), a.s.data(), a.m, a.blocks, n0, n1, n_total, y); break;
+        default: rows_scalar(f, w, a, n0, n1, n_total, y);
+    }
+}
+
+}  // namespace specrt::ops

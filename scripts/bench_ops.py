@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Micro-benchmark of specrt::MatMulGGUF (runtime/cpp/ops) against ONNX Runtime's MatMulNBits on SmolLM2's shapes.
+
+    python scripts/bench_ops.py [--lib build/cpp/libspecrt_ops.so] [--threads 2] [--calls 300] [--json]
+
+For each weight shape and M = 1, 2, 4, 8, 16 activation rows: MatMulGGUF on the weight's GGUF blocks (Q4_1 and Q8_0,
+as the default model's file has them) on every instruction set this CPU runs, and MatMulNBits (4-bit blocks of 32,
+uint8 zero points, accuracy level 4: its int8 path, the fastest stock alternative; specrt's stock Q4_1 graphs add a
+second product for the minimums on top of it). Median microseconds per call over --calls calls, one session
+at a time (another session's spinning thread pool would slow the one measured). Run it on a quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+SHAPES = {"q_proj/o_proj 576x576": (576, 576), "k_proj/v_proj 192x576": (192, 576),
+          "gate/up 1536x576": (1536, 576), "down 576x1536": (576, 1536), "lm_head 49152x576": (49152, 576)}
+ROWS = (1, 2, 4, 8, 16)
+ISAS = ("scalar", "avx2", "avx512vnni")
+
+
+def model_bytes(nodes, inits, k: int, n: int) -> bytes:
+    graph = helper.make_graph(nodes, "bench", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("specrt", 1),
+                                                   helper.make_opsetid("com.microsoft", 1)]).SerializeToString()
+
+
+def session(data: bytes, threads: int, lib: str | None = None, isa: str | None = None) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    if lib:
+        so.register_custom_ops_library(lib)
+    if isa:
+        os.environ["SPECRT_OPS_ISA"] = isa
+    try:
+        return ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    finally:
+        os.environ.pop("SPECRT_OPS_ISA", None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lib", default=str(Path(__file__).parents[1] / "build" / "cpp" / "libspecrt_ops.so"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    isa_of = ctypes.CDLL(args.lib).specrt_ops_isa
+    isa_of.restype = ctypes.c_char_p
+    runnable = []
+    for isa in ISAS:
+        os.environ["SPECRT_OPS_ISA"] = isa
+        if isa_of().decode() == isa:
+            runnable.append(isa)
+    os.environ.pop("SPECRT_OPS_ISA", None)
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        w = rng.normal(size=(n, k)).astype(np.float32) * 0.05
+        sessions = {}
+        for fmt in ("Q4_1", "Q8_0"):
+            raw = quantize(w, getattr(GGMLQuantizationType, fmt))
+            node = helper.make_node("MatMulGGUF", ["A", "W"], ["Y"], domain="specrt", format=fmt, K=k, N=n)
+            data = model_bytes([node], [numpy_helper.from_array(np.ascontiguousarray(raw), "W")], k, n)
+            for isa in runnable:
+                sessions[f"MatMulGGUF {fmt} {isa}"] = session(data, args.threads, args.lib, isa)
+        codes = rng.integers(0, 256, size=(n, k // 32, 16), dtype=np.uint8)
+        scales = rng.uniform(0.01, 0.02, size=(n, k // 32)).astype(np.float32)
+        zeros = rng.integers(0, 256, size=(n, (k // 32 + 1) // 2), dtype=np.uint8)
+        node = helper.make_node("MatMulNBits", ["A", "B", "scales", "zp"], ["Y"], domain="com.microsoft", K=k, N=n,
+                                bits=4, block_size=32, accuracy_level=4)
+        inits = [numpy_helper.from_array(codes, "B"), numpy_helper.from_array(scales, "scales"),
+                 numpy_helper.from_array(zeros, "zp")]
+        sessions["MatMulNBits 4-bit acc4"] = session(model_bytes([node], inits, k, n), args.threads)
+        for m in ROWS:
+            a = rng.normal(size=(m, k)).astype(np.float32)
+            times = {key: [] for key in sessions}
+            for key, s in sessions.items():  # warm-up
+                for _ in range(5):
+                    s.run(None, {"A": a})
+            for key, s in sessions.items():  # one session at a time: another's spinning pool would slow it
+                time.sleep(0.05)
+                for _ in range(args.calls):
+                    t0 = time.perf_counter()
+                    s.run(None, {"A": a})
+                    times[key].append(time.perf_counter() - t0)
+            for key, ts in times.items():
+                rows.append({"shape": name, "M": m, "op": key, "us": round(statistics.median(ts) * 1e6, 1)})
+    if args.json:
+        print(json.dumps({"threads": args.threads, "isas": runnable, "rows": rows}))
+        return
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    print(f"{'shape':24s} {'M':>3s} " + " ".join(f"{o:>26s}" for o in ops) + "   (median us per call)")
+    for name in SHAPES:
+        for m in ROWS:
+            cells = {r["op"]: r["us"] for r in rows if r["shape"] == name and r["M"] == m}
+            print(f"{name:24s} {m:3d} " + " ".join(f"{cells[o]:26.1f}" for o in ops))
+
+
+if __name__ == "__main__":
+    main()

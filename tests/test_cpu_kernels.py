@@ -1,0 +1,155 @@
+"""specrt's custom ONNX Runtime operators (runtime/cpp/ops, libspecrt_ops), loaded by ONNX Runtime's Python API as a
+user of the artifact would load them (SessionOptions.register_custom_ops_library).
+
+specrt::MatMulGGUF multiplies activations by weights in GGUF's own blocks (the bytes `gguf.quants.quantize` writes,
+as a GGUF file holds them): every format (Q4_0, Q4_1, Q8_0), every row count M from 1 to 16 and batched leading axes,
+SmolLM2's shapes and odd ones (3 blocks, N = 7, N = 1), on every instruction set this CPU runs (the scalar reference
+and AVX2 forced by SPECRT_OPS_ISA, AVX-512 VNNI where the CPU has it). Checked two ways: against a numpy emulation
+of the documented arithmetic (activations quantized per 32-block to int8, integer dot products, scales applied in
+float32) to float rounding, and against the plain float product of `gguf`'s own dequantized weights, within the
+bound that quantizing the activations allows (half an activation step times the weights' absolute sum, per block)."""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+ort = pytest.importorskip("onnxruntime")
+gguf_quants = pytest.importorskip("gguf.quants")
+from gguf import GGMLQuantizationType  # noqa: E402
+
+FORMATS = {"Q4_0": GGMLQuantizationType.Q4_0, "Q4_1": GGMLQuantizationType.Q4_1, "Q8_0": GGMLQuantizationType.Q8_0}
+ISAS = ("scalar", "avx2", "avx512vnni")
+
+
+@pytest.fixture(scope="module")
+def ops_lib(cpp_build):
+    return cpp_build / "libspecrt_ops.so"
+
+
+def _supported(lib, isa: str) -> bool:
+    """Whether forcing `isa` gets it here (the library falls back to the best the CPU has otherwise)."""
+    os.environ["SPECRT_OPS_ISA"] = isa
+    try:
+        f = ctypes.CDLL(str(lib)).specrt_ops_isa
+        f.restype = ctypes.c_char_p
+        return f().decode() == isa
+    finally:
+        del os.environ["SPECRT_OPS_ISA"]
+
+
+def _session(lib, fmt: str, k: int, n: int, isa: str):
+    node = helper.make_node("MatMulGGUF", ["A", "W"], ["Y"], domain="specrt", format=fmt, K=k, N=n)
+    row = k // 32 * {"Q4_0": 18, "Q4_1": 20}.get(fmt, 34)
+    graph = helper.make_graph([node], "matmul_gguf",
+                              [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k]),
+                               helper.make_tensor_value_info("W", TensorProto.UINT8, [n, row])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("specrt", 1)])
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(lib))
+    so.intra_op_num_threads = 2
+    os.environ["SPECRT_OPS_ISA"] = isa  # read when the kernel is created
+    try:
+        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    finally:
+        del os.environ["SPECRT_OPS_ISA"]
+
+
+def _weights(fmt: str, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF blocks of a random [n, k] weight (as the file stores them) and gguf's own dequantization of them."""
+    w = rng.normal(size=(n, k)).astype(np.float32) * rng.uniform(0.01, 0.2, size=(n, 1)).astype(np.float32)
+    w += rng.normal(size=(n, k)).astype(np.float32) * 0.01 if fmt == "Q4_1" else 0.0  # mins that are not 0
+    raw = gguf_quants.quantize(w, FORMATS[fmt])
+    return np.ascontiguousarray(raw), gguf_quants.dequantize(raw, FORMATS[fmt]).astype(np.float32)
+
+
+def _quantize(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Activation blocks as the kernels quantize them: d = max|x| / 127, q = round-half-even(x / d)."""
+    blocks = a.reshape(a.shape[0], -1, 32)
+    d = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.rint(blocks * inv[..., None]).astype(np.int32)
+    return q, d
+
+
+def _emulate(a: np.ndarray, raw: np.ndarray, fmt: str) -> np.ndarray:
+    """The documented arithmetic in numpy: per block, d_w d_a sum(w_q a_q) + m_w d_a sum(a_q)."""
+    n, kb = raw.shape[0], a.shape[1] // 32
+    blocks = raw.reshape(n, kb, -1)
+    dw = blocks[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if fmt == "Q8_0":
+        codes, mw = blocks[:, :, 2:].view(np.int8).astype(np.int32), np.zeros_like(dw)
+    else:
+        packed = blocks[:, :, 4:] if fmt == "Q4_1" else blocks[:, :, 2:]
+        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int32)
+        mw = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if fmt == "Q4_1" else -8 * dw
+    q, da = _quantize(a)
+    dots = np.einsum("mbk,nbk->mnb", q, codes).astype(np.float32)
+    sums = q.sum(axis=-1).astype(np.float32)  # [m, b]
+    return ((dw[None] * da[:, None]) * dots + mw[None] * da[:, None] * sums[:, None]).sum(axis=-1)
+
+
+def _check(y: np.ndarray, a: np.ndarray, raw: np.ndarray, deq: np.ndarray, fmt: str, what: str) -> None:
+    emulated = _emulate(a, raw, fmt)
+    scale = np.abs(emulated).max() + 1e-6
+    assert np.abs(y - emulated).max() <= 2e-5 * scale + 1e-6, f"{what}: differs from the emulated arithmetic"
+    exact = a.astype(np.float64) @ deq.T.astype(np.float64)
+    _, da = _quantize(a)
+    wabs = np.abs(deq).reshape(deq.shape[0], -1, 32).sum(axis=-1)  # [n, b]
+    bound = (da[:, None, :] / 2 * wabs[None]).sum(axis=-1)  # |a - â| <= d_a / 2 per element
+    assert (np.abs(y - exact) <= bound * 1.001 + 1e-4 * scale).all(), f"{what}: outside the quantization bound"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_matmul_gguf_every_row_count_and_odd_shapes(ops_lib, fmt, isa):
+    if not _supported(ops_lib, isa):
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    rng = np.random.default_rng(7)
+    for k, n, rows in ((96, 7, range(1, 17)), (32, 1, (1, 3, 16)), (576, 1536, (1, 2, 5, 16)),
+                       (1536, 576, (1, 4, 8)), (576, 49152 // 64, (1, 9))):
+        raw, deq = _weights(fmt, n, k, rng)
+        session = _session(ops_lib, fmt, k, n, isa)
+        for m in rows:
+            a = rng.normal(size=(m, k)).astype(np.float32) * 2
+            a[0, :32] = 0  # an all-zero block (scale 0)
+            (y,) = session.run(None, {"A": a, "W": raw})
+            assert y.shape == (m, n)
+            _check(y, a, raw, deq, fmt, f"{fmt} {isa} K={k} N={n} M={m}")
+
+
+def test_matmul_gguf_paths_agree_and_take_leading_axes(ops_lib):
+    """Every path the CPU runs gives the same products (to float rounding); a [2, 3, K] input is 6 rows."""
+    rng = np.random.default_rng(3)
+    raw, deq = _weights("Q4_1", 64, 256, rng)
+    a = rng.normal(size=(6, 256)).astype(np.float32)
+    outs = {isa: _session(ops_lib, "Q4_1", 256, 64, isa).run(None, {"A": a, "W": raw})[0]
+            for isa in ISAS if _supported(ops_lib, isa)}
+    assert "scalar" in outs and len(outs) >= 2
+    for isa, y in outs.items():
+        np.testing.assert_allclose(y, outs["scalar"], rtol=1e-5, atol=1e-5, err_msg=isa)
+    node = helper.make_node("MatMulGGUF", ["A", "W"], ["Y"], domain="specrt", format="Q4_1", K=256, N=64)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [2, 3, 256]),
+                                            helper.make_tensor_value_info("W", TensorProto.UINT8, [64, 160])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [2, 3, 64])])
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(ops_lib))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("specrt", 1)])
+    (y,) = ort.InferenceSession(model.SerializeToString(), so).run(None, {"A": a.reshape(2, 3, 256), "W": raw})
+    np.testing.assert_allclose(y.reshape(6, 64), outs["scalar"], rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_gguf_refuses_bad_attributes_and_shapes(ops_lib):
+    rng = np.random.default_rng(0)
+    raw, _ = _weights("Q8_0", 4, 64, rng)
+    with pytest.raises(Exception, match="format Q5_K"):
+        _session(ops_lib, "Q5_K", 64, 4, "scalar")
+    with pytest.raises(Exception, match="multiple of 32"):
+        _session(ops_lib, "Q8_0", 48, 4, "scalar")
+    session = _session(ops_lib, "Q8_0", 64, 4, "scalar")
+    with pytest.raises(Exception, match="invalid dimensions for input: W|W is not"):
+        session.run(None, {"A": np.zeros((1, 64), np.float32), "W": raw[:, :-1].copy()})
