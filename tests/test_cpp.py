@@ -52,11 +52,12 @@ def _outputs(r: subprocess.CompletedProcess) -> dict:
     return json.loads(r.stdout)
 
 
-def _python(art: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
-    with Engine(art, method="ar", threads=1) as engine:
-        outs, _ = engine.generate([Request(p, params, id=i) for i, p in enumerate(prompts)])
-    return [o.output_ids for o in outs]
+def _python_run(art: Path, prompts: list[list[int]], max_new: int, **config) -> tuple[list[list[int]], int, int]:
+    """The Python engine's outputs for `prompts` added at once, its slot rounds and drafts accepted."""
+    with Engine(art, threads=1, **config) as engine:
+        outs, stats = engine.generate([Request(p, SamplingParams(max_new_tokens=max_new, ignore_eos=True), id=i)
+                                       for i, p in enumerate(prompts)])
+    return [o.output_ids for o in outs], len(stats.rounds), sum(a for _, a, _ in stats.rounds)
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +72,6 @@ def tiny_arts(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     return arts
 
 
-def _python_rounds(art: Path, prompt: list[int], max_new: int) -> tuple[list[int], int, int]:
-    """The Python engine's n-gram run (fixed lengths): tokens, rounds after prefill, drafts accepted."""
-    with Engine(art, method="ngram", scheduler="fixed", threads=1) as engine:
-        outs, stats = engine.generate([Request(prompt, SamplingParams(max_new_tokens=max_new, ignore_eos=True))])
-    return outs[0].output_ids, len(stats.rounds), sum(a for _, a, _ in stats.rounds)
-
-
 @pytest.mark.parametrize("name", ["llama-standard", "llama-cpu", "qwen3-standard", "qwen3-cpu"])
 def test_greedy_is_token_identical_to_python(specrt_cpp, tiny_arts, name):
     """Prompts shorter and longer than a prefill chunk (repeating pieces, so lookups hit), 90 new tokens: the cpu
@@ -86,7 +80,7 @@ def test_greedy_is_token_identical_to_python(specrt_cpp, tiny_arts, name):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 256, n).tolist() for n in (1, 7)]
     prompts += [(rng.integers(3, 256, k).tolist() * 6)[:n] for k, n in ((3, 8), (5, 19), (4, 40))]
-    want = _python(tiny_arts[name], prompts, 90)
+    want, _, _ = _python_run(tiny_arts[name], prompts, 90, method="ar")
     hits = 0
     for prompt, ids in zip(prompts, want):
         r = _cpp(specrt_cpp, tiny_arts[name], prompt, 90, "--ignore-eos")
@@ -95,7 +89,7 @@ def test_greedy_is_token_identical_to_python(specrt_cpp, tiny_arts, name):
         r = _cpp(specrt_cpp, tiny_arts[name], prompt, 90, "--ignore-eos", "--method", "ngram")
         assert r.returncode == 0, r.stderr
         got = json.loads(r.stdout)
-        tokens, rounds, accepted = _python_rounds(tiny_arts[name], prompt, 90)
+        (tokens,), rounds, accepted = _python_run(tiny_arts[name], [prompt], 90, method="ngram", scheduler="fixed")
         assert got["outputs"] == [ids] == [tokens]
         assert (got["rounds"], got["accepted"]) == (rounds, accepted)
         hits += accepted
@@ -107,7 +101,7 @@ def test_default_model_greedy_is_token_identical(specrt_cpp, served_art):
     with Engine(served_art, method="ar", threads=1) as engine:
         prompts = [encode_prompt(engine.tokenizer, p) for p in
                    ("Why is the sky blue?", "Write a Python function that reverses a string.")]
-    want = _python(served_art, prompts, 48)
+    want, _, _ = _python_run(served_art, prompts, 48, method="ar")
     for prompt, ids in zip(prompts, want):
         for method in ("ar", "ngram"):
             r = _cpp(specrt_cpp, served_art, prompt, 48, "--ignore-eos", "--method", method)
@@ -207,14 +201,6 @@ def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
         piece = rng.integers(3, vocab, int(rng.integers(2, 6))).tolist()
         out.append((piece * 6 + rng.integers(3, vocab, int(rng.integers(1, 9))).tolist())[:int(rng.integers(5, 30))])
     return out
-
-
-def _python_run(art: Path, prompts: list[list[int]], max_new: int, **config) -> tuple[list[list[int]], int, int]:
-    """The Python engine's outputs for `prompts` added at once, its slot rounds and drafts accepted."""
-    with Engine(art, threads=1, **config) as engine:
-        outs, stats = engine.generate([Request(p, SamplingParams(max_new_tokens=max_new, ignore_eos=True), id=i)
-                                       for i, p in enumerate(prompts)])
-    return [o.output_ids for o in outs], len(stats.rounds), sum(a for _, a, _ in stats.rounds)
 
 
 @pytest.mark.parametrize("case", ["tiny", "deepspec"])

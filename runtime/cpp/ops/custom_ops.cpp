@@ -45,8 +45,10 @@ struct MatMulGGUFKernel {
         shape.back() = n_;
         Ort::UnownedValue y = ctx.GetOutput(0, shape);
         if (m == 0) return;
-        specrt::ops::quantize(a.GetTensorData<float>(), m, k_, acts_);
-        Job job{this, w.GetTensorData<uint8_t>(), y.GetTensorMutableData<float>()};
+        // per calling thread: sessions may run the same kernel from several threads at once
+        thread_local specrt::ops::Activations acts;
+        specrt::ops::quantize(a.GetTensorData<float>(), m, k_, acts);
+        Job job{this, &acts, w.GetTensorData<uint8_t>(), y.GetTensorMutableData<float>()};
         const int64_t tiles = (n_ + kTile - 1) / kTile;
         ctx.ParallelFor(&MatMulGGUFKernel::tile, static_cast<size_t>(tiles), 0, &job);
     }
@@ -55,19 +57,19 @@ private:
     static constexpr int64_t kTile = 16;  // weight rows per task
     struct Job {
         MatMulGGUFKernel* self;
+        const specrt::ops::Activations* acts;
         const uint8_t* w;
         float* y;
     };
     static void tile(void* data, size_t t) {
         const Job& j = *static_cast<Job*>(data);
         const int64_t n0 = static_cast<int64_t>(t) * kTile, n1 = std::min(n0 + kTile, j.self->n_);
-        specrt::ops::matmul_rows(j.self->isa_, j.self->format_, j.w, j.self->acts_, n0, n1, j.self->n_, j.y);
+        specrt::ops::matmul_rows(j.self->isa_, j.self->format_, j.w, *j.acts, n0, n1, j.self->n_, j.y);
     }
 
     Format format_ = Format::Q4_0;
     int64_t k_ = 0, n_ = 0;
     specrt::ops::Isa isa_ = specrt::ops::Isa::Scalar;
-    specrt::ops::Activations acts_;  // reused across calls (a kernel runs one call at a time)
 };
 
 struct MatMulGGUFOp : Ort::CustomOpBase<MatMulGGUFOp, MatMulGGUFKernel> {

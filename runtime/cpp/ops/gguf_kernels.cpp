@@ -87,10 +87,6 @@ void rows_avx2(Format f, const uint8_t* w, const int8_t* q, const float* d, cons
 void rows_vnni(Format f, const uint8_t* w, const int8_t* q, const float* d, const int32_t* s, int64_t m,
                int64_t blocks, int64_t n0, int64_t n1, int64_t n_total, float* y);
 
-namespace {
-}  // namespace
-
-int block_bytes(Format f) { return f == Format::Q4_0 ? 18 : f == Format::Q4_1 ? 20 : 34; }
 
 bool parse_format(const std::string& name, Format* f) {
     if (name == "Q4_0") *f = Format::Q4_0;

@@ -15,7 +15,7 @@ enum class Format { Q4_0, Q4_1, Q8_0 };
 enum class Isa { Scalar, Avx2, Avx512Vnni };
 
 constexpr int kBlock = 32;
-int block_bytes(Format f);  // Q4_0 18, Q4_1 20, Q8_0 34
+constexpr int block_bytes(Format f) { return f == Format::Q4_0 ? 18 : f == Format::Q4_1 ? 20 : 34; }
 bool parse_format(const std::string& name, Format* f);
 const char* isa_name(Isa isa);
 // The best instruction set this CPU runs; $SPECRT_OPS_ISA (scalar, avx2, avx512vnni) asks for a lower one.

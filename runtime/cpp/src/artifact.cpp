@@ -77,7 +77,9 @@ bool TensorSpec::named(const std::string& axis) const {
     });
 }
 
-Bucket GraphSpec::bucket(const std::string& use, const Bucket& need) const {
+const Bucket& GraphSpec::bucket(const std::string& use, const Bucket& need) const {
+    auto known = chosen.find({use, need});
+    if (known != chosen.end()) return known->second;
     auto it = buckets.find(use);
     const Bucket* best = nullptr;
     if (it != buckets.end()) {
@@ -90,7 +92,7 @@ Bucket GraphSpec::bucket(const std::string& use, const Bucket& need) const {
         }
     }
     if (!best) throw Error(SPECRT_ERROR_REQUEST, "graph " + name + ": no " + use + " bucket holds the request");
-    return *best;
+    return chosen.emplace(std::make_pair(use, need), *best).first->second;
 }
 
 bool GraphSpec::sized_cache() const {

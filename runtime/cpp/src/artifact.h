@@ -40,9 +40,11 @@ struct GraphSpec {
     int64_t max_seq = 0;
     std::vector<TensorSpec> inputs, outputs;
     std::map<std::string, std::vector<Bucket>> buckets;
+    mutable std::map<std::pair<std::string, Bucket>, Bucket> chosen;  // bucket()'s answers so far
 
-    // The smallest bucket of `use` whose sizes are all >= need (fewest slots, then tokens, then budget).
-    Bucket bucket(const std::string& use, const Bucket& need = {}) const;
+    // The smallest bucket of `use` whose sizes are all >= need (fewest slots, then tokens, then budget); chosen once
+    // per (use, need) and kept, as rounds ask for the same few.
+    const Bucket& bucket(const std::string& use, const Bucket& need = {}) const;
     // Whether the KV cache's length is the named axis S (the cpu lowering: it grows with the sequences).
     bool sized_cache() const;
     // The greedy variant (its own file; the outputs without the vocabulary-wide ones), if exported.

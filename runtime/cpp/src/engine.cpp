@@ -186,7 +186,7 @@ void Engine::prefill(int64_t index, Request request, std::map<int64_t, Event>& e
     if (tokenizer_) s.stream = std::make_shared<StreamDecoder>(*tokenizer_, true);
     s.prompt_tokens = static_cast<int64_t>(request.prompt.size());
     const GraphSpec& spec = target_->spec();
-    const Bucket pb = spec.bucket("prefill");
+    const Bucket& pb = spec.bucket("prefill");
     const int64_t t = pb.at("T"), n = s.prompt_tokens, vocab = manifest_.vocab_size;
     const bool keep = !head_.empty();
     Context ctx;
@@ -226,27 +226,64 @@ void Engine::prefill(int64_t index, Request request, std::map<int64_t, Event>& e
     stats_.generated += 1;
 }
 
-// One decode step over slots [0, n): write each pending token, draw the next.
-void Engine::decode(std::map<int64_t, Event>& events) {
+// The active slots' span: slots [0, n), nullptr where idle.
+std::vector<Slot*> Engine::live() {
     int64_t n = 0;
     for (int64_t i = 0; i < static_cast<int64_t>(slots_.size()); ++i)
         if (slots_[i]) n = i + 1;
-    const Bucket bucket = target_->spec().bucket("decode", {{"B", n}});
-    const int64_t b = bucket.at("B"), vocab = manifest_.vocab_size;
+    std::vector<Slot*> out(n, nullptr);
+    for (int64_t i = 0; i < n; ++i)
+        if (slots_[i]) out[i] = &*slots_[i];
+    return out;
+}
+
+// Fill and run a decode or verify call over `slots` (runtime/calls/target.py grid): each active slot's anchor and its
+// first lengths[i] drafts of `p` at positions L, L + 1, ...; idle slots and bucket padding write a dummy row at
+// position 0 of their own cache row. `dense`: every cell computed, in grid order; else (packed) each active slot's
+// cells in slot order, then cells no token uses.
+Tensors& Engine::grid(const Bucket& bucket, const std::vector<Slot*>& slots, const std::vector<int64_t>& lengths,
+                      const Proposal* p, bool dense) {
+    const int64_t n = static_cast<int64_t>(slots.size()), b = bucket.at("B"), T = bucket.at("T"), P = bucket.at("P");
     Tensors& in = target_->inputs(0, bucket);
-    for (int64_t i = 0; i < b; ++i) {  // idle slots write a dummy token at position 0 of their own row
-        const bool on = i < n && slots_[i];
-        in.at("input_ids").i[i] = on ? slots_[i]->pending : 0;
-        in.at("position_ids").i[i] = on ? slots_[i]->length : 0;
-        in.at("write_index").i[i] = on ? slots_[i]->length : 0;
+    int64_t* ids = in.at("input_ids").i64();
+    int64_t* pos = in.at("position_ids").i64();
+    int64_t* write = in.at("write_index").i64();
+    auto verified = [&](int64_t i, int64_t k) { return i < n && slots[i] && k <= lengths[i]; };
+    std::fill_n(ids, b * T, 0);
+    for (int64_t i = 0; i < b; ++i) {
+        const Slot* s = i < n ? slots[i] : nullptr;
+        const int64_t start = s ? s->length : 0;
+        if (s) {
+            ids[i * T] = s->pending;
+            if (p) std::copy_n(p->tokens.begin() + i * p->width, lengths[i], ids + i * T + 1);
+        }
+        for (int64_t k = 0; k < T; ++k) pos[i * T + k] = start + k;
+        write[i] = start;
     }
-    std::iota(in.at("token_rows").i.begin(), in.at("token_rows").i.end(), 0);
+    int64_t* rows = in.at("token_rows").i64();
+    if (dense) {
+        std::iota(rows, rows + P, 0);
+    } else {
+        int64_t r = 0;
+        for (int64_t c = 0; c < b * T; ++c)
+            if (verified(c / T, c % T)) rows[r++] = c;
+        for (int64_t c = 0; c < b * T && r < P; ++c)
+            if (!verified(c / T, c % T)) rows[r++] = c;
+    }
     std::iota(in.at("logit_rows").i.begin(), in.at("logit_rows").i.end(), 0);
-    const float* logits = target_->run(0, bucket).at("logits").f.data();
+    return target_->run(0, bucket);
+}
+
+// One decode step over slots [0, n): write each pending token, draw the next.
+void Engine::decode(std::map<int64_t, Event>& events) {
+    const std::vector<Slot*> slots = live();
+    const int64_t n = static_cast<int64_t>(slots.size()), vocab = manifest_.vocab_size;
+    const Bucket& bucket = target_->spec().bucket("decode", {{"B", n}});
+    const float* logits = grid(bucket, slots, std::vector<int64_t>(n, 0), nullptr, true).at("logits").f.data();
     ++stats_.rounds;
     for (int64_t i = 0; i < n; ++i) {
-        if (!slots_[i]) continue;
-        Slot& s = *slots_[i];
+        if (!slots[i]) continue;
+        Slot& s = *slots[i];
         s.length += 1;
         stats_.generated += emit(s, {next_token(logits + i * vocab, vocab, s.params, s.rng)}, events);
     }
@@ -255,21 +292,15 @@ void Engine::decode(std::map<int64_t, Event>& events) {
 // One draft/verify round over slots [0, n) (runtime/speculative.py): propose, schedule, verify (packed), accept,
 // commit.
 void Engine::round(std::map<int64_t, Event>& events) {
-    int64_t n = 0;
-    for (int64_t i = 0; i < static_cast<int64_t>(slots_.size()); ++i)
-        if (slots_[i]) n = i + 1;
-    Views views{std::vector<Slot*>(n, nullptr), std::vector<const Context*>(n, nullptr)};
-    for (int64_t i = 0; i < n; ++i)
-        if (slots_[i]) {
-            views.slots[i] = &*slots_[i];
-            views.ctx[i] = slots_[i]->ctx ? &*slots_[i]->ctx : nullptr;
-        }
+    Views views{live(), {}};
+    const int64_t n = static_cast<int64_t>(views.slots.size());
+    for (Slot* s : views.slots) views.ctx.push_back(s && s->ctx ? &*s->ctx : nullptr);
     auto t0 = Clock::now();
     Proposal p = drafter_->propose(views);
     const double draft_ms = seconds_since(t0) * 1e3;
     // schedule, capped by the drafts proposed, gamma and each request's budget (the bonus is always committed)
     std::vector<int64_t> lengths = scheduler_->schedule(views, p);
-    int64_t t = 1, count = 0, active = 0;
+    int64_t t = 1, count = 0;
     for (int64_t i = 0; i < n; ++i) {
         if (!views.slots[i]) {
             lengths[i] = 0;
@@ -279,37 +310,13 @@ void Engine::round(std::map<int64_t, Event>& events) {
         lengths[i] = std::min({lengths[i], p.counts[i], room});
         t = std::max(t, lengths[i] + 1);
         count += lengths[i] + 1;
-        ++active;
     }
     // verify: [anchor, d_1..d_l] of every active slot at positions L..L+l, packed into the smallest token budget
     auto ts = Clock::now();
     const GraphSpec& spec = target_->spec();
-    const Bucket bucket = t > 1 ? spec.bucket("verify", {{"B", n}, {"T", t}, {"P", count}}) : spec.bucket("decode", {{"B", n}});
-    const int64_t b = bucket.at("B"), T = bucket.at("T"), P = bucket.at("P"), vocab = manifest_.vocab_size;
-    Tensors& in = target_->inputs(0, bucket);
-    int64_t* ids = in.at("input_ids").i64();
-    int64_t* pos = in.at("position_ids").i64();
-    std::fill_n(ids, b * T, 0);
-    std::vector<char> cell(b * T, 0);
-    for (int64_t i = 0; i < b; ++i) {
-        Slot* s = i < n ? views.slots[i] : nullptr;  // idle slots write a dummy row at position 0 of their own row
-        const int64_t start = s ? s->length : 0;
-        if (s) {
-            ids[i * T] = s->pending;
-            std::copy_n(p.tokens.begin() + i * p.width, lengths[i], ids + i * T + 1);
-            for (int64_t k = 0; k <= lengths[i]; ++k) cell[i * T + k] = 1;
-        }
-        for (int64_t k = 0; k < T; ++k) pos[i * T + k] = start + k;
-        in.at("write_index").i[i] = start;
-    }
-    int64_t* rows = in.at("token_rows").i64();  // each active slot's cells in slot order, then cells no token uses
-    int64_t r = 0;
-    for (int64_t c = 0; c < b * T; ++c)
-        if (cell[c]) rows[r++] = c;
-    for (int64_t c = 0; c < b * T && r < P; ++c)
-        if (!cell[c]) rows[r++] = c;
-    std::iota(in.at("logit_rows").i.begin(), in.at("logit_rows").i.end(), 0);
-    Tensors& out = target_->run(0, bucket);
+    const Bucket& bucket = t > 1 ? spec.bucket("verify", {{"B", n}, {"T", t}, {"P", count}}) : spec.bucket("decode", {{"B", n}});
+    const int64_t T = bucket.at("T"), vocab = manifest_.vocab_size;
+    Tensors& out = grid(bucket, views.slots, lengths, &p, false);
     const float* logits = out.at("logits").f.data();
     auto features = out.find("features");
     const double call_ms = seconds_since(ts) * 1e3;

@@ -65,6 +65,7 @@ struct Stats {
 
 class Drafter;
 class Scheduler;
+struct Proposal;
 class CostTable;
 
 class Engine {
@@ -98,6 +99,9 @@ private:
     void allocate(int64_t n);
     void admit(std::map<int64_t, Event>& events);
     void prefill(int64_t index, Request request, std::map<int64_t, Event>& events);
+    std::vector<Slot*> live();
+    Tensors& grid(const Bucket& bucket, const std::vector<Slot*>& slots, const std::vector<int64_t>& lengths,
+                  const Proposal* p, bool dense);
     void decode(std::map<int64_t, Event>& events);
     void round(std::map<int64_t, Event>& events);
     int64_t emit(Slot& s, const std::vector<int64_t>& tokens, std::map<int64_t, Event>& events);

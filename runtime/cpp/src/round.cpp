@@ -189,7 +189,7 @@ void settings(Tensors& feeds) {
 
 std::optional<Context> GraphDrafter::prefill(int64_t slot, Context ctx) {
     const int64_t r = ctx.rows(), w = head_.feature_dim;
-    const Bucket bucket = runner_.spec().bucket("prefill");
+    const Bucket& bucket = runner_.spec().bucket("prefill");
     const int64_t c = bucket.at("C");
     for (int64_t start = 0; start < r - 1; start += c) {
         const int64_t stop = std::min(start + c, r - 1);
@@ -213,7 +213,7 @@ Proposal GraphDrafter::propose(const Views& views) {
         if (views.ctx[i]) rows = std::max(rows, views.ctx[i]->rows());
         greedy = greedy && views.slots[i]->params.greedy();
     }
-    const Bucket bucket = runner_.spec().bucket("propose", {{"B", n}, {"C", rows}});
+    const Bucket& bucket = runner_.spec().bucket("propose", {{"B", n}, {"C", rows}});
     const int64_t b = bucket.at("B");
     Tensors& feeds = runner_.inputs(0, bucket, greedy);
     settings(feeds);
@@ -227,11 +227,7 @@ Proposal GraphDrafter::propose(const Views& views) {
             for (int64_t k = 0; k < steps; ++k) feeds.at("noise").f[i * steps + k] = static_cast<float>(s->rng.uniform());
         }
     }
-    std::vector<const Context*> ctx(views.ctx);
-    ctx.resize(b, nullptr);
-    for (int64_t i = 0; i < n; ++i)
-        if (!views.slots[i]) ctx[i] = nullptr;
-    fill(feeds, ctx, anchors, b);
+    fill(feeds, views.ctx, anchors, b);  // bucket padding past views: no rows
     Tensors& out = runner_.run(0, bucket, greedy);
     Proposal p;
     p.n = n;

@@ -19,7 +19,8 @@ struct Proposal {
     std::string head;  // the head whose graph drafted this round ("": lookups only)
 };
 
-// The slots a drafter sees this round (nullptr: idle) and, per slot, the pending context rows to write first.
+// The slots a drafter sees this round (nullptr: idle) and, per slot, the pending context rows to write first
+// (nullptr: none, always for an idle slot).
 struct Views {
     std::vector<Slot*> slots;
     std::vector<const Context*> ctx;

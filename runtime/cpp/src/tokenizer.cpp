@@ -335,7 +335,8 @@ Tokenizer::~Tokenizer() = default;
 
 std::vector<int64_t> Tokenizer::encode(const std::string& text, bool add_special) const {
     const Impl& t = *impl_;
-    if (utf8_lossy(text) != text) throw Error(SPECRT_ERROR_REQUEST, "the text is not valid UTF-8");
+    for (size_t i = 0, n; i < text.size(); i += n)
+        if (!(n = valid_char(text, i))) throw Error(SPECRT_ERROR_REQUEST, "the text is not valid UTF-8");
     if (t.nfc && std::any_of(text.begin(), text.end(), [](char c) { return static_cast<unsigned char>(c) >= 0x80; }))
         throw Error(SPECRT_ERROR_REQUEST, "this tokenizer normalizes text to NFC, which the C++ tokenizer does only "
                                           "for ASCII text: pass token ids");
