@@ -8,6 +8,7 @@ from pathlib import Path
 
 import specrt
 from specrt import artifact as io
+from specrt import ops_library
 from specrt.errors import SpecrtError
 from specrt.configs.fetch import PRESETS
 
@@ -58,11 +59,20 @@ PRESET_FORMAT = {"weights": "gguf", "attention": "cpu"}
 PRESET_DRAFT_VOCAB = 2048
 
 
+def preset_kernels() -> str:
+    """A preset's kernels: specrt's (libspecrt_ops) where they are built, else ONNX Runtime's stock ops."""
+    return "specrt" if ops_library.available() else "stock"
+
+
 def preset_format(name: str) -> dict[str, str]:
-    """{"weights", "attention"} defaults for exporting `name`: PRESET_FORMAT for a preset, else float/standard."""
-    return dict(PRESET_FORMAT) if name in PRESETS else {"weights": "float", "attention": "standard"}
+    """{"weights", "attention", "kernels"} defaults for exporting `name`: PRESET_FORMAT and `preset_kernels` for a
+    preset, else float/standard/stock."""
+    if name in PRESETS:
+        return {**PRESET_FORMAT, "kernels": preset_kernels()}
+    return {"weights": "float", "attention": "standard", "kernels": "stock"}
 
 
 def default_settings() -> io.ExportSettings:
     """The demo's artifact: the export defaults in the preset's format, with its shipped heads."""
-    return dataclasses.replace(EXPORT_DEFAULTS, **PRESET_FORMAT, draft_vocab=PRESET_DRAFT_VOCAB)
+    return dataclasses.replace(EXPORT_DEFAULTS, **PRESET_FORMAT, kernels=preset_kernels(),
+                               draft_vocab=PRESET_DRAFT_VOCAB)

@@ -50,7 +50,7 @@ def _save(model: onnx.ModelProto, spec: io.GraphSpec, path: Path) -> None:
 
 def _write_target(art: Path, store: WeightStore, cfg: ModelConfig, s: io.ExportSettings,
                   features: list[int | str], bar: tqdm) -> io.GraphSpec:
-    g = GraphBuilder(store, accuracy_level=s.accuracy_level)
+    g = GraphBuilder(store, accuracy_level=s.accuracy_level, kernels=s.kernels)
     build_target_graph(g, cfg, max_seq=s.max_seq, dtype=s.dtype, features=features, attention=s.attention)
     signature = io.target_signature(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                     vocab_size=cfg.vocab_size, max_seq=s.max_seq, dtype=s.dtype,
@@ -61,10 +61,10 @@ def _write_target(art: Path, store: WeightStore, cfg: ModelConfig, s: io.ExportS
 
 def _write_head(art: Path, store: WeightStore, head: HeadPlan, s: io.ExportSettings, bar: tqdm) -> io.GraphSpec:
     """The head's graph family and its greedy variant (`{name}.greedy.onnx`, the same weights)."""
-    g = GraphBuilder(store, accuracy_level=s.accuracy_level)
+    g = GraphBuilder(store, accuracy_level=s.accuracy_level, kernels=s.kernels)
     head.build(g, False)
     spec = _write_graph(art, g, head.name, head.signature, s, io.head_buckets(s), bar)
-    greedy = GraphBuilder(store, accuracy_level=s.accuracy_level)
+    greedy = GraphBuilder(store, accuracy_level=s.accuracy_level, kernels=s.kernels)
     head.build(greedy, True)
     file = f"{head.name}.greedy.onnx"
     _save(greedy.model(f"{head.name}.greedy"), spec, art / file)
@@ -139,7 +139,8 @@ def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSett
                     tensors.setdefault(name, w)
                 for name, (src, rows) in head.row_subsets.items():  # e.g. a draft vocabulary's LM head rows
                     tensors[name] = select_rows(target_tensors[src], rows)
-            packed = pack_weights(tensors, settings.weights, dtype=dtype, gguf_names=target_tensors)
+            packed = pack_weights(tensors, settings.weights, dtype=dtype, gguf_names=target_tensors,
+                                  kernels=settings.kernels)
             for name in sorted(packed):
                 store.add(name, packed[name])
             del packed

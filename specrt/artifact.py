@@ -218,6 +218,9 @@ def cache_signature(inputs: list[TensorSpec], outputs: list[TensorSpec], *, num_
     return tuple(inputs), tuple(outputs)
 
 
+KERNELS = ("stock", "specrt")  # ExportSettings.kernels
+
+
 @dataclass(frozen=True, slots=True)
 class ExportSettings:
     batch: int
@@ -231,6 +234,9 @@ class ExportSettings:
     weights: str = "float"
     accuracy_level: int = 4  # quantized weights: MatMulNBits activations, 0 = fp32 (exact numerics), 4 = int8
     draft_vocab: int = 0  # draft heads (DSpark LM / Markov heads, MTP head) score only this many tokens (0: all)
+    # stock: ONNX Runtime's own ops; specrt: the GGUF blocks (as the file's bytes) and attention through specrt's
+    # kernels (libspecrt_ops, specrt.ops_library), each output row computed the same whatever the call's rows
+    kernels: str = "stock"
 
     def __post_init__(self) -> None:
         for name in ("batch", "max_seq", "prefill_chunk", "verify_len"):
@@ -249,6 +255,11 @@ class ExportSettings:
                               f"got {self.draft_vocab!r}")
         if self.weights != "float" and self.dtype != "float32":
             raise SpecrtError(f"--weights {self.weights} needs --dtype float32 (ONNX Runtime's quantized CPU ops)")
+        if self.kernels not in KERNELS:
+            raise SpecrtError(f"--kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
+        if self.kernels == "specrt" and (self.weights != "gguf" or self.attention != "cpu"):
+            raise SpecrtError("--kernels specrt runs a GGUF's own blocks on the CPU: it needs --weights gguf and "
+                              f"--attention cpu (got --weights {self.weights} --attention {self.attention})")
         if self.attention not in ("standard", "cpu"):
             raise SpecrtError(f"attention lowering must be 'standard' or 'cpu', got {self.attention!r}")
         if max(self.prefill_chunk, self.verify_len) >= self.max_seq:

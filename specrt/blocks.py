@@ -10,6 +10,10 @@ under derived names, blocks of 32 along K:
 
 so that  w[n, k] = (code - zero) * scale + min  of k's block. Zero points are uint8 only: float zero points
 take a slow path in ONNX Runtime.
+
+With specrt's own kernels (`specrt export --kernels specrt`, libspecrt_ops) a GGUF weight is instead stored as the
+file's bytes, unchanged, under `W.gguf.FORMAT` (uint8 [N, K/32 * block bytes]; FORMAT Q4_0, Q4_1 or Q8_0), read by
+specrt::MatMulGGUF and specrt::GatherGGUF.
 """
 from __future__ import annotations
 
@@ -20,6 +24,17 @@ import numpy as np
 BLOCK = 32
 SUFFIXES = (".qcodes", ".qscales", ".qzeros", ".qmins")
 GATHER_ROWS = ".qrows"  # an alias of .qcodes as [N, K*bits/8], the layout GatherBlockQuantized reads
+GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the GGUF block formats kept exactly
+GGUF_TAG = ".gguf."  # W.gguf.FORMAT: a GGUF tensor's own bytes (specrt's kernels)
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # d (fp16)[, m (fp16)], 32 codes
+
+
+def gguf_key(store, name: str) -> tuple[str, str] | None:
+    """(store key, format) of weight `name` kept as GGUF bytes, or None."""
+    for fmt in GGUF_TYPES:
+        if name + GGUF_TAG + fmt in store:
+            return name + GGUF_TAG + fmt, fmt
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +86,32 @@ class Blocks:
         return Blocks(self.codes, self.scales, self.bits, self.kind, zeros, mins)
 
 
+def from_gguf(data: np.ndarray, qtype: str) -> "Blocks | None":
+    """A GGUF tensor's raw bytes [N, K/32 * block bytes] as Blocks, or None for a type without an exact path.
+
+    Q4_0: w = d*(q - 8) -> default zero point 8. Q4_1: w = d*q + m -> zero point 0 and mins m. Q8_0: w = d*q,
+    q int8 -> codes q + 128, default zero point 128. d and m are fp16 in the file; fp32 holds them exactly.
+    GGUF packs element j of a 4-bit block in the low nibble and j + 16 in the high nibble of byte j;
+    MatMulNBits wants elements 2i, 2i+1 in byte i, so the nibbles are reordered (the codes are unchanged).
+    """
+    if qtype not in GGUF_TYPES:
+        return None
+    n = data.shape[0]
+    head = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[qtype]
+    blocks = np.asarray(data, np.uint8).reshape(n, -1, BLOCK_BYTES[qtype])
+    kb = blocks.shape[1]
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(n, kb).astype(np.float32)
+    qs = blocks[..., head:]
+    if qtype == "Q8_0":
+        return Blocks(np.ascontiguousarray(qs ^ np.uint8(0x80)), d, 8, qtype)  # int8 q -> q + 128
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [n, kb, 32]: element order 0..31
+    codes = pack(codes.reshape(n * kb, BLOCK), 4).reshape(n, kb, BLOCK // 2)
+    if qtype == "Q4_0":
+        return Blocks(codes, d, 4, qtype)
+    m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).reshape(n, kb).astype(np.float32)
+    return Blocks(codes, d, 4, qtype, zeros=np.zeros((n, (kb + 1) // 2), np.uint8), mins=m)
+
+
 def pack(values: np.ndarray, bits: int) -> np.ndarray:
     """uint8 [N, M] values < 2^bits -> [N, ceil(M*bits/8)] bytes, 4 bits: element 2i in the low nibble."""
     if bits == 8:
@@ -90,9 +131,14 @@ def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
 
 
 def dequantize_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Replace every `W.q*` group of a graph's initializers by the float32 weight `W` it stands for
-    (the torch backend reads quantized artifacts this way; aliases for GatherBlockQuantized are dropped)."""
-    out = {k: v for k, v in tensors.items() if not k.endswith((*SUFFIXES, GATHER_ROWS))}
+    """Replace every `W.q*` group, and every `W.gguf.FORMAT` tensor, of a graph's initializers by the float32
+    weight `W` it stands for (the torch backend reads quantized artifacts this way; aliases for
+    GatherBlockQuantized are dropped)."""
+    out = {k: v for k, v in tensors.items() if not k.endswith((*SUFFIXES, GATHER_ROWS)) and GGUF_TAG not in k}
+    for key, raw in tensors.items():
+        if GGUF_TAG in key:
+            name, fmt = key.rsplit(GGUF_TAG, 1)
+            out[name] = from_gguf(raw, fmt).dequantize()
     for key in tensors:
         if key.endswith(".qscales"):
             name, (n, kb) = key.removesuffix(".qscales"), tensors[key].shape

@@ -73,14 +73,14 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def served_art(tmp_path_factory) -> Path:
     """`specrt export smollm2` (the default model with its shipped heads) at batch 4, 512 positions: what the
-    server tests serve."""
+    server tests serve (on ONNX Runtime's stock kernels, whether or not libspecrt_ops is built)."""
     from click.testing import CliRunner
 
     from specrt.cli import main
 
     out = tmp_path_factory.mktemp("smollm2_served") / "art"
     r = CliRunner().invoke(main, ["export", "smollm2", "--out", str(out), "--batch", "4", "--max-seq-len", "512",
-                                  "--quiet"])
+                                  "--kernels", "stock", "--quiet"])
     assert r.exit_code == 0, r.output
     return out
 

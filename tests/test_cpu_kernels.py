@@ -153,3 +153,135 @@ def test_matmul_gguf_refuses_bad_attributes_and_shapes(ops_lib):
     session = _session(ops_lib, "Q8_0", 64, 4, "scalar")
     with pytest.raises(Exception, match="invalid dimensions for input: W|W is not"):
         session.run(None, {"A": np.zeros((1, 64), np.float32), "W": raw[:, :-1].copy()})
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_matmul_gguf_rows_do_not_depend_on_the_call(ops_lib, fmt, isa):
+    """A row's product has the same bits whether it is multiplied alone or among 15 others: a verify of T tokens
+    gives each token what decoding it alone gives (the greedy identity rests on it; ONNX Runtime's own MatMul and
+    MatMulNBits do not promise it, and on AVX2 CPUs a row alone takes another path)."""
+    if not _supported(ops_lib, isa):
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    rng = np.random.default_rng(11)
+    raw, _ = _weights(fmt, 203, 576, rng)
+    session = _session(ops_lib, fmt, 576, 203, isa)
+    a = rng.normal(size=(16, 576)).astype(np.float32)
+    alone = np.stack([session.run(None, {"A": a[i:i + 1], "W": raw})[0][0] for i in range(16)])
+    for m in (2, 3, 4, 5, 8, 16):
+        (y,) = session.run(None, {"A": a[:m], "W": raw})
+        np.testing.assert_array_equal(y, alone[:m], err_msg=f"M={m}")
+
+
+def _gather_session(lib, fmt: str, k: int, v: int):
+    node = helper.make_node("GatherGGUF", ["W", "ids"], ["Y"], domain="specrt", format=fmt, K=k)
+    row = k // 32 * {"Q4_0": 18, "Q4_1": 20}.get(fmt, 34)
+    graph = helper.make_graph([node], "gather_gguf",
+                              [helper.make_tensor_value_info("W", TensorProto.UINT8, [v, row]),
+                               helper.make_tensor_value_info("ids", TensorProto.INT64, None)],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("specrt", 1)])
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(lib))
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_gather_gguf_rows_are_gguf_dequantized_rows(ops_lib, fmt):
+    rng = np.random.default_rng(5)
+    raw, deq = _weights(fmt, 50, 96, rng)
+    session = _gather_session(ops_lib, fmt, 96, 50)
+    ids = np.array([[0, 49, 7], [7, -1, 3]], np.int64)
+    (y,) = session.run(None, {"W": raw, "ids": ids})
+    assert y.shape == (2, 3, 96)
+    np.testing.assert_allclose(y, deq[ids], rtol=1e-6, atol=1e-7)
+    with pytest.raises(Exception, match="index 50 is out of range"):
+        session.run(None, {"W": raw, "ids": np.array([50], np.int64)})
+
+
+def _attention_session(lib, isa: str, scale: float):
+    node = helper.make_node("CacheAttention", ["q", "k", "v", "bias"], ["Y"], domain="specrt", scale=scale)
+    f = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, None)  # noqa: E731
+    graph = helper.make_graph([node], "attention", [f("q"), f("k"), f("v"), f("bias")], [f("Y")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("specrt", 1)])
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(lib))
+    so.intra_op_num_threads = 2
+    os.environ["SPECRT_OPS_ISA"] = isa
+    try:
+        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    finally:
+        del os.environ["SPECRT_OPS_ISA"]
+
+
+def _attention_reference(q, k, v, bias, scale):
+    """softmax(q·scale·kᵀ + bias)·v in float64 over the first L keys, query head h reading KV head h // (H/Hkv)."""
+    B, T, H, D = q.shape
+    Hkv, L = k.shape[1], bias.shape[-1]
+    kk = np.repeat(k[:, :, :L].astype(np.float64), H // Hkv, axis=1)  # [B, H, L, D]
+    vv = np.repeat(v[:, :, :L].astype(np.float64), H // Hkv, axis=1)
+    s = np.einsum("bthd,bhld->bhtl", q.astype(np.float64) * scale, kk) + bias[:, 0]  # bias [B,1,T|1,L]
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhtl,bhld->bthd", p, vv)
+
+
+def _causal_bias(B: int, T: int, L: int, starts) -> np.ndarray:
+    """[B,1,1,T,L]: query t of batch b (at position starts[b] + t) sees keys <= its position."""
+    pos = np.asarray(starts)[:, None] + np.arange(T)[None]  # [B, T]
+    visible = np.arange(L)[None, None, :] <= pos[:, :, None]
+    return np.where(visible, 0.0, np.finfo(np.float32).min / 2).astype(np.float32)[:, None, None]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_cache_attention_matches_softmax_attention(ops_lib, isa):
+    """Grouped-query attention of T = 1..16 queries over a cache of S positions, of which the first L are read,
+    with a causal bias (per query) or one bias row for every query, against float64 softmax attention."""
+    if not _supported(ops_lib, isa):
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    rng = np.random.default_rng(9)
+    for B, T, H, Hkv, D, S in ((1, 1, 9, 3, 64, 40), (2, 5, 4, 2, 32, 24), (3, 16, 9, 3, 64, 70),
+                               (1, 3, 2, 2, 8, 9)):
+        scale = D ** -0.5
+        session = _attention_session(ops_lib, isa, scale)
+        q = rng.normal(size=(B, T, H, D)).astype(np.float32)
+        k = rng.normal(size=(B, Hkv, S, D)).astype(np.float32)
+        v = rng.normal(size=(B, Hkv, S, D)).astype(np.float32)
+        starts = rng.integers(0, S - T + 1, size=B)
+        L = int(starts.max()) + T
+        for bias in (_causal_bias(B, T, L, starts), rng.normal(size=(B, 1, 1, 1, L)).astype(np.float32)):
+            (y,) = session.run(None, {"q": q, "k": k, "v": v, "bias": bias})
+            assert y.shape == q.shape
+            np.testing.assert_allclose(y, _attention_reference(q, k, v, bias, scale), rtol=2e-5, atol=2e-5,
+                                       err_msg=f"{isa} B={B} T={T} H={H}/{Hkv} D={D} L={L}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_cache_attention_rows_do_not_depend_on_the_call(ops_lib, isa):
+    """Query t among T queries gets the bits it gets as the only query (with its own bias row)."""
+    if not _supported(ops_lib, isa):
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    rng = np.random.default_rng(2)
+    B, T, H, Hkv, D, S = 2, 16, 9, 3, 64, 90
+    session = _attention_session(ops_lib, isa, D ** -0.5)
+    q = rng.normal(size=(B, T, H, D)).astype(np.float32)
+    k = rng.normal(size=(B, Hkv, S, D)).astype(np.float32)
+    v = rng.normal(size=(B, Hkv, S, D)).astype(np.float32)
+    bias = _causal_bias(B, T, 70, [40, 54])
+    (y,) = session.run(None, {"q": q, "k": k, "v": v, "bias": bias})
+    for t in range(T):
+        (alone,) = session.run(None, {"q": q[:, t:t + 1].copy(), "k": k, "v": v, "bias": bias[:, :, :, t:t + 1].copy()})
+        np.testing.assert_array_equal(y[:, t:t + 1], alone, err_msg=f"query {t}")
+
+
+def test_cache_attention_refuses_bad_shapes(ops_lib):
+    session = _attention_session(ops_lib, "scalar", 0.125)
+    q, k = np.zeros((1, 2, 4, 64), np.float32), np.zeros((1, 2, 10, 64), np.float32)
+    with pytest.raises(Exception, match="L <= the cache length"):
+        session.run(None, {"q": q, "k": k, "v": k, "bias": np.zeros((1, 1, 1, 2, 11), np.float32)})
+    with pytest.raises(Exception, match="Hkv dividing H"):
+        session.run(None, {"q": np.zeros((1, 2, 5, 64), np.float32), "k": k, "v": k,
+                           "bias": np.zeros((1, 1, 1, 2, 10), np.float32)})
+    with pytest.raises(Exception, match="multiple of 8"):
+        q6, k6 = np.zeros((1, 2, 4, 6), np.float32), np.zeros((1, 2, 10, 6), np.float32)
+        session.run(None, {"q": q6, "k": k6, "v": k6, "bias": np.zeros((1, 1, 1, 2, 10), np.float32)})

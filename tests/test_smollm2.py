@@ -153,8 +153,9 @@ def test_untrained_heads_keep_greedy_output_identical(smollm2_heads_art, method)
 
 
 @pytest.fixture(scope="session")
-def shipped_art(gguf, tmp_path_factory) -> Path:
-    """`specrt export smollm2` (the preset, which brings its shipped heads), batch 1."""
+def shipped_art(gguf, cpp_build, tmp_path_factory) -> Path:
+    """`specrt export smollm2` (the preset, which brings its shipped heads), batch 1, on specrt's kernels (the
+    preset's default once libspecrt_ops is built: verifying gives each token the bits decoding gives it)."""
     from click.testing import CliRunner
 
     from specrt.cli import main
@@ -171,6 +172,7 @@ def test_preset_export_carries_the_shipped_heads(shipped_art):
 
     m = io.load_manifest(shipped_art)
     assert set(m.heads) == {"dspark", "mtp"} and m.gamma == 7
+    assert (m.export.weights, m.export.attention, m.export.kernels) == ("gguf", "cpu", "specrt")
     cfg = json.loads((HEADS_DIR / "smollm2" / "dspark" / "config.json").read_text())
     assert list(m.heads["dspark"].temperatures) == cfg["confidence_temperatures"]
     # the shipped token counts pick the draft vocabulary (FR-Spec): the preset default, 2048 tokens with EOS
@@ -180,7 +182,7 @@ def test_preset_export_carries_the_shipped_heads(shipped_art):
     assert size <= 40e6  # the committed heads stay small: bf16, embedding and head shared with the target
 
 
-@pytest.mark.parametrize("method", ["dspark", "mtp"])
+@pytest.mark.parametrize("method", ["dspark", "mtp", "dspark+ngram"])
 def test_shipped_heads_are_trained_and_lossless(shipped_art, method):
     engine = Engine(shipped_art, method="ar")
     prompts = [encode_prompt(engine.tokenizer, p) for p in read_prompts_file(PROMPTS)][:2]
@@ -222,15 +224,16 @@ def test_bench_openvino_baselines_on_the_default_model(smollm2_art, tmp_path):
     assert len({info["pid"] for info in report["engines"].values()}) == 3
 
 
-def test_demo_compares_plain_decoding_with_speculation():
-    """`specrt demo`: the default artifact, ar and dspark+ngram on one prompt, each one's speed, the speedup, and the
-    outputs checked identical."""
+def test_demo_compares_plain_decoding_with_speculation(cpp_build):
+    """`specrt demo`: the default artifact (on specrt's kernels, built by the README's demo command), ar and
+    dspark+ngram on one prompt, each one's speed, the speedup, and the outputs checked identical."""
     from click.testing import CliRunner
 
     from specrt.cli import main
 
-    r = CliRunner().invoke(main, ["demo", "--max-new-tokens", "24"])
+    r = CliRunner().invoke(main, ["demo", "--max-new-tokens", "48"])
     assert r.exit_code == 0, r.output
     assert re.search(r"specrt dspark\+ngram: decode [\d.]+ tokens/s, tau [\d.]+ tokens per target call: [\d.]+x ar",
                      r.output), r.output
-    assert "outputs identical: all 24 tokens (checked)" in r.output
+    assert "outputs identical: all 48 tokens (checked)" in r.output
+    assert "specrt ar (gguf weights, cpu attention, specrt kernels)" in r.output

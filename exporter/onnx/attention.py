@@ -16,6 +16,9 @@ Lowerings (`LOWERINGS`, chosen at export): `standard` attends over all S cache p
 ONNX parser accepts); `cpu` (ONNX Runtime on CPU) Slices the cache to its first L positions, L = the
 largest position any query of the call may see (a [1] i64 tensor, the caller's "window"), so the cost of
 attention follows the valid length, not S. Exact: the keys past L are the ones the bias masks anyway.
+
+With `--kernels specrt` a single key block is attended by one specrt::CacheAttention (libspecrt_ops): scores,
+bias, softmax and values per query row, each row computed alone, so a verify's rows get the bits decoding gives.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import numpy as np
 
 from specrt.errors import SpecrtError
 from specrt.model_config import ModelConfig
-from specrt.exporter.onnx.builder import GraphBuilder, onnx_dtype
+from specrt.exporter.onnx.builder import PLUGIN_DOMAIN, GraphBuilder, onnx_dtype
 from specrt.exporter.onnx.layers import apply_rope, linear, rms_norm
 
 Rope = tuple[str, str, str]  # (cos, sin, rotate_half matrix) for `apply_rope`
@@ -143,6 +146,14 @@ def attend(g: GraphBuilder, q: str, blocks: Sequence[KeyBlock], bias: str, o_pro
     q [B,T,H,D]; `bias` [B,1,1,T or 1,L] (0 or a large negative, f32) with L the blocks' total length.
     """
     H, Hkv, D, G = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.kv_groups
+    if g.kernels == "specrt" and len(blocks) == 1 and dtype == "float32":  # one fused op over the first L keys
+        out = g.op("CacheAttention", q, blocks[0].k, blocks[0].v, bias, name="attention", domain=PLUGIN_DOMAIN,
+                   scale=float(D ** -0.5))
+        out = g.op("Reshape", out, g.const([-1, H * D], "flat", "int64"))
+        if packing is not None:
+            out = packing.pack(g, out)
+        return linear(g, out, g.weight(f"{o_proj}.weight"),
+                      g.weight(f"{o_proj}.bias") if cfg.o_proj_bias else None, name="o_proj")
     static = all(isinstance(b.length, int) for b in blocks)
     if static:
         L = sum(b.length for b in blocks)

@@ -13,10 +13,15 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from specrt.blocks import gguf_key
+from specrt.ops_library import KERNEL_OPS
+
 OPSET = 23
 ALIGN = 4096  # page-aligned offsets let ONNX Runtime memory-map the weights
 
 PLUGIN_DOMAIN = "specrt"  # specrt's ops (plugins/): an ONNX local function for ORT, a TensorRT plugin for engines
+# specrt's ONNX Runtime kernels (runtime/cpp/ops, libspecrt_ops: KERNEL_OPS) are in the same domain: graphs
+# exported with `--kernels specrt` need the library (specrt.ops_library)
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits, GatherBlockQuantized): quantized weights
 
 _ONNX_DTYPE = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int64": TensorProto.INT64,
@@ -83,9 +88,10 @@ class WeightStore:
 class GraphBuilder:
     """Emits nodes under a scope path; `op` returns the output name(s)."""
 
-    def __init__(self, store: WeightStore, *, accuracy_level: int = 4) -> None:
+    def __init__(self, store: WeightStore, *, accuracy_level: int = 4, kernels: str = "stock") -> None:
         self.store = store
         self.accuracy_level = accuracy_level  # MatMulNBits activations: 0 fp32, 4 int8 (quantized weights only)
+        self.kernels = kernels  # "specrt": attention through specrt::CacheAttention (libspecrt_ops)
         self.nodes: list[onnx.NodeProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
@@ -130,7 +136,7 @@ class GraphBuilder:
         A weight stored as blocks (`name.qcodes`, ...) is returned by name too: `linear` and `embedding`
         read its block tensors (`weight` registers them then)."""
         if name not in self.store:
-            if name + ".qcodes" in self.store:
+            if name + ".qcodes" in self.store or gguf_key(self.store, name):
                 return name
             raise KeyError(f"weight {name} was not added to the store")
         self._weights.add(name)
@@ -158,10 +164,11 @@ class GraphBuilder:
         if any(n.domain == MS_DOMAIN for n in self.nodes):  # only graphs with quantized weights need ORT's ops
             opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
         functions = []
-        if any(n.domain == PLUGIN_DOMAIN for n in self.nodes):  # specrt's own ops: a local function each
+        if any(n.domain == PLUGIN_DOMAIN for n in self.nodes):
+            opsets.append(helper.make_opsetid(PLUGIN_DOMAIN, 1))
+        if any(n.domain == PLUGIN_DOMAIN and n.op_type not in KERNEL_OPS for n in self.nodes):  # a local function
             from specrt.plugins.confidence_truncate import function_proto
 
-            opsets.append(helper.make_opsetid(PLUGIN_DOMAIN, 1))
             functions.append(function_proto(OPSET))
         model = helper.make_model(graph, opset_imports=opsets, producer_name="specrt", functions=functions)
         model.ir_version = 11

@@ -15,7 +15,7 @@ from specrt.exporter.onnx.builder import PLUGIN_DOMAIN, GraphBuilder, onnx_dtype
 from specrt.exporter.onnx.attention import (KeyBlock, Rope, attend, cache_block, check_lowering, project_heads,
                                             write_cache)
 from specrt.exporter.onnx.layers import add_rms_norm, embedding, linear, mlp, rms_norm, rope_tables, rotate_half_matrix
-from specrt.exporter.onnx.quant import is_quantized
+from specrt.exporter.onnx.quant import is_stored
 from specrt.exporter.onnx.sampling import greedy_draft, sample_draft
 
 P = "dspark."  # weight-name prefix in the shared store
@@ -64,7 +64,7 @@ def vocab_head_source(out: dict[str, np.ndarray], target_cfg: ModelConfig) -> st
 
 def _shared(g: GraphBuilder, own: str, target_name: str) -> str:
     """The draft's own copy when `dspark_weights` kept one, else the target's tensor."""
-    mine = P + own in g.store or is_quantized(g.store, P + own)
+    mine = is_stored(g.store, P + own)
     return g.weight(P + own if mine else target_name)
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specrt.exporter.onnx.builder import MS_DOMAIN, GraphBuilder, onnx_dtype
-from specrt.blocks import BLOCK, GATHER_ROWS
+from specrt.exporter.onnx.builder import MS_DOMAIN, PLUGIN_DOMAIN, GraphBuilder, onnx_dtype
+from specrt.blocks import BLOCK, BLOCK_BYTES, GATHER_ROWS, gguf_key
 from specrt.exporter.onnx.quant import is_quantized
 
 
@@ -59,7 +59,15 @@ def add_rms_norm(g: GraphBuilder, x: str, delta: str, weight: str, eps: float, d
 
 
 def linear(g: GraphBuilder, x: str, weight: str, bias: str | None = None, name: str = "linear") -> str:
-    """x [N, K] @ weightᵀ (+ bias): Gemm(transB=1) on a float weight, MatMulNBits on a block-quantized one."""
+    """x [N, K] @ weightᵀ (+ bias): Gemm(transB=1) on a float weight, MatMulNBits on a block-quantized one,
+    specrt::MatMulGGUF on a GGUF tensor's own bytes."""
+    raw = gguf_key(g.store, weight)
+    if raw is not None:
+        key, fmt = raw
+        n, row = g.store.shape(key)
+        y = g.op("MatMulGGUF", x, g.weight(key), name=name, domain=PLUGIN_DOMAIN, format=fmt,
+                 K=row // BLOCK_BYTES[fmt] * BLOCK, N=n)
+        return g.op("Add", y, bias, name=f"{name}_bias") if bias else y
     if is_quantized(g.store, weight):
         return _linear_blocks(g, x, weight, bias, name)
     inputs = (x, weight, bias) if bias else (x, weight)
@@ -91,8 +99,14 @@ def _linear_blocks(g: GraphBuilder, x: str, w: str, bias: str | None, name: str)
 def embedding(g: GraphBuilder, table: str, ids: str, name: str = "embed_tokens") -> str:
     """Rows of `table` [V, d] -> ids.shape + [d]: Gather, or GatherBlockQuantized on a block-quantized table.
 
-    The quantized table is the same bytes as the tied LM head's MatMulNBits codes, named again as [V, d*bits/8].
+    The quantized table is the same bytes as the tied LM head's MatMulNBits codes, named again as [V, d*bits/8];
+    a table kept as GGUF bytes is read by specrt::GatherGGUF.
     """
+    raw = gguf_key(g.store, table)
+    if raw is not None:
+        key, fmt = raw
+        return g.op("GatherGGUF", g.weight(key), ids, name=name, domain=PLUGIN_DOMAIN, format=fmt,
+                    K=g.store.shape(key)[1] // BLOCK_BYTES[fmt] * BLOCK)
     if not is_quantized(g.store, table):
         return g.op("Gather", g.weight(table), ids, name=name)
     v, kb, blob = g.store.shape(table + ".qcodes")

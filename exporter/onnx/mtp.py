@@ -14,7 +14,7 @@ from specrt.model_config import EMBED, HEAD, MTPConfig
 from specrt.exporter.onnx.attention import check_lowering
 from specrt.exporter.onnx.builder import GraphBuilder
 from specrt.exporter.onnx.layers import Shapes, embedding, linear, rms_norm, rope_tables, rotate_half_matrix
-from specrt.exporter.onnx.quant import is_quantized
+from specrt.exporter.onnx.quant import is_stored
 from specrt.exporter.onnx.sampling import greedy_draft, sample_draft
 from specrt.exporter.onnx.target import decoder_layer, input_shapes, slot_io, stack_layer_weights
 
@@ -81,7 +81,7 @@ def build_mtp_graph(g: GraphBuilder, cfg: MTPConfig, target_cfg: ModelConfig, *,
     if steps < 1:
         raise SpecrtError(f"MTP graph needs steps >= 1, got {steps}")
     c, d, V = cfg.layer, target_cfg.hidden_size, target_cfg.vocab_size
-    stored = lambda name: name in g.store or is_quantized(g.store, name)  # noqa: E731
+    stored = lambda name: is_stored(g.store, name)  # noqa: E731
     embed_w = OWN_EMBED if stored(OWN_EMBED) else TARGET_EMBED  # mtp_weights decided the names
     head_w = OWN_HEAD if stored(OWN_HEAD) else target_head(target_cfg)
     n_vocab = len(vocab_ids) if vocab_ids is not None else 0

@@ -11,37 +11,38 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from specrt.blocks import BLOCK, SUFFIXES, Blocks, pack
+from specrt.blocks import (BLOCK, BLOCK_BYTES, GGUF_TAG, GGUF_TYPES, SUFFIXES, Blocks, from_gguf,  # noqa: F401
+                           gguf_key, pack, unpack)
 
 # ---- GGUF blocks, kept as they are ----------------------------------------------------------------
 
-GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")
-
-
-def from_gguf(data: np.ndarray, qtype: str) -> Blocks | None:
-    """A GGUF tensor's raw bytes [N, K/32 * block bytes] as Blocks, or None for a type without an exact path.
-
-    Q4_0: w = d*(q - 8) -> default zero point 8. Q4_1: w = d*q + m -> zero point 0 and mins m. Q8_0: w = d*q,
-    q int8 -> codes q + 128, default zero point 128. d and m are fp16 in the file; fp32 holds them exactly.
-    GGUF packs element j of a 4-bit block in the low nibble and j + 16 in the high nibble of byte j;
-    MatMulNBits wants elements 2i, 2i+1 in byte i, so the nibbles are reordered (the codes are unchanged).
-    """
-    if qtype not in GGUF_TYPES:
+def to_gguf(b: Blocks) -> tuple[str, np.ndarray] | None:
+    """(format, the GGUF bytes [N, K/32 * block bytes]) of blocks read from a GGUF (`from_gguf`, then rows
+    selected, permuted or stacked), the inverse of `from_gguf`: the file's bytes again. None for blocks of
+    another origin or of mixed formats."""
+    if b.kind not in GGUF_TYPES:
         return None
-    n = data.shape[0]
-    head = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[qtype]
-    blocks = np.asarray(data, np.uint8).reshape(n, -1, head + (BLOCK if qtype == "Q8_0" else BLOCK // 2))
-    kb = blocks.shape[1]
-    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(n, kb).astype(np.float32)
-    qs = blocks[..., head:]
-    if qtype == "Q8_0":
-        return Blocks(np.ascontiguousarray(qs ^ np.uint8(0x80)), d, 8, qtype)  # int8 q -> q + 128
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [n, kb, 32]: element order 0..31
-    codes = pack(codes.reshape(n * kb, BLOCK), 4).reshape(n, kb, BLOCK // 2)
-    if qtype == "Q4_0":
-        return Blocks(codes, d, 4, qtype)
-    m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).reshape(n, kb).astype(np.float32)
-    return Blocks(codes, d, 4, qtype, zeros=np.zeros((n, (kb + 1) // 2), np.uint8), mins=m)
+    n, kb, _ = b.codes.shape
+    out = np.empty((n, kb, BLOCK_BYTES[b.kind]), np.uint8)
+    out[..., 0:2] = b.scales.astype(np.float16).view(np.uint8).reshape(n, kb, 2)
+    if b.kind == "Q8_0":
+        out[..., 2:] = b.codes ^ np.uint8(0x80)
+        return b.kind, out.reshape(n, -1)
+    head = 2
+    if b.kind == "Q4_1":
+        out[..., 2:4] = b.mins.astype(np.float16).view(np.uint8).reshape(n, kb, 2)
+        head = 4
+    codes = unpack(b.codes.reshape(n * kb, -1), 4).reshape(n, kb, BLOCK)  # element order 0..31
+    out[..., head:] = codes[..., :16] | (codes[..., 16:] << 4)
+    return b.kind, out.reshape(n, -1)
+
+
+def quantize_q8_0(w: np.ndarray) -> np.ndarray:
+    """A float [N, K] weight as GGUF Q8_0 bytes (gguf's own quantizer)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    return np.ascontiguousarray(gguf_quantize(np.ascontiguousarray(w, np.float32), GGMLQuantizationType.Q8_0))
 
 
 def permute_rows(b: Blocks, permute) -> Blocks:
@@ -100,20 +101,29 @@ def quantizable(w: np.ndarray) -> bool:
 
 
 def pack_weights(tensors: dict[str, "np.ndarray | Blocks"], fmt: str, *, dtype: np.dtype,
-                 gguf_names: Iterable[str] = ()) -> dict[str, np.ndarray]:
+                 gguf_names: Iterable[str] = (), kernels: str = "stock") -> dict[str, np.ndarray]:
     """The store tensors of an export in weight format `fmt`.
 
     float: every tensor in `dtype`. int4 (asymmetric, uint8 zero points) / int8 (symmetric): matrices through
     ONNX Runtime's quantizer. gguf: Blocks as they are; matrices of the GGUF (`gguf_names`) without an exact
     block path fall back to int8 (one warning line); the others (draft heads' own layers) take int4.
+    With `kernels` "specrt", the GGUF's blocks are stored as the file's bytes (`W.gguf.FORMAT`, for specrt's
+    kernels), and its matrices without an exact path fall back to Q8_0 instead.
     Vectors (norms, biases) and small matrices stay float.
     """
     out: dict[str, np.ndarray] = {}
     gguf_names, fallback = set(gguf_names), []
+    own = fmt == "gguf" and kernels == "specrt"
     for name, w in tensors.items():
         if isinstance(w, Blocks) and fmt != "gguf":
             w = w.dequantize()
-        if isinstance(w, Blocks):
+        raw = to_gguf(w) if own and isinstance(w, Blocks) else None
+        if raw is not None:
+            out[name + GGUF_TAG + raw[0]] = raw[1]
+        elif own and name in gguf_names and (isinstance(w, Blocks) or quantizable(w)):
+            fallback.append(name)  # mixed or inexact blocks: Q8_0, which specrt's kernels read too
+            out[name + GGUF_TAG + "Q8_0"] = quantize_q8_0(w.dequantize() if isinstance(w, Blocks) else w)
+        elif isinstance(w, Blocks):
             out.update(w.tensors(name))
         elif fmt == "float" or not quantizable(w):
             out[name] = w.astype(dtype, copy=False)
@@ -126,18 +136,27 @@ def pack_weights(tensors: dict[str, "np.ndarray | Blocks"], fmt: str, *, dtype: 
             out.update(quantize(w, 4, symmetric=False).tensors(name))
     if fallback:
         print(f"specrt: warning: {len(fallback)} GGUF matrices (a stacked q/k/v or gate/up counts once) are not "
-              f"{'/'.join(GGUF_TYPES)} blocks of one width, stored as int8 instead: {', '.join(fallback[:3])}"
+              f"{'/'.join(GGUF_TYPES)} blocks of one width, stored as {'Q8_0' if own else 'int8'} instead: "
+              f"{', '.join(fallback[:3])}"
               f"{', ...' if len(fallback) > 3 else ''}", file=sys.stderr)
     return out
 
 
 def is_quantized(store, name: str) -> bool:
-    """Whether weight `name` is stored as blocks (`name.qcodes`) rather than as a float tensor."""
+    """Whether weight `name` is stored as MatMulNBits blocks (`name.qcodes`) rather than as a float tensor."""
     return name + ".qcodes" in store
 
 
+def is_stored(store, name: str) -> bool:
+    """Whether weight `name` is in the store in any form: float, MatMulNBits blocks or GGUF bytes."""
+    return name in store or is_quantized(store, name) or gguf_key(store, name) is not None
+
+
 def stored_bytes(store, name: str) -> int:
-    """Bytes of weight `name` in the store: the float tensor, or its block tensors."""
+    """Bytes of weight `name` in the store: the float tensor, its GGUF bytes, or its block tensors."""
     if name in store:
         return store.nbytes(name)
+    raw = gguf_key(store, name)
+    if raw is not None:
+        return store.nbytes(raw[0])
     return sum(store.nbytes(name + s) for s in SUFFIXES if name + s in store)

@@ -20,6 +20,7 @@ import onnx
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
+from specrt.ops_library import ops_library, uses_kernels
 
 try:
     import onnxruntime as ort
@@ -82,6 +83,8 @@ class OrtRunner:
         # Loaded from bytes, so tell ORT where the external weights live.
         so = session_options(threads, spin=spin)
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(art_dir))
+        if uses_kernels(model.graph.node):
+            so.register_custom_ops_library(str(ops_library(graph.file)))
         try:
             return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own exception types for broken files

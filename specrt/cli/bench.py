@@ -148,11 +148,11 @@ def profile(artifact: Path, backend: str, threads: int | None, position: int, re
         return
     step = prof.step_ms(1)
     click.echo(f"{prof.backend}, {prof.threads} threads, cache position {prof.position} ({prof.machine})")
-    lens = sorted(next(iter(prof.verify.values())))
+    lens = sorted({t for row in prof.verify.values() for t in row})  # rows of larger B may stop at fewer T
     click.echo("verify call ms, B slots x T tokens each (T=1: a decoding step)")
     click.echo(" " * 6 + "".join(f"{'T=' + str(t):>8s}" for t in lens))
     for b, row in sorted(prof.verify.items()):
-        click.echo(f"{'B=' + str(b):6s}" + "".join(f"{row[t]:8.2f}" for t in lens))
+        click.echo(f"{'B=' + str(b):6s}" + "".join(f"{row[t]:8.2f}" if t in row else f"{'-':>8s}" for t in lens))
     for head, row in sorted(prof.draft.items()):
         click.echo(f"{head} draft call ms: " + ", ".join(f"B={b} {ms:.2f}" for b, ms in sorted(row.items()))
                    + f"  ({prof.draft_ms(head, 1) / step:.2f} decoding steps at B=1)")

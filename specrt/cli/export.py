@@ -28,6 +28,11 @@ from specrt.cli.options import export_options, export_settings
                    "[default: gguf for a preset, else float]")
 @click.option("--accuracy-level", type=click.Choice(["0", "4"]), default="4",
               help="Quantized weights: activations of MatMulNBits in fp32 (0, exact numerics) or int8 (4, faster).")
+@click.option("--kernels", type=click.Choice(["stock", "specrt"]), default=None,
+              help="stock: ONNX Runtime's own ops; specrt: the GGUF's blocks as the file's bytes and attention run "
+                   "by specrt's CPU kernels (libspecrt_ops, built by the README's C++ commands; each output row "
+                   "computed alone, so verifying T tokens gives each the bits decoding it does), needs --weights "
+                   "gguf --attention cpu. [default: specrt for a preset when libspecrt_ops is built, else stock]")
 @click.option("--draft-vocab", type=int, default=None,
               help="Draft heads score only the N most frequent target tokens of their distillation data (FR-Spec: "
                    "DSpark's LM and Markov heads, MTP's head; output stays exact). 0: the whole vocabulary. "
@@ -41,8 +46,8 @@ from specrt.cli.options import export_options, export_settings
                    "stores one later; without one, every run measures a quick one).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feedback: str, no_heads: bool,
-           weights: str, accuracy_level: str, draft_vocab: int | None, token_counts: Path | None, force: bool,
-           no_profile: bool, quiet: bool, **opts) -> None:
+           weights: str, accuracy_level: str, kernels: str | None, draft_vocab: int | None, token_counts: Path | None,
+           force: bool, no_profile: bool, quiet: bool, **opts) -> None:
     """Export MODEL (HF directory, .gguf file, or preset name `smollm2`) into an artifact directory.
 
     A preset comes with the draft heads specrt ships for it (DSpark and MTP) unless --draft/--mtp or
@@ -54,6 +59,7 @@ def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feed
     fmt = preset_format(model)
     weights = weights or fmt["weights"]
     opts["attention"] = opts["attention"] or fmt["attention"]
+    kernels = kernels or fmt["kernels"]
 
     shipped = {}
     if not no_heads and draft is None and mtp is None:
@@ -70,7 +76,7 @@ def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feed
 
         block = dspark_block_size(draft)
     settings = dataclasses.replace(export_settings(**opts, block=block), weights=weights,
-                                   accuracy_level=int(accuracy_level), draft_vocab=draft_vocab)
+                                   accuracy_level=int(accuracy_level), kernels=kernels, draft_vocab=draft_vocab)
     path = export_artifact(resolve_model(model, progress=not quiet), out, settings, draft=draft, mtp=mtp,
                            mtp_feedback=mtp_feedback, token_counts=token_counts, progress=not quiet, force=force)
     if not no_profile:
@@ -123,7 +129,9 @@ def inspect(artifact: Path, as_json: bool) -> None:
                f"heads {cfg.num_heads}/{cfg.num_kv_heads} kv, vocab {cfg.vocab_size}")
     click.echo(f"export   B={s.batch} S_MAX={s.max_seq} prefill_chunk={s.prefill_chunk} verify_len={s.verify_len} "
                f"dtype={s.dtype} attention={s.attention}")
-    fmt = s.weights if s.weights == "float" else f"{s.weights}, accuracy level {s.accuracy_level}, ONNX Runtime only"
+    fmt = s.weights if s.weights == "float" else (
+        f"{s.weights}, specrt's kernels (libspecrt_ops)" if s.kernels == "specrt" else
+        f"{s.weights}, accuracy level {s.accuracy_level}, ONNX Runtime only")
     click.echo(f"weights  {m.weights.file} ({fmt}; {m.weights.bytes / 2**20:.1f} MiB, shared by all graphs; "
                f"{m.weights.bytes_per_token / 2**20:.1f} MiB read per decoded token)")
     click.echo(f"tokenizer {'yes' if m.tokenizer else 'none (use --input-ids)'}")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from specrt import ops_library
 from specrt.errors import SpecrtError
 from specrt.runtime.config import DEFAULT_SCHEDULER, METHODS, EngineConfig
 from specrt.cli.options import engine_config, build_requests, sampling_options, sampling_params, engine_options
@@ -92,7 +93,8 @@ def demo(prompt: str, max_new_tokens: int, method: str) -> None:
             manifest, art_dir, x = engine.manifest, engine.art_dir, engine.manifest.export
     (ar, s_ar), (spec, s_spec) = runs["ar"], runs[method]
     click.echo(f"\n>>> {prompt}\n{spec.text}\n")
-    click.echo(f"specrt ar ({x.weights} weights, {x.attention} attention): {s_ar['generated_tokens']} tokens; "
+    click.echo(f"specrt ar ({x.weights} weights, {x.attention} attention, {x.kernels} kernels): "
+               f"{s_ar['generated_tokens']} tokens; "
                f"decode {s_ar['decode_tokens_per_s']:.1f} tokens/s")
     speedup = s_spec["decode_tokens_per_s"] / s_ar["decode_tokens_per_s"]
     if method != "ar":
@@ -101,6 +103,11 @@ def demo(prompt: str, max_new_tokens: int, method: str) -> None:
     if spec.output_ids != ar.output_ids:
         k = next((i for i, (a, b) in enumerate(zip(ar.output_ids, spec.output_ids)) if a != b),
                  min(len(ar.output_ids), len(spec.output_ids)))
+        if x.kernels == "stock":  # ONNX Runtime's kernels may compute a row differently among others than alone
+            raise SpecrtError(f"{method}'s output differs from ar's at token {k}: the artifact runs ONNX Runtime's "
+                              "stock kernels, which can give a token verified among others other bits than "
+                              f"decoding it alone (docs/cli.md, `--kernels`); build specrt's kernels "
+                              f"(`{ops_library.BUILD}`) and run the demo again")
         raise SpecrtError(f"{method}'s output differs from ar's at token {k}: greedy speculative decoding must be "
                           "identical (a bug; please report it with this command)")
     if method != "ar":

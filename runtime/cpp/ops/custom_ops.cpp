@@ -4,6 +4,13 @@
 //   specrt::MatMulGGUF(A: float [..., K], W: uint8 [N, K/32 * block bytes]) -> Y: float [..., N]
 //     attributes: format ("Q4_0" | "Q4_1" | "Q8_0"), K, N.  W is the GGUF tensor's bytes as the file has them;
 //     Y = A Wᵀ with A's rows quantized per 32-block to int8 (gguf_kernels.h).
+//   specrt::GatherGGUF(W: uint8 [V, K/32 * block bytes], ids: int64 [...]) -> Y: float [..., K]
+//     attributes: format, K.  Rows of a GGUF table (the embedding), dequantized.
+//   specrt::CacheAttention(q: float [B, T, H, D], k, v: float [B, Hkv, S, D], bias: float [B, 1, 1, T or 1, L])
+//     -> Y: float [B, T, H, D]; attribute scale.  softmax(q·scale·kᵀ + bias)·v over the first L keys
+//     (attention.h).
+// Every operator computes each output row alone, in one fixed order: a row's bits never depend on the call's rows.
+#include "attention.h"
 #include "gguf_kernels.h"
 
 #define ORT_API_MANUAL_INIT
@@ -84,6 +91,122 @@ struct MatMulGGUFOp : Ort::CustomOpBase<MatMulGGUFOp, MatMulGGUFKernel> {
     ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
 
+struct GatherGGUFKernel {
+    GatherGGUFKernel(const OrtApi&, const OrtKernelInfo* info) {
+        Ort::ConstKernelInfo ki(info);
+        const std::string format = ki.GetAttribute<std::string>("format");
+        if (!specrt::ops::parse_format(format, &format_))
+            throw Ort::Exception("specrt::GatherGGUF: format " + format + " (Q4_0, Q4_1 or Q8_0)", ORT_INVALID_ARGUMENT);
+        k_ = ki.GetAttribute<int64_t>("K");
+        if (k_ <= 0 || k_ % specrt::ops::kBlock)
+            throw Ort::Exception("specrt::GatherGGUF: K must be a positive multiple of 32", ORT_INVALID_ARGUMENT);
+    }
+
+    void Compute(OrtKernelContext* context) {
+        Ort::KernelContext ctx(context);
+        Ort::ConstValue w = ctx.GetInput(0), ids = ctx.GetInput(1);
+        const std::vector<int64_t> wshape = w.GetTensorTypeAndShapeInfo().GetShape();
+        std::vector<int64_t> shape = ids.GetTensorTypeAndShapeInfo().GetShape();
+        const int64_t blocks = k_ / specrt::ops::kBlock, row_bytes = blocks * specrt::ops::block_bytes(format_);
+        if (wshape.size() != 2 || wshape[1] != row_bytes)
+            throw Ort::Exception("specrt::GatherGGUF: W is not [V, K/32 * block bytes]", ORT_INVALID_ARGUMENT);
+        const size_t n = ids.GetTensorTypeAndShapeInfo().GetElementCount();
+        shape.push_back(k_);
+        Ort::UnownedValue y = ctx.GetOutput(0, shape);
+        const int64_t* id = ids.GetTensorData<int64_t>();
+        const uint8_t* table = w.GetTensorData<uint8_t>();
+        float* out = y.GetTensorMutableData<float>();
+        for (size_t i = 0; i < n; ++i) {
+            const int64_t row = id[i] < 0 ? id[i] + wshape[0] : id[i];  // Gather's negative indices
+            if (row < 0 || row >= wshape[0])
+                throw Ort::Exception("specrt::GatherGGUF: index " + std::to_string(id[i]) + " is out of range",
+                                     ORT_INVALID_ARGUMENT);
+            specrt::ops::dequantize_row(format_, table + row * row_bytes, blocks, out + i * k_);
+        }
+    }
+
+private:
+    Format format_ = Format::Q4_0;
+    int64_t k_ = 0;
+};
+
+struct GatherGGUFOp : Ort::CustomOpBase<GatherGGUFOp, GatherGGUFKernel> {
+    void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new GatherGGUFKernel(api, info); }
+    const char* GetName() const { return "GatherGGUF"; }
+    const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+    size_t GetInputTypeCount() const { return 2; }
+    ONNXTensorElementDataType GetInputType(size_t i) const {
+        return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    }
+    size_t GetOutputTypeCount() const { return 1; }
+    ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+struct CacheAttentionKernel {
+    CacheAttentionKernel(const OrtApi&, const OrtKernelInfo* info) {
+        scale_ = Ort::ConstKernelInfo(info).GetAttribute<float>("scale");
+        isa_ = specrt::ops::best_isa();
+    }
+
+    void Compute(OrtKernelContext* context) {
+        Ort::KernelContext ctx(context);
+        Ort::ConstValue q = ctx.GetInput(0), k = ctx.GetInput(1), v = ctx.GetInput(2), bias = ctx.GetInput(3);
+        const std::vector<int64_t> qs = q.GetTensorTypeAndShapeInfo().GetShape(),
+                                   ks = k.GetTensorTypeAndShapeInfo().GetShape(),
+                                   vs = v.GetTensorTypeAndShapeInfo().GetShape(),
+                                   bs = bias.GetTensorTypeAndShapeInfo().GetShape();
+        auto fail = [](const char* what) {
+            throw Ort::Exception(std::string("specrt::CacheAttention: ") + what, ORT_INVALID_ARGUMENT);
+        };
+        if (qs.size() != 4 || ks.size() != 4 || vs != ks || bs.size() != 5) fail("expects q [B,T,H,D], k and v "
+                                                                                "[B,Hkv,S,D], bias [B,1,1,T|1,L]");
+        specrt::ops::AttentionShape s{qs[0], qs[1], qs[2], ks[1], qs[3], ks[2], bs[4], bs[3], scale_};
+        if (ks[0] != s.batch || ks[3] != s.head_dim || s.kv_heads <= 0 || s.heads % s.kv_heads)
+            fail("k and v must be [B, Hkv, S, D] with Hkv dividing H");
+        if (s.head_dim % 8 || s.head_dim > specrt::ops::kMaxHeadDim) fail("head size must be a multiple of 8, <= 256");
+        if (bs[0] != s.batch || bs[1] != 1 || bs[2] != 1 || (s.bias_tokens != 1 && s.bias_tokens != s.tokens) ||
+            s.keys > s.cache)
+            fail("bias must be [B, 1, 1, T or 1, L] with L <= the cache length");
+        Ort::UnownedValue y = ctx.GetOutput(0, qs);
+        const int64_t rows = s.batch * s.tokens * s.heads;
+        if (rows == 0) return;
+        if (s.keys == 0) fail("no keys to attend");
+        Job job{this, &s, q.GetTensorData<float>(), k.GetTensorData<float>(), v.GetTensorData<float>(),
+                bias.GetTensorData<float>(), y.GetTensorMutableData<float>()};
+        ctx.ParallelFor(&CacheAttentionKernel::task, static_cast<size_t>(rows), 0, &job);
+    }
+
+private:
+    struct Job {
+        CacheAttentionKernel* self;
+        const specrt::ops::AttentionShape* s;
+        const float *q, *k, *v, *bias;
+        float* y;
+    };
+    static void task(void* data, size_t row) {
+        const Job& j = *static_cast<Job*>(data);
+        thread_local std::vector<float> scores;
+        scores.resize(j.s->keys);
+        const int64_t r = static_cast<int64_t>(row);
+        specrt::ops::attention_rows(j.self->isa_, *j.s, j.q, j.k, j.v, j.bias, r, r + 1, scores.data(), j.y);
+    }
+
+    float scale_ = 1.0f;
+    specrt::ops::Isa isa_ = specrt::ops::Isa::Scalar;
+};
+
+struct CacheAttentionOp : Ort::CustomOpBase<CacheAttentionOp, CacheAttentionKernel> {
+    void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const {
+        return new CacheAttentionKernel(api, info);
+    }
+    const char* GetName() const { return "CacheAttention"; }
+    const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+    size_t GetInputTypeCount() const { return 4; }
+    ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+    size_t GetOutputTypeCount() const { return 1; }
+    ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
@@ -92,12 +215,16 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     if (!api) return nullptr;  // cannot even report: an ONNX Runtime older than these headers
     Ort::InitApi(api);
     static MatMulGGUFOp matmul;
+    static GatherGGUFOp gather;
+    static CacheAttentionOp attention;
     static std::once_flag once;
     static Ort::CustomOpDomain* domain = nullptr;
     try {
         std::call_once(once, [] {
             domain = new Ort::CustomOpDomain("specrt");  // lives as long as the process: sessions keep using it
             domain->Add(&matmul);
+            domain->Add(&gather);
+            domain->Add(&attention);
         });
         Ort::UnownedSessionOptions(options).Add(*domain);
     } catch (const std::exception& e) {

@@ -1,9 +1,14 @@
 // The AVX2 row kernel (compiled with -mavx2 -mfma -mf16c; called only where the CPU has them).
 #include "gguf_simd.inc"
+#include "attention.inc"
 
 namespace specrt::ops {
 void rows_avx2(Format f, const uint8_t* w, const int8_t* q, const float* d, const int32_t* s, int64_t m,
                int64_t blocks, int64_t n0, int64_t n1, int64_t n_total, float* y) {
     rows_simd<false>(f, w, q, d, s, m, blocks, n0, n1, n_total, y);
+}
+void attention_avx2(const AttentionShape& s, const float* q, const float* k, const float* v, const float* bias,
+                    int64_t r0, int64_t r1, float* scores, float* out) {
+    for (int64_t r = r0; r < r1; ++r) attention_row_impl(s, q, k, v, bias, r, scores, out);
 }
 }  // namespace specrt::ops

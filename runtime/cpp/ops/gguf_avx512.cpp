@@ -1,10 +1,15 @@
 // The AVX-512 VNNI row kernel (vpdpbusd on 256-bit vectors; compiled with the AVX-512 flags, called only where the
 // CPU has avx512vnni, avx512vl and avx512bw).
 #include "gguf_simd.inc"
+#include "attention.inc"
 
 namespace specrt::ops {
 void rows_vnni(Format f, const uint8_t* w, const int8_t* q, const float* d, const int32_t* s, int64_t m,
                int64_t blocks, int64_t n0, int64_t n1, int64_t n_total, float* y) {
     rows_simd<true>(f, w, q, d, s, m, blocks, n0, n1, n_total, y);
+}
+void attention_avx512(const AttentionShape& s, const float* q, const float* k, const float* v, const float* bias,
+                      int64_t r0, int64_t r1, float* scores, float* out) {
+    for (int64_t r = r0; r < r1; ++r) attention_row_impl(s, q, k, v, bias, r, scores, out);
 }
 }  // namespace specrt::ops

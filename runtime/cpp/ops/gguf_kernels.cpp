@@ -1,5 +1,7 @@
 #include "gguf_kernels.h"
 
+#include "attention.inc"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -86,6 +88,10 @@ void rows_avx2(Format f, const uint8_t* w, const int8_t* q, const float* d, cons
                int64_t blocks, int64_t n0, int64_t n1, int64_t n_total, float* y);
 void rows_vnni(Format f, const uint8_t* w, const int8_t* q, const float* d, const int32_t* s, int64_t m,
                int64_t blocks, int64_t n0, int64_t n1, int64_t n_total, float* y);
+void attention_avx2(const AttentionShape& s, const float* q, const float* k, const float* v, const float* bias,
+                    int64_t r0, int64_t r1, float* scores, float* out);
+void attention_avx512(const AttentionShape& s, const float* q, const float* k, const float* v, const float* bias,
+                      int64_t r0, int64_t r1, float* scores, float* out);
 
 
 bool parse_format(const std::string& name, Format* f) {
@@ -150,6 +156,39 @@ void matmul_rows(Isa isa, Format f, const uint8_t* w, const Activations& a, int6
             break;
         case Isa::Avx2: rows_avx2(f, w, a.q.data(), a.d.data(), a.s.data(), a.m, a.blocks, n0, n1, n_total, y); break;
         default: rows_scalar(f, w, a, n0, n1, n_total, y);
+    }
+}
+
+void dequantize_row(Format f, const uint8_t* row, int64_t blocks, float* out) {
+    const int bytes = block_bytes(f);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* p = row + b * bytes;
+        const float d = fp16(p);
+        float* o = out + b * kBlock;
+        switch (f) {
+            case Format::Q4_0:  // (q - 8) d, as GatherBlockQuantized computes (code - zero point) * scale
+                for (int i = 0; i < kBlock; ++i)
+                    o[i] = static_cast<float>((i < 16 ? p[2 + i] & 0x0F : p[2 + i - 16] >> 4) - 8) * d;
+                break;
+            case Format::Q4_1: {  // q d + m
+                const float m = fp16(p + 2);
+                for (int i = 0; i < kBlock; ++i)
+                    o[i] = static_cast<float>(i < 16 ? p[4 + i] & 0x0F : p[4 + i - 16] >> 4) * d + m;
+                break;
+            }
+            default:
+                for (int i = 0; i < kBlock; ++i) o[i] = static_cast<float>(static_cast<int8_t>(p[2 + i])) * d;
+        }
+    }
+}
+
+void attention_rows(Isa isa, const AttentionShape& s, const float* q, const float* k, const float* v,
+                    const float* bias, int64_t r0, int64_t r1, float* scores, float* out) {
+    switch (isa) {
+        case Isa::Avx512Vnni: attention_avx512(s, q, k, v, bias, r0, r1, scores, out); break;
+        case Isa::Avx2: attention_avx2(s, q, k, v, bias, r0, r1, scores, out); break;
+        default:
+            for (int64_t r = r0; r < r1; ++r) attention_row_impl(s, q, k, v, bias, r, scores, out);
     }
 }
 

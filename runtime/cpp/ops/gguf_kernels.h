@@ -35,4 +35,7 @@ void quantize(const float* a, int64_t m, int64_t k, Activations& out);
 void matmul_rows(Isa isa, Format f, const uint8_t* w, const Activations& a, int64_t n0, int64_t n1, int64_t n_total,
                  float* y);
 
+// One row of a GGUF tensor ([blocks * block_bytes]) as float32 (an embedding lookup).
+void dequantize_row(Format f, const uint8_t* row, int64_t blocks, float* out);
+
 }  // namespace specrt::ops

@@ -164,7 +164,11 @@ Manifest load_manifest(const fs::path& dir) {
                                  "(exported by an older specrt): re-export it, or pass raw text or token ids";
             }
         }
-        for (const auto& [name, g] : j.at("graphs").items()) m.graphs[name] = graph_spec(name, g);
+        const bool kernels = exp.value("kernels", std::string("stock")) == "specrt";
+        for (const auto& [name, g] : j.at("graphs").items()) {
+            m.graphs[name] = graph_spec(name, g);
+            m.graphs[name].kernels = kernels;
+        }
         if (!m.graphs.count("target")) throw Error(SPECRT_ERROR_ARTIFACT, path.string() + ": no target graph");
         m.max_seq = m.graphs["target"].max_seq;
         if (j.contains("heads") && j["heads"].is_object()) {

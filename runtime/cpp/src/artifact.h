@@ -40,6 +40,7 @@ struct GraphSpec {
     int64_t max_seq = 0;
     std::vector<TensorSpec> inputs, outputs;
     std::map<std::string, std::vector<Bucket>> buckets;
+    bool kernels = false;  // exported with --kernels specrt: its sessions load libspecrt_ops
     mutable std::map<std::pair<std::string, Bucket>, Bucket> chosen;  // bucket()'s answers so far
 
     // The smallest bucket of `use` whose sizes are all >= need (fewest slots, then tokens, then budget); chosen once

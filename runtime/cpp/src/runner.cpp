@@ -1,7 +1,9 @@
 #include "runner.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <dlfcn.h>
 #include <sched.h>
 
 namespace specrt {
@@ -53,6 +55,24 @@ void check_graph_io(Ort::Session& session, const GraphSpec& spec) {
     }
 }
 
+// libspecrt_ops: $SPECRT_OPS_LIB, else beside this library (the build puts both in one folder)
+fs::path ops_library() {
+    if (const char* given = std::getenv("SPECRT_OPS_LIB"); given && *given) {
+        if (!fs::is_regular_file(given))
+            throw Error(SPECRT_ERROR_ARTIFACT, std::string("$SPECRT_OPS_LIB names ") + given +
+                                                   ", which is not a file (libspecrt_ops.so)");
+        return given;
+    }
+    Dl_info info;
+    if (dladdr(reinterpret_cast<void*>(&ops_library), &info) && info.dli_fname) {
+        fs::path beside = fs::path(info.dli_fname).parent_path() / "libspecrt_ops.so";
+        if (fs::is_regular_file(beside)) return beside;
+    }
+    throw Error(SPECRT_ERROR_ARTIFACT, "this artifact runs on specrt's CPU kernels (exported with --kernels specrt) "
+                                       "and libspecrt_ops.so is neither beside libspecrt nor named by $SPECRT_OPS_LIB: "
+                                       "build it (cmake --build build/cpp --target specrt_ops)");
+}
+
 std::unique_ptr<Ort::Session> open_session(Ort::Env& env, const fs::path& dir, const GraphSpec& spec, int threads,
                                            bool spin) {
     fs::path file = dir / spec.file;
@@ -70,8 +90,10 @@ std::unique_ptr<Ort::Session> open_session(Ort::Env& env, const fs::path& dir, c
     } else if (!spin) {
         so.AddConfigEntry("session.intra_op.allow_spinning", "0");
     }
+    const fs::path ops = spec.kernels ? ops_library() : fs::path();
     std::unique_ptr<Ort::Session> session;
     try {
+        if (!ops.empty()) so.RegisterCustomOpsLibrary(ops.c_str());
         session = std::make_unique<Ort::Session>(env, file.c_str(), so);
     } catch (const Ort::Exception& e) {
         throw Error(SPECRT_ERROR_ARTIFACT, "cannot load " + spec.file + ": " + first_line(e.what()));

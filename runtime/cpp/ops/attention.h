@@ -1,0 +1,28 @@
+// Attention of a few query rows over a KV cache, fused: per (batch, query, head) row, the scores against every
+// key, the bias, a softmax in float32 and the weighted sum of the values, the G query heads of a KV head reading
+// its keys (grouped-query attention, Hugging Face's head order). Each row is computed alone, in one fixed order
+// of operations, so a row's output is the same bits whether the call has 1 query or 16 (a verify of T tokens
+// gives each token exactly what decoding it alone would).
+#pragma once
+
+#include <cstdint>
+
+#include "gguf_kernels.h"
+
+namespace specrt::ops {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+struct AttentionShape {
+    int64_t batch, tokens, heads, kv_heads, head_dim;  // q [B, T, H, D]
+    int64_t cache;                                      // k, v [B, Hkv, S, D]
+    int64_t keys;                                       // L <= S: the keys attended (the bias's last axis)
+    int64_t bias_tokens;                                // bias [B, 1, 1, T or 1, L]
+    float scale;
+};
+
+// Rows [r0, r1) of the output [B, T, H, D]; `scores` holds L floats (per calling thread).
+void attention_rows(Isa isa, const AttentionShape& s, const float* q, const float* k, const float* v,
+                    const float* bias, int64_t r0, int64_t r1, float* scores, float* out);
+
+}  // namespace specrt::ops

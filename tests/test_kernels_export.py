@@ -1,0 +1,184 @@
+"""`specrt export --kernels specrt`: a GGUF's blocks kept as the file's bytes and attention fused, run by specrt's
+ONNX Runtime kernels (libspecrt_ops, built by the C++ build fixture), on a tiny random Llama GGUF whose matrices are
+Q4_0, Q4_1 and Q8_0 blocks (one layer's q/k/v of two formats: the stated Q8_0 fallback), with random DSpark and MTP
+heads. Checked: the graphs use the library's operators, the weight file holds the GGUF's bytes, the logits agree with
+the stock-op artifact of the same file, every method under every scheduler gives `ar`'s greedy tokens, and a missing
+library or an impossible combination of flags is one clear error."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from specrt import artifact as io
+from specrt.errors import SpecrtError
+from specrt.exporter.export import export_artifact
+from specrt.runtime.config import EngineConfig
+from specrt.runtime.engine import Engine, Request
+from specrt.runtime.sampling import SamplingParams
+from specrt.tools.profile import open_engine
+from test_cli import assert_one_line_error, cli
+from test_llama_cpp import MERGES, TEMPLATE, byte_tokens
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import quantize  # noqa: E402
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
+Q = gguf.GGMLQuantizationType
+# per tensor: its block format (layer 1's q and k differ: stacked q/k/v of two formats fall back to Q8_0)
+TYPES = {"token_embd": Q.Q8_0, "output": Q.Q4_0, "attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1,
+         "attn_output": Q.Q4_0, "ffn_gate": Q.Q8_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1}
+SETTINGS = io.ExportSettings(batch=3, max_seq=256, prefill_chunk=16, verify_len=5, weights="gguf", attention="cpu")
+KERNELS = dataclasses.replace(SETTINGS, kernels="specrt")
+
+
+def write_quantized_gguf(path: Path, seed: int = 0) -> Path:
+    tokens = ["<pad>", "<s>", "</s>", *byte_tokens(), *("".join(m) for m in MERGES)]
+    vocab, head_dim = len(tokens), HIDDEN // HEADS
+    w = gguf.GGUFWriter(path, "llama")
+    for add, value in ((w.add_block_count, LAYERS), (w.add_context_length, 512), (w.add_embedding_length, HIDDEN),
+                       (w.add_feed_forward_length, FFN), (w.add_head_count, HEADS), (w.add_head_count_kv, KV_HEADS),
+                       (w.add_rope_dimension_count, head_dim), (w.add_layer_norm_rms_eps, 1e-6),
+                       (w.add_rope_freq_base, 10000.0), (w.add_tokenizer_model, "gpt2"), (w.add_token_list, tokens),
+                       (w.add_bos_token_id, 1), (w.add_eos_token_id, 2), (w.add_pad_token_id, 0),
+                       (w.add_add_bos_token, False), (w.add_chat_template, TEMPLATE)):
+        add(value)
+    w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (vocab - 3))
+    w.add_token_merges([" ".join(m) for m in MERGES])
+    rng = np.random.default_rng(seed)
+
+    def add(name: str, kind: str, shape: tuple[int, int], std: float, qtype=None) -> None:
+        x = (rng.standard_normal(shape) * std).astype(np.float32)
+        x += 0.02 * rng.standard_normal(shape).astype(np.float32) if (qtype or TYPES[kind]) == Q.Q4_1 else 0
+        qtype = qtype or TYPES[kind]
+        w.add_tensor(name, quantize(x, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", "token_embd", (vocab, HIDDEN), 1.0)
+    add("output.weight", "output", (vocab, HIDDEN), 1.0)
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    for i in range(LAYERS):
+        for kind, shape in (("attn_q", (HIDDEN, HIDDEN)), ("attn_k", (KV_HEADS * head_dim, HIDDEN)),
+                            ("attn_v", (KV_HEADS * head_dim, HIDDEN)), ("attn_output", (HIDDEN, HIDDEN)),
+                            ("ffn_gate", (FFN, HIDDEN)), ("ffn_up", (FFN, HIDDEN)), ("ffn_down", (HIDDEN, FFN))):
+            add(f"blk.{i}.{kind}.weight", kind, shape, shape[1] ** -0.5,
+                Q.Q4_0 if (i, kind) == (1, "attn_q") else None)
+        w.add_tensor(f"blk.{i}.attn_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """(the GGUF, a random DSpark checkpoint, a random MTP checkpoint)."""
+    from specrt.exporter.loaders import load_target
+    from specrt.exporter.loaders.deepspec import random_dspark_checkpoint
+    from specrt.exporter.loaders.mtp import random_mtp_checkpoint
+
+    root = tmp_path_factory.mktemp("kernels")
+    path = write_quantized_gguf(root / "tiny.gguf")
+    target = load_target(path)
+    draft = random_dspark_checkpoint(root / "dspark", target, layers=1, block_size=4, markov_rank=16)
+    (root / "target_config").mkdir()
+    (root / "target_config" / "config.json").write_text(json.dumps(target.config.to_hf()))
+    return path, draft, random_mtp_checkpoint(root / "mtp", root / "target_config")
+
+
+@pytest.fixture(scope="module")
+def arts(sources, cpp_build, tmp_path_factory, monkeypatch_module):
+    """{kernels: artifact} of the same GGUF and heads."""
+    monkeypatch_module.setenv("SPECRT_OPS_LIB", str(cpp_build / "libspecrt_ops.so"))
+    path, draft, mtp = sources
+    root = tmp_path_factory.mktemp("kernels_arts")
+    arts = {s.kernels: export_artifact(path, root / s.kernels, s, draft=draft, mtp=mtp, progress=False)
+            for s in (SETTINGS, KERNELS)}
+    arts["float"] = export_artifact(path, root / "float", dataclasses.replace(SETTINGS, weights="float"),
+                                    progress=False)  # the GGUF's weights dequantized: no activation rounding
+    return arts
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def test_graphs_run_on_the_library_and_store_the_files_bytes(arts, sources):
+    art = arts["specrt"]
+    m = io.load_manifest(art)
+    assert m.export.kernels == "specrt"
+    ops = collections.Counter(n.op_type for n in onnx.load(str(art / "target.onnx"), load_external_data=False)
+                              .graph.node if n.domain == "specrt")
+    # every matrix of the target (2 layers x qkv, o, gate_up, down; the head), its embedding, its attention
+    assert ops == {"MatMulGGUF": 2 * 4 + 1, "GatherGGUF": 1, "CacheAttention": 2}
+    target = onnx.load(str(art / "target.onnx"), load_external_data=False)
+    assert not [n for n in target.graph.node if n.domain == "com.microsoft" and n.op_type == "MatMulNBits"]
+    # ffn_down of layer 0 is the file's bytes, unchanged
+    reader = gguf.GGUFReader(sources[0])
+    raw = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    init = next(i for i in target.graph.initializer if i.name == "model.layers.0.mlp.down_proj.weight.gguf.Q4_1")
+    entry = {e.key: e.value for e in init.external_data}
+    data = (art / entry["location"]).read_bytes()[int(entry["offset"]):][:int(entry["length"])]
+    assert data == np.asarray(raw.data).tobytes()
+    # layer 1's q (Q4_0) and k/v (Q4_1) stack into one matrix of two formats: Q8_0 instead
+    assert any(i.name == "model.layers.1.self_attn.qkv_proj.weight.gguf.Q8_0" for i in target.graph.initializer)
+
+
+def test_logits_as_close_to_the_float_model_as_the_stock_ops(arts):
+    """Teacher-forced logits against the same GGUF's float model (weights dequantized, activations unrounded): no
+    further off than ONNX Runtime's int8-activation path (accuracy level 4) on the same blocks, which also
+    quantizes activations per 32-block (its Q4_1 minimums as a second product; layer 1's fallback its int8)."""
+    from specrt.tools.parity import _specrt_logits
+
+    ids = [1, *np.random.default_rng(1).integers(3, 250, size=47).tolist()]
+    logits = {}
+    for name, art in arts.items():
+        with Engine(art, EngineConfig(threads=2)) as engine:
+            logits[name] = _specrt_logits(engine, ids)
+    off = {name: np.abs(logits[name] - logits["float"]) for name in ("specrt", "stock")}
+    assert off["specrt"].mean() <= 1.2 * off["stock"].mean(), {k: v.mean() for k, v in off.items()}
+    assert off["specrt"].max() <= 1.2 * off["stock"].max(), {k: v.max() for k, v in off.items()}
+    assert off["specrt"].max() < 0.05 * np.abs(logits["float"]).max()
+
+
+METHODS = ("ngram", "dspark", "mtp", "dspark+ngram", "mtp+ngram")
+
+
+@pytest.mark.parametrize("scheduler", ["fixed", "threshold", "sps", "sps-async"])
+def test_every_method_gives_ar_tokens(arts, scheduler):
+    art = arts["specrt"]
+    prompts = [[1, 70, 71, 72, 73, 74, 70, 71, 72], [1, *range(100, 140)], [1, 5, 9, 200, 3, 5, 9]]
+    reqs = [Request(p, SamplingParams(max_new_tokens=40, ignore_eos=True), id=i) for i, p in enumerate(prompts)]
+    with Engine(art, EngineConfig(threads=2)) as engine:
+        want = [o.output_ids for o in engine.generate(reqs)[0]]
+    for method in METHODS:
+        with open_engine(art, EngineConfig(method=method, scheduler=scheduler, threads=2)) as engine:
+            got, stats = engine.generate(reqs)
+        assert [o.output_ids for o in got] == want, f"{method} / {scheduler}"
+        assert stats.to_dict()["rounds"] > 0
+
+
+def test_missing_library_is_one_clear_error(arts, monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECRT_OPS_LIB", str(tmp_path / "nowhere.so"))
+    with pytest.raises(SpecrtError, match="SPECRT_OPS_LIB names .*nowhere.so, which is not a file"):
+        Engine(arts["specrt"])
+    assert_one_line_error(cli("run", arts["specrt"], "--input-ids", "1,70,71", "--max-new-tokens", "2"),
+                          "nowhere.so, which is not a file")
+    Engine(arts["stock"]).close()  # stock-op artifacts need no library
+
+
+def test_kernels_need_gguf_blocks_on_the_cpu(sources, tmp_path):
+    assert_one_line_error(cli("export", sources[0], "--out", tmp_path / "a", "--weights", "int4", "--attention", "cpu",
+                              "--kernels", "specrt", "--no-profile", "--quiet"),
+                          "--kernels specrt runs a GGUF's own blocks on the CPU: it needs --weights gguf and "
+                          "--attention cpu (got --weights int4 --attention cpu)")
+    assert not (tmp_path / "a").exists()
