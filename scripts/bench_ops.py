@@ -4,9 +4,10 @@
     python scripts/bench_ops.py [--lib build/cpp/libspecrt_ops.so] [--threads 2] [--calls 300] [--json]
 
 For each weight shape and M = 1, 2, 4, 8, 16 activation rows: MatMulGGUF on the weight's GGUF blocks (Q4_1 and Q8_0,
-as the default model's file has them) on every instruction set this CPU runs, and MatMulNBits (4-bit blocks of 32,
-uint8 zero points, accuracy level 4: its int8 path, the fastest stock alternative; specrt's stock Q4_1 graphs add a
-second product for the minimums on top of it). Median microseconds per call over --calls calls, one session
+as the default model's file has them; an initializer, so repacked once per session) on every instruction set this CPU
+runs (--isas), and MatMulNBits (4- and 8-bit blocks of 32, uint8 zero points, accuracy level 4: its int8 path, the
+fastest stock alternative; specrt's stock Q4_1 graphs add a second product for the minimums on top of the 4-bit one,
+its Q8_0 LM head is the 8-bit one). Median microseconds per call over --calls calls, one session
 at a time (another session's spinning thread pool would slow the one measured). Run it on a quiet machine.
 """
 from __future__ import annotations
@@ -58,13 +59,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--isas", default=",".join(ISAS), help="Instruction sets to time (those the CPU runs).")
     args = ap.parse_args()
     isa_of = ctypes.CDLL(args.lib).specrt_ops_isa
     isa_of.restype = ctypes.c_char_p
     runnable = []
     for isa in ISAS:
         os.environ["SPECRT_OPS_ISA"] = isa
-        if isa_of().decode() == isa:
+        if isa_of().decode() == isa and isa in args.isas.split(","):
             runnable.append(isa)
     os.environ.pop("SPECRT_OPS_ISA", None)
     rng = np.random.default_rng(0)
@@ -78,14 +80,15 @@ def main() -> None:
             data = model_bytes([node], [numpy_helper.from_array(np.ascontiguousarray(raw), "W")], k, n)
             for isa in runnable:
                 sessions[f"MatMulGGUF {fmt} {isa}"] = session(data, args.threads, args.lib, isa)
-        codes = rng.integers(0, 256, size=(n, k // 32, 16), dtype=np.uint8)
-        scales = rng.uniform(0.01, 0.02, size=(n, k // 32)).astype(np.float32)
-        zeros = rng.integers(0, 256, size=(n, (k // 32 + 1) // 2), dtype=np.uint8)
-        node = helper.make_node("MatMulNBits", ["A", "B", "scales", "zp"], ["Y"], domain="com.microsoft", K=k, N=n,
-                                bits=4, block_size=32, accuracy_level=4)
-        inits = [numpy_helper.from_array(codes, "B"), numpy_helper.from_array(scales, "scales"),
-                 numpy_helper.from_array(zeros, "zp")]
-        sessions["MatMulNBits 4-bit acc4"] = session(model_bytes([node], inits, k, n), args.threads)
+        for bits in (4, 8):  # specrt's stock graphs: Q4_1 as 4-bit (plus a product for the minimums), Q8_0 as 8-bit
+            codes = rng.integers(0, 256, size=(n, k // 32, 32 * bits // 8), dtype=np.uint8)
+            scales = rng.uniform(0.01, 0.02, size=(n, k // 32)).astype(np.float32)
+            zeros = rng.integers(0, 256, size=(n, (k // 32 * bits + 7) // 8), dtype=np.uint8)
+            node = helper.make_node("MatMulNBits", ["A", "B", "scales", "zp"], ["Y"], domain="com.microsoft", K=k,
+                                    N=n, bits=bits, block_size=32, accuracy_level=4)
+            inits = [numpy_helper.from_array(codes, "B"), numpy_helper.from_array(scales, "scales"),
+                     numpy_helper.from_array(zeros, "zp")]
+            sessions[f"MatMulNBits {bits}-bit acc4"] = session(model_bytes([node], inits, k, n), args.threads)
         for m in ROWS:
             a = rng.normal(size=(m, k)).astype(np.float32)
             times = {key: [] for key in sessions}

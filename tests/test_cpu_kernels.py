@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 ort = pytest.importorskip("onnxruntime")
 gguf_quants = pytest.importorskip("gguf.quants")
@@ -41,13 +41,17 @@ def _supported(lib, isa: str) -> bool:
         del os.environ["SPECRT_OPS_ISA"]
 
 
-def _session(lib, fmt: str, k: int, n: int, isa: str):
+def _session(lib, fmt: str, k: int, n: int, isa: str, constant: np.ndarray | None = None):
+    """A MatMulGGUF session; W is an input fed with each call, or with `constant` an initializer (which the SIMD
+    paths repack once, 8 rows at a time)."""
     node = helper.make_node("MatMulGGUF", ["A", "W"], ["Y"], domain="specrt", format=fmt, K=k, N=n)
     row = k // 32 * {"Q4_0": 18, "Q4_1": 20}.get(fmt, 34)
-    graph = helper.make_graph([node], "matmul_gguf",
-                              [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k]),
-                               helper.make_tensor_value_info("W", TensorProto.UINT8, [n, row])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])])
+    inputs = [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])]
+    if constant is None:
+        inputs.append(helper.make_tensor_value_info("W", TensorProto.UINT8, [n, row]))
+    inits = [] if constant is None else [numpy_helper.from_array(constant, "W")]
+    graph = helper.make_graph([node], "matmul_gguf", inputs,
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("specrt", 1)])
     so = ort.SessionOptions()
     so.register_custom_ops_library(str(lib))
@@ -113,13 +117,13 @@ def test_matmul_gguf_every_row_count_and_odd_shapes(ops_lib, fmt, isa):
     for k, n, rows in ((96, 7, range(1, 17)), (32, 1, (1, 3, 16)), (576, 1536, (1, 2, 5, 16)),
                        (1536, 576, (1, 4, 8)), (576, 49152 // 64, (1, 9))):
         raw, deq = _weights(fmt, n, k, rng)
-        session = _session(ops_lib, fmt, k, n, isa)
+        fed, packed = _session(ops_lib, fmt, k, n, isa), _session(ops_lib, fmt, k, n, isa, constant=raw)
         for m in rows:
             a = rng.normal(size=(m, k)).astype(np.float32) * 2
             a[0, :32] = 0  # an all-zero block (scale 0)
-            (y,) = session.run(None, {"A": a, "W": raw})
-            assert y.shape == (m, n)
-            _check(y, a, raw, deq, fmt, f"{fmt} {isa} K={k} N={n} M={m}")
+            for how, y in (("fed", fed.run(None, {"A": a, "W": raw})[0]), ("initializer", packed.run(None, {"A": a})[0])):
+                assert y.shape == (m, n)
+                _check(y, a, raw, deq, fmt, f"{fmt} {isa} K={k} N={n} M={m} W {how}")
 
 
 def test_matmul_gguf_paths_agree_and_take_leading_axes(ops_lib):
@@ -165,12 +169,13 @@ def test_matmul_gguf_rows_do_not_depend_on_the_call(ops_lib, fmt, isa):
         pytest.skip(f"this CPU does not run the {isa} kernels")
     rng = np.random.default_rng(11)
     raw, _ = _weights(fmt, 203, 576, rng)
-    session = _session(ops_lib, fmt, 576, 203, isa)
     a = rng.normal(size=(16, 576)).astype(np.float32)
-    alone = np.stack([session.run(None, {"A": a[i:i + 1], "W": raw})[0][0] for i in range(16)])
-    for m in (2, 3, 4, 5, 8, 16):
-        (y,) = session.run(None, {"A": a[:m], "W": raw})
-        np.testing.assert_array_equal(y, alone[:m], err_msg=f"M={m}")
+    for how, session, feed in (("fed", _session(ops_lib, fmt, 576, 203, isa), {"W": raw}),
+                               ("initializer", _session(ops_lib, fmt, 576, 203, isa, constant=raw), {})):
+        alone = np.stack([session.run(None, {"A": a[i:i + 1], **feed})[0][0] for i in range(16)])
+        for m in (2, 3, 4, 5, 8, 16):
+            (y,) = session.run(None, {"A": a[:m], **feed})
+            np.testing.assert_array_equal(y, alone[:m], err_msg=f"W {how}, M={m}")
 
 
 def _gather_session(lib, fmt: str, k: int, v: int):

@@ -100,6 +100,10 @@ def arts(sources, cpp_build, tmp_path_factory, monkeypatch_module):
     root = tmp_path_factory.mktemp("kernels_arts")
     arts = {s.kernels: export_artifact(path, root / s.kernels, s, draft=draft, mtp=mtp, progress=False)
             for s in (SETTINGS, KERNELS)}
+    from specrt.runtime.profile import save_profile
+    from specrt.tools.profile import measure
+
+    save_profile(arts["specrt"], measure(arts["specrt"], threads=2, progress=False))  # what the C++ hybrids plan on
     arts["float"] = export_artifact(path, root / "float", dataclasses.replace(SETTINGS, weights="float"),
                                     progress=False)  # the GGUF's weights dequantized: no activation rounding
     return arts
@@ -182,3 +186,23 @@ def test_kernels_need_gguf_blocks_on_the_cpu(sources, tmp_path):
                           "--kernels specrt runs a GGUF's own blocks on the CPU: it needs --weights gguf and "
                           "--attention cpu (got --weights int4 --attention cpu)")
     assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("method", ["ar", "dspark+ngram", "mtp"])
+def test_cpp_runtime_loads_the_library_and_gives_python_tokens(arts, cpp_build, method):
+    """libspecrt finds libspecrt_ops beside itself (no $SPECRT_OPS_LIB) and gives the Python engine's tokens."""
+    import os
+    import subprocess
+
+    prompts = [[1, 70, 71, 72, 73, 74, 70, 71, 72], [1, *range(100, 140)]]
+    with Engine(arts["specrt"], EngineConfig(threads=2)) as engine:
+        reqs = [Request(p, SamplingParams(max_new_tokens=32, ignore_eos=True), id=i) for i, p in enumerate(prompts)]
+        want = [o.output_ids for o in engine.generate(reqs)[0]]
+    env = {k: v for k, v in os.environ.items() if k != "SPECRT_OPS_LIB"}
+    args = [str(cpp_build / "specrt-cpp"), str(arts["specrt"]), "--method", method, "--scheduler", "sps",
+            "--max-new-tokens", "32", "--ignore-eos", "--threads", "2", "--json"]
+    for p in prompts:
+        args += ["--input-ids", ",".join(map(str, p))]
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["outputs"] == want

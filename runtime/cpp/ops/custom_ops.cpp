@@ -35,6 +35,15 @@ struct MatMulGGUFKernel {
         if (k_ <= 0 || n_ <= 0 || k_ % specrt::ops::kBlock)
             throw Ort::Exception("specrt::MatMulGGUF: K must be a positive multiple of 32 and N positive", ORT_INVALID_ARGUMENT);
         isa_ = specrt::ops::best_isa();
+        // weights that are an initializer are repacked once, 8 rows at a time (gguf_kernels.h, Packed)
+        int constant = 0;
+        Ort::ConstValue w = ki.GetTensorConstantInput(1, &constant);
+        if (constant && isa_ != specrt::ops::Isa::Scalar) {
+            const std::vector<int64_t> ws = w.GetTensorTypeAndShapeInfo().GetShape();
+            const int64_t blocks = k_ / specrt::ops::kBlock;
+            if (ws.size() == 2 && ws[0] == n_ && ws[1] == blocks * specrt::ops::block_bytes(format_))
+                specrt::ops::pack(format_, w.GetTensorData<uint8_t>(), n_, blocks, packed_);
+        }
     }
 
     void Compute(OrtKernelContext* context) {
@@ -56,12 +65,18 @@ struct MatMulGGUFKernel {
         thread_local specrt::ops::Activations acts;
         specrt::ops::quantize(a.GetTensorData<float>(), m, k_, acts);
         Job job{this, &acts, w.GetTensorData<uint8_t>(), y.GetTensorMutableData<float>()};
+        if (!packed_.data.empty()) {
+            const int64_t tasks = (packed_.groups + kGroupsPerTask - 1) / kGroupsPerTask;
+            ctx.ParallelFor(&MatMulGGUFKernel::groups, static_cast<size_t>(tasks), 0, &job);
+            return;
+        }
         const int64_t tiles = (n_ + kTile - 1) / kTile;
         ctx.ParallelFor(&MatMulGGUFKernel::tile, static_cast<size_t>(tiles), 0, &job);
     }
 
 private:
     static constexpr int64_t kTile = 16;  // weight rows per task
+    static constexpr int64_t kGroupsPerTask = 2;  // packed: groups of 8 weight rows per task
     struct Job {
         MatMulGGUFKernel* self;
         const specrt::ops::Activations* acts;
@@ -74,9 +89,17 @@ private:
         specrt::ops::matmul_rows(j.self->isa_, j.self->format_, j.w, *j.acts, n0, n1, j.self->n_, j.y);
     }
 
+    static void groups(void* data, size_t t) {
+        const Job& j = *static_cast<Job*>(data);
+        const specrt::ops::Packed& p = j.self->packed_;
+        const int64_t g0 = static_cast<int64_t>(t) * kGroupsPerTask, g1 = std::min(g0 + kGroupsPerTask, p.groups);
+        specrt::ops::matmul_packed(j.self->isa_, p, *j.acts, g0, g1, j.self->n_, j.y);
+    }
+
     Format format_ = Format::Q4_0;
     int64_t k_ = 0, n_ = 0;
     specrt::ops::Isa isa_ = specrt::ops::Isa::Scalar;
+    specrt::ops::Packed packed_;  // empty: W is not an initializer, or the scalar reference runs
 };
 
 struct MatMulGGUFOp : Ort::CustomOpBase<MatMulGGUFOp, MatMulGGUFKernel> {

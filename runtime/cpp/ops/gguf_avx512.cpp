@@ -12,4 +12,8 @@ void attention_avx512(const AttentionShape& s, const float* q, const float* k, c
                       int64_t r0, int64_t r1, float* scores, float* out) {
     for (int64_t r = r0; r < r1; ++r) attention_row_impl(s, q, k, v, bias, r, scores, out);
 }
+void packed_vnni(const Packed& w, const int8_t* q, const float* d, const int32_t* s, int64_t m, int64_t g0,
+                 int64_t g1, int64_t n_total, float* y) {
+    packed_simd<true>(w, q, d, s, m, g0, g1, n_total, y);
+}
 }  // namespace specrt::ops

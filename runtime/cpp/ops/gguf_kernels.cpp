@@ -88,6 +88,10 @@ void rows_avx2(Format f, const uint8_t* w, const int8_t* q, const float* d, cons
                int64_t blocks, int64_t n0, int64_t n1, int64_t n_total, float* y);
 void rows_vnni(Format f, const uint8_t* w, const int8_t* q, const float* d, const int32_t* s, int64_t m,
                int64_t blocks, int64_t n0, int64_t n1, int64_t n_total, float* y);
+void packed_avx2(const Packed& w, const int8_t* q, const float* d, const int32_t* s, int64_t m, int64_t g0,
+                 int64_t g1, int64_t n_total, float* y);
+void packed_vnni(const Packed& w, const int8_t* q, const float* d, const int32_t* s, int64_t m, int64_t g0,
+                 int64_t g1, int64_t n_total, float* y);
 void attention_avx2(const AttentionShape& s, const float* q, const float* k, const float* v, const float* bias,
                     int64_t r0, int64_t r1, float* scores, float* out);
 void attention_avx512(const AttentionShape& s, const float* q, const float* k, const float* v, const float* bias,
@@ -159,6 +163,35 @@ void matmul_rows(Isa isa, Format f, const uint8_t* w, const Activations& a, int6
     }
 }
 
+void pack(Format f, const uint8_t* w, int64_t n, int64_t blocks, Packed& out) {
+    static constexpr int kOrder[kGroup] = {0, 2, 4, 6, 1, 3, 5, 7};  // Q4 lanes after the horizontal adds
+    const int bytes = block_bytes(f), record = packed_record(f);
+    out.format = f;
+    out.n = n;
+    out.blocks = blocks;
+    out.groups = (n + kGroup - 1) / kGroup;
+    out.data.assign(static_cast<size_t>(out.groups * blocks * record), 0);
+    for (int64_t g = 0; g < out.groups; ++g)
+        for (int64_t b = 0; b < blocks; ++b) {
+            uint8_t* rec = out.data.data() + (g * blocks + b) * record;
+            for (int j = 0; j < kGroup; ++j) {
+                const int64_t row = g * kGroup + j;
+                if (row >= n) continue;  // zero: scale 0, codes 0
+                const uint8_t* p = w + row * blocks * bytes + b * bytes;
+                if (f == Format::Q8_0) {
+                    std::memcpy(rec + 2 * j, p, 2);
+                    std::memcpy(rec + 16 + 32 * j, p + 2, 32);
+                    continue;
+                }
+                const int lane = static_cast<int>(std::find(kOrder, kOrder + kGroup, j) - kOrder);
+                std::memcpy(rec + 2 * lane, p, 2);                              // d
+                if (f == Format::Q4_1) std::memcpy(rec + 16 + 2 * lane, p + 2, 2);  // m
+                const int codes = f == Format::Q4_1 ? 32 : 16;
+                std::memcpy(rec + codes + 32 * (j / 2) + 16 * (j % 2), p + (f == Format::Q4_1 ? 4 : 2), 16);
+            }
+        }
+}
+
 void dequantize_row(Format f, const uint8_t* row, int64_t blocks, float* out) {
     const int bytes = block_bytes(f);
     for (int64_t b = 0; b < blocks; ++b) {
@@ -180,6 +213,11 @@ void dequantize_row(Format f, const uint8_t* row, int64_t blocks, float* out) {
                 for (int i = 0; i < kBlock; ++i) o[i] = static_cast<float>(static_cast<int8_t>(p[2 + i])) * d;
         }
     }
+}
+
+void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, int64_t g1, int64_t n_total, float* y) {
+    if (isa == Isa::Avx512Vnni) packed_vnni(w, a.q.data(), a.d.data(), a.s.data(), a.m, g0, g1, n_total, y);
+    else packed_avx2(w, a.q.data(), a.d.data(), a.s.data(), a.m, g0, g1, n_total, y);
 }
 
 void attention_rows(Isa isa, const AttentionShape& s, const float* q, const float* k, const float* v,

@@ -31,6 +31,24 @@ struct Activations {
 };
 void quantize(const float* a, int64_t m, int64_t k, Activations& out);
 
+// The weights repacked once per session, 8 rows at a time, for the SIMD kernels: per (group of 8 rows, block) the 8
+// scales (fp16), for Q4_1 the 8 minimums (fp16), then the codes, so that one vector op serves 8 rows. Q4: two rows'
+// 16 code bytes per 32 bytes, scales in the order a horizontal-add tree leaves the rows in (0 2 4 6 1 3 5 7); Q8_0:
+// 32 code bytes per row, rows in order. Rows past N are zero. The same bits as the file's blocks: each row's
+// products are computed from exactly its own codes and scales.
+struct Packed {
+    Format format = Format::Q4_0;
+    int64_t n = 0, groups = 0, blocks = 0;
+    std::vector<uint8_t> data;  // [groups, blocks, record]
+};
+constexpr int kGroup = 8;
+constexpr int packed_record(Format f) {
+    return f == Format::Q4_0 ? 16 + 128 : f == Format::Q4_1 ? 32 + 128 : 16 + 256;
+}
+void pack(Format f, const uint8_t* w, int64_t n, int64_t blocks, Packed& out);
+// y[i, n] for the rows of groups [g0, g1) of packed weights and all M activation rows; y is [M, n_total].
+void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, int64_t g1, int64_t n_total, float* y);
+
 // y[i, n] for rows n in [n0, n1) of weights w ([N, blocks * block_bytes]) and all M activation rows; y is [M, N].
 void matmul_rows(Isa isa, Format f, const uint8_t* w, const Activations& a, int64_t n0, int64_t n1, int64_t n_total,
                  float* y);
