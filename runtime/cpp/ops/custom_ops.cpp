@@ -63,7 +63,7 @@ struct MatMulGGUFKernel {
         if (m == 0) return;
         // per calling thread: sessions may run the same kernel from several threads at once
         thread_local specrt::ops::Activations acts;
-        specrt::ops::quantize(a.GetTensorData<float>(), m, k_, acts);
+        specrt::ops::quantize(isa_, a.GetTensorData<float>(), m, k_, acts);
         Job job{this, &acts, w.GetTensorData<uint8_t>(), y.GetTensorMutableData<float>()};
         if (!packed_.data.empty()) {
             const int64_t tasks = (packed_.groups + kGroupsPerTask - 1) / kGroupsPerTask;

@@ -16,4 +16,7 @@ void packed_vnni(const Packed& w, const int8_t* q, const float* d, const int32_t
                  int64_t g1, int64_t n_total, float* y) {
     packed_simd<true>(w, q, d, s, m, g0, g1, n_total, y);
 }
+void quantize_vnni(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, int32_t* s) {
+    quantize_blocks(x, b0, b1, q, d, s);
+}
 }  // namespace specrt::ops

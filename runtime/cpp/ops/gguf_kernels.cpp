@@ -88,6 +88,8 @@ void rows_avx2(Format f, const uint8_t* w, const int8_t* q, const float* d, cons
                int64_t blocks, int64_t n0, int64_t n1, int64_t n_total, float* y);
 void rows_vnni(Format f, const uint8_t* w, const int8_t* q, const float* d, const int32_t* s, int64_t m,
                int64_t blocks, int64_t n0, int64_t n1, int64_t n_total, float* y);
+void quantize_avx2(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, int32_t* s);
+void quantize_vnni(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, int32_t* s);
 void packed_avx2(const Packed& w, const int8_t* q, const float* d, const int32_t* s, int64_t m, int64_t g0,
                  int64_t g1, int64_t n_total, float* y);
 void packed_vnni(const Packed& w, const int8_t* q, const float* d, const int32_t* s, int64_t m, int64_t g0,
@@ -129,13 +131,18 @@ Isa best_isa() {
     return best;
 }
 
-void quantize(const float* x, int64_t m, int64_t k, Activations& out) {
+void quantize(Isa isa, const float* x, int64_t m, int64_t k, Activations& out) {
     const int64_t blocks = k / kBlock;
     out.m = m;
     out.blocks = blocks;
     out.q.resize(m * k);
     out.d.resize(m * blocks);
     out.s.resize(m * blocks);
+    if (isa != Isa::Scalar) {
+        (isa == Isa::Avx512Vnni ? quantize_vnni : quantize_avx2)(x, 0, m * blocks, out.q.data(), out.d.data(),
+                                                                  out.s.data());
+        return;
+    }
     for (int64_t i = 0; i < m * blocks; ++i) {
         const float* v = x + i * kBlock;
         float amax = 0.0f;

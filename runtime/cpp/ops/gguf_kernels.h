@@ -29,7 +29,7 @@ struct Activations {
     std::vector<float> d;     // [m, blocks]
     std::vector<int32_t> s;   // [m, blocks]: sum of the block's codes
 };
-void quantize(const float* a, int64_t m, int64_t k, Activations& out);
+void quantize(Isa isa, const float* a, int64_t m, int64_t k, Activations& out);
 
 // The weights repacked once per session, 8 rows at a time, for the SIMD kernels: per (group of 8 rows, block) the 8
 // scales (fp16), for Q4_1 the 8 minimums (fp16), then the codes, so that one vector op serves 8 rows. Q4: two rows'
