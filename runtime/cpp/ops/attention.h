@@ -21,8 +21,18 @@ struct AttentionShape {
     float scale;
 };
 
-// Rows [r0, r1) of the output [B, T, H, D]; `scores` holds L floats (per calling thread).
-void attention_rows(Isa isa, const AttentionShape& s, const float* q, const float* k, const float* v,
-                    const float* bias, int64_t r0, int64_t r1, float* scores, float* out);
+// The rows a task computes: query heads [g0, g1) of KV head `kv_head`'s G, tokens [t0, t1), batch row b. Rows of one
+// KV head share each key and value read. Tasks are the G heads of up to kTokensPerTask tokens, or (when that gives
+// fewer than kMinTasks tasks, e.g. one decoded token) single rows: a row's bits are the same in any task.
+struct AttentionTask {
+    int64_t b, kv_head, t0, t1, g0, g1;
+};
+constexpr int64_t kTokensPerTask = 2, kMinTasks = 4;
+int64_t attention_tasks(const AttentionShape& s);
+// Floats of scratch one task needs (per calling thread).
+int64_t attention_scratch(const AttentionShape& s);
+// Task `task` (of attention_tasks) into the output [B, T, H, D].
+void attention_task(Isa isa, const AttentionShape& s, const float* q, const float* k, const float* v,
+                    const float* bias, int64_t task, float* scratch, float* out);
 
 }  // namespace specrt::ops

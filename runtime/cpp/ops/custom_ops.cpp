@@ -191,12 +191,12 @@ struct CacheAttentionKernel {
             s.keys > s.cache)
             fail("bias must be [B, 1, 1, T or 1, L] with L <= the cache length");
         Ort::UnownedValue y = ctx.GetOutput(0, qs);
-        const int64_t rows = s.batch * s.tokens * s.heads;
-        if (rows == 0) return;
+        if (s.batch * s.tokens * s.heads == 0) return;
         if (s.keys == 0) fail("no keys to attend");
+        if (s.heads / s.kv_heads * specrt::ops::kTokensPerTask > 64) fail("more than 32 query heads per KV head");
         Job job{this, &s, q.GetTensorData<float>(), k.GetTensorData<float>(), v.GetTensorData<float>(),
                 bias.GetTensorData<float>(), y.GetTensorMutableData<float>()};
-        ctx.ParallelFor(&CacheAttentionKernel::task, static_cast<size_t>(rows), 0, &job);
+        ctx.ParallelFor(&CacheAttentionKernel::task, static_cast<size_t>(specrt::ops::attention_tasks(s)), 0, &job);
     }
 
 private:
@@ -206,12 +206,13 @@ private:
         const float *q, *k, *v, *bias;
         float* y;
     };
-    static void task(void* data, size_t row) {
+    static void task(void* data, size_t t) {
         const Job& j = *static_cast<Job*>(data);
-        thread_local std::vector<float> scores;
-        scores.resize(j.s->keys);
-        const int64_t r = static_cast<int64_t>(row);
-        specrt::ops::attention_rows(j.self->isa_, *j.s, j.q, j.k, j.v, j.bias, r, r + 1, scores.data(), j.y);
+        thread_local std::vector<float> scratch;
+        scratch.resize(specrt::ops::attention_scratch(*j.s));
+        const uintptr_t at = reinterpret_cast<uintptr_t>(scratch.data());
+        float* aligned = scratch.data() + ((32 - at % 32) % 32) / sizeof(float);  // 32 bytes: vector loads
+        specrt::ops::attention_task(j.self->isa_, *j.s, j.q, j.k, j.v, j.bias, static_cast<int64_t>(t), aligned, j.y);
     }
 
     float scale_ = 1.0f;

@@ -9,8 +9,8 @@ void rows_vnni(Format f, const uint8_t* w, const int8_t* q, const float* d, cons
     rows_simd<true>(f, w, q, d, s, m, blocks, n0, n1, n_total, y);
 }
 void attention_avx512(const AttentionShape& s, const float* q, const float* k, const float* v, const float* bias,
-                      int64_t r0, int64_t r1, float* scores, float* out) {
-    for (int64_t r = r0; r < r1; ++r) attention_row_impl(s, q, k, v, bias, r, scores, out);
+                    const AttentionTask& task, float* scratch, float* out) {
+    attention_group_impl(s, q, k, v, bias, task, scratch, out);
 }
 void packed_vnni(const Packed& w, const int8_t* q, const float* d, const int32_t* s, int64_t m, int64_t g0,
                  int64_t g1, int64_t n_total, float* y) {

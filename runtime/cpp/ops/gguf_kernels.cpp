@@ -95,9 +95,9 @@ void packed_avx2(const Packed& w, const int8_t* q, const float* d, const int32_t
 void packed_vnni(const Packed& w, const int8_t* q, const float* d, const int32_t* s, int64_t m, int64_t g0,
                  int64_t g1, int64_t n_total, float* y);
 void attention_avx2(const AttentionShape& s, const float* q, const float* k, const float* v, const float* bias,
-                    int64_t r0, int64_t r1, float* scores, float* out);
+                    const AttentionTask& task, float* scratch, float* out);
 void attention_avx512(const AttentionShape& s, const float* q, const float* k, const float* v, const float* bias,
-                      int64_t r0, int64_t r1, float* scores, float* out);
+                      const AttentionTask& task, float* scratch, float* out);
 
 
 bool parse_format(const std::string& name, Format* f) {
@@ -227,13 +227,39 @@ void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, i
     else packed_avx2(w, a.q.data(), a.d.data(), a.s.data(), a.m, g0, g1, n_total, y);
 }
 
-void attention_rows(Isa isa, const AttentionShape& s, const float* q, const float* k, const float* v,
-                    const float* bias, int64_t r0, int64_t r1, float* scores, float* out) {
+namespace {
+bool single_rows(const AttentionShape& s) {
+    return s.batch * s.kv_heads * ((s.tokens + kTokensPerTask - 1) / kTokensPerTask) < kMinTasks;
+}
+}  // namespace
+
+int64_t attention_tasks(const AttentionShape& s) {
+    return single_rows(s) ? s.batch * s.tokens * s.heads
+                          : s.batch * s.kv_heads * ((s.tokens + kTokensPerTask - 1) / kTokensPerTask);
+}
+
+int64_t attention_scratch(const AttentionShape& s) {  // scores, then the scaled queries (32-byte aligned)
+    const int64_t rows = kTokensPerTask * (s.heads / s.kv_heads);
+    return rows * ((s.keys + 7) / 8 * 8) + rows * s.head_dim + 8;
+}
+
+void attention_task(Isa isa, const AttentionShape& s, const float* q, const float* k, const float* v,
+                    const float* bias, int64_t index, float* scratch, float* out) {
+    const int64_t G = s.heads / s.kv_heads;
+    AttentionTask task;
+    if (single_rows(s)) {  // row index = (b * T + t) * H + h
+        const int64_t h = index % s.heads, bt = index / s.heads;
+        task = {bt / s.tokens, h / G, bt % s.tokens, bt % s.tokens + 1, h % G, h % G + 1};
+    } else {
+        const int64_t per_row = (s.tokens + kTokensPerTask - 1) / kTokensPerTask;
+        const int64_t t0 = index % per_row * kTokensPerTask;
+        task = {index / (s.kv_heads * per_row), index / per_row % s.kv_heads, t0,
+                std::min(s.tokens, t0 + kTokensPerTask), 0, G};
+    }
     switch (isa) {
-        case Isa::Avx512Vnni: attention_avx512(s, q, k, v, bias, r0, r1, scores, out); break;
-        case Isa::Avx2: attention_avx2(s, q, k, v, bias, r0, r1, scores, out); break;
-        default:
-            for (int64_t r = r0; r < r1; ++r) attention_row_impl(s, q, k, v, bias, r, scores, out);
+        case Isa::Avx512Vnni: attention_avx512(s, q, k, v, bias, task, scratch, out); break;
+        case Isa::Avx2: attention_avx2(s, q, k, v, bias, task, scratch, out); break;
+        default: attention_group_impl(s, q, k, v, bias, task, scratch, out);
     }
 }
 
