@@ -51,11 +51,12 @@ def _save(model: onnx.ModelProto, spec: io.GraphSpec, path: Path) -> None:
 def _write_target(art: Path, store: WeightStore, cfg: ModelConfig, s: io.ExportSettings,
                   features: list[int | str], bar: tqdm) -> io.GraphSpec:
     g = GraphBuilder(store, accuracy_level=s.accuracy_level, kernels=s.kernels)
-    build_target_graph(g, cfg, max_seq=s.max_seq, dtype=s.dtype, features=features, attention=s.attention)
+    build_target_graph(g, cfg, max_seq=s.max_seq, dtype=s.dtype, features=features, attention=s.attention,
+                       kv_dtype=s.cache_dtype)
     signature = io.target_signature(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                     vocab_size=cfg.vocab_size, max_seq=s.max_seq, dtype=s.dtype,
                                     feature_dim=len(features) * cfg.hidden_size,
-                                    cache_len=target_cache_len(s.attention, s.max_seq))
+                                    cache_len=target_cache_len(s.attention, s.max_seq), cache_dtype=s.cache_dtype)
     return _write_graph(art, g, io.TARGET, signature, s, io.target_buckets(s), bar)
 
 

@@ -60,6 +60,7 @@ LOGITS = "logits"
 FEATURES = "features"
 
 DTYPES = ("float32", "float16")
+KV_DTYPES = ("float32", "float16", "bfloat16")  # the target cache's storage (ExportSettings.kv_dtype)
 TARGET = "target"  # the target's graph family; draft families are named after their head ("dspark", "mtp")
 
 Dim = int | str  # a fixed size, or a named axis: B slots, T tokens per slot, P tokens computed (packed), R logit
@@ -191,10 +192,11 @@ def head_buckets(s: "ExportSettings") -> dict[str, tuple[Bucket, ...]]:
 
 
 def target_signature(*, num_layers: int, num_kv_heads: int, head_dim: int, vocab_size: int, max_seq: int,
-                     dtype: str, feature_dim: int = 0, cache_len: Dim | None = None
+                     dtype: str, feature_dim: int = 0, cache_len: Dim | None = None, cache_dtype: str | None = None
                      ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """The target graph's inputs and outputs over named axes B/T/P/R (see the module docstring); the cache
-    length is `max_seq`, or the axis S (`CACHE_LEN`) when the runtime sizes it."""
+    length is `max_seq`, or the axis S (`CACHE_LEN`) when the runtime sizes it; its elements are `cache_dtype`
+    (default: `dtype`)."""
     inputs = [TensorSpec(INPUT_IDS, "int64", ("B", "T")),
               TensorSpec(POSITION_IDS, "int64", ("B", "T")),
               TensorSpec(WRITE_INDEX, "int64", ("B",)),
@@ -204,7 +206,7 @@ def target_signature(*, num_layers: int, num_kv_heads: int, head_dim: int, vocab
     if feature_dim:
         outputs.append(TensorSpec(FEATURES, dtype, ("B", "T", feature_dim)))
     return cache_signature(inputs, outputs, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                           head_dim=head_dim, max_seq=cache_len or max_seq, dtype=dtype)
+                           head_dim=head_dim, max_seq=cache_len or max_seq, dtype=cache_dtype or dtype)
 
 
 def cache_signature(inputs: list[TensorSpec], outputs: list[TensorSpec], *, num_layers: int, num_kv_heads: int,
@@ -237,6 +239,14 @@ class ExportSettings:
     # stock: ONNX Runtime's own ops; specrt: the GGUF blocks (as the file's bytes) and attention through specrt's
     # kernels (libspecrt_ops, specrt.ops_library), each output row computed the same whatever the call's rows
     kernels: str = "stock"
+    # the target's KV cache: "" (the graph's dtype), or float16 / bfloat16 under a float32 graph (half the memory;
+    # each element widened exactly when specrt::CacheAttention reads it, so only with kernels "specrt")
+    kv_dtype: str = ""
+
+    @property
+    def cache_dtype(self) -> str:
+        """The element type of the target's KV cache."""
+        return self.kv_dtype or self.dtype
 
     def __post_init__(self) -> None:
         for name in ("batch", "max_seq", "prefill_chunk", "verify_len"):
@@ -260,6 +270,11 @@ class ExportSettings:
         if self.kernels == "specrt" and (self.weights != "gguf" or self.attention != "cpu"):
             raise SpecrtError("--kernels specrt runs a GGUF's own blocks on the CPU: it needs --weights gguf and "
                               f"--attention cpu (got --weights {self.weights} --attention {self.attention})")
+        if self.kv_dtype and self.kv_dtype not in KV_DTYPES:
+            raise SpecrtError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.cache_dtype != self.dtype and self.kernels != "specrt":
+            raise SpecrtError(f"--kv-dtype {self.kv_dtype} is a cache that specrt's CacheAttention reads: it needs "
+                              f"--kernels specrt (got --kernels {self.kernels})")
         if self.attention not in ("standard", "cpu"):
             raise SpecrtError(f"attention lowering must be 'standard' or 'cpu', got {self.attention!r}")
         if max(self.prefill_chunk, self.verify_len) >= self.max_seq:
@@ -467,9 +482,15 @@ def _size(n: float) -> str:
     return f"{n:.1f} PiB"
 
 
+def storage_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype that holds a tensor of `dtype`: itself, or for bfloat16 (which numpy lacks) its bits as
+    uint16."""
+    return np.dtype(np.uint16 if dtype == "bfloat16" else dtype)
+
+
 def tensor_bytes(specs: "Iterable[TensorSpec]", sizes: Bucket, itemsize: int | None = None) -> int:
     """Bytes of the tensors `specs` at `sizes` (their own dtypes, or `itemsize` each), counted without overflow."""
-    return sum(int(np.prod(t.resolve(sizes), dtype=np.float64)) * (itemsize or np.dtype(t.dtype).itemsize)
+    return sum(int(np.prod(t.resolve(sizes), dtype=np.float64)) * (itemsize or storage_dtype(t.dtype).itemsize)
                for t in specs)
 
 

@@ -204,10 +204,14 @@ def test_gather_gguf_rows_are_gguf_dequantized_rows(ops_lib, fmt):
         session.run(None, {"W": raw, "ids": np.array([50], np.int64)})
 
 
-def _attention_session(lib, isa: str, scale: float):
+KV_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+
+
+def _attention_session(lib, isa: str, scale: float, kv: str = "float32"):
     node = helper.make_node("CacheAttention", ["q", "k", "v", "bias"], ["Y"], domain="specrt", scale=scale)
-    f = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, None)  # noqa: E731
-    graph = helper.make_graph([node], "attention", [f("q"), f("k"), f("v"), f("bias")], [f("Y")])
+    f = lambda name, t=TensorProto.FLOAT: helper.make_tensor_value_info(name, t, None)  # noqa: E731
+    graph = helper.make_graph([node], "attention", [f("q"), f("k", KV_TYPES[kv]), f("v", KV_TYPES[kv]), f("bias")],
+                              [f("Y")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("specrt", 1)])
     so = ort.SessionOptions()
     so.register_custom_ops_library(str(lib))
@@ -217,6 +221,20 @@ def _attention_session(lib, isa: str, scale: float):
         return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     finally:
         del os.environ["SPECRT_OPS_ISA"]
+
+
+def _stored(x: np.ndarray, kv: str) -> tuple[object, np.ndarray]:
+    """float32 `x` as a `kv` cache holds it: (what is fed to the op, the float32 values it stands for). bfloat16
+    rounds to nearest even (as ONNX Runtime's Cast does) and is fed as an OrtValue over its bits."""
+    if kv == "float32":
+        return x, x
+    if kv == "float16":
+        h = x.astype(np.float16)
+        return h, h.astype(np.float32)
+    u = x.view(np.uint32)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return (ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, TensorProto.BFLOAT16),
+            (bits.astype(np.uint32) << 16).view(np.float32))
 
 
 def _attention_reference(q, k, v, bias, scale):
@@ -238,45 +256,64 @@ def _causal_bias(B: int, T: int, L: int, starts) -> np.ndarray:
     return np.where(visible, 0.0, np.finfo(np.float32).min / 2).astype(np.float32)[:, None, None]
 
 
+@pytest.mark.parametrize("kv", KV_TYPES)
 @pytest.mark.parametrize("isa", ISAS)
-def test_cache_attention_matches_softmax_attention(ops_lib, isa):
+def test_cache_attention_matches_softmax_attention(ops_lib, isa, kv):
     """Grouped-query attention of T = 1..16 queries over a cache of S positions, of which the first L are read,
-    with a causal bias (per query) or one bias row for every query, against float64 softmax attention."""
+    with a causal bias (per query) or one bias row for every query, against float64 softmax attention over the
+    values the cache holds (float32, or float16 / bfloat16: `specrt export --kv-dtype`)."""
     if not _supported(ops_lib, isa):
         pytest.skip(f"this CPU does not run the {isa} kernels")
     rng = np.random.default_rng(9)
     for B, T, H, Hkv, D, S in ((1, 1, 9, 3, 64, 40), (2, 5, 4, 2, 32, 24), (3, 16, 9, 3, 64, 70),
                                (1, 3, 2, 2, 8, 9)):
         scale = D ** -0.5
-        session = _attention_session(ops_lib, isa, scale)
+        session = _attention_session(ops_lib, isa, scale, kv)
         q = rng.normal(size=(B, T, H, D)).astype(np.float32)
-        k = rng.normal(size=(B, Hkv, S, D)).astype(np.float32)
-        v = rng.normal(size=(B, Hkv, S, D)).astype(np.float32)
+        k, k32 = _stored(rng.normal(size=(B, Hkv, S, D)).astype(np.float32), kv)
+        v, v32 = _stored(rng.normal(size=(B, Hkv, S, D)).astype(np.float32), kv)
         starts = rng.integers(0, S - T + 1, size=B)
         L = int(starts.max()) + T
         for bias in (_causal_bias(B, T, L, starts), rng.normal(size=(B, 1, 1, 1, L)).astype(np.float32)):
             (y,) = session.run(None, {"q": q, "k": k, "v": v, "bias": bias})
             assert y.shape == q.shape
-            np.testing.assert_allclose(y, _attention_reference(q, k, v, bias, scale), rtol=2e-5, atol=2e-5,
-                                       err_msg=f"{isa} B={B} T={T} H={H}/{Hkv} D={D} L={L}")
+            np.testing.assert_allclose(y, _attention_reference(q, k32, v32, bias, scale), rtol=2e-5, atol=2e-5,
+                                       err_msg=f"{isa} {kv} B={B} T={T} H={H}/{Hkv} D={D} L={L}")
 
 
+@pytest.mark.parametrize("kv", KV_TYPES)
 @pytest.mark.parametrize("isa", ISAS)
-def test_cache_attention_rows_do_not_depend_on_the_call(ops_lib, isa):
+def test_cache_attention_rows_do_not_depend_on_the_call(ops_lib, isa, kv):
     """Query t among T queries gets the bits it gets as the only query (with its own bias row)."""
     if not _supported(ops_lib, isa):
         pytest.skip(f"this CPU does not run the {isa} kernels")
     rng = np.random.default_rng(2)
     B, T, H, Hkv, D, S = 2, 16, 9, 3, 64, 90
-    session = _attention_session(ops_lib, isa, D ** -0.5)
+    session = _attention_session(ops_lib, isa, D ** -0.5, kv)
     q = rng.normal(size=(B, T, H, D)).astype(np.float32)
-    k = rng.normal(size=(B, Hkv, S, D)).astype(np.float32)
-    v = rng.normal(size=(B, Hkv, S, D)).astype(np.float32)
+    k, _ = _stored(rng.normal(size=(B, Hkv, S, D)).astype(np.float32), kv)
+    v, _ = _stored(rng.normal(size=(B, Hkv, S, D)).astype(np.float32), kv)
     bias = _causal_bias(B, T, 70, [40, 54])
     (y,) = session.run(None, {"q": q, "k": k, "v": v, "bias": bias})
     for t in range(T):
         (alone,) = session.run(None, {"q": q[:, t:t + 1].copy(), "k": k, "v": v, "bias": bias[:, :, :, t:t + 1].copy()})
         np.testing.assert_array_equal(y[:, t:t + 1], alone, err_msg=f"query {t}")
+
+
+def test_cache_attention_refuses_mixed_or_other_cache_types(ops_lib):
+    node = helper.make_node("CacheAttention", ["q", "k", "v", "bias"], ["Y"], domain="specrt", scale=0.125)
+    q, bias = np.zeros((1, 2, 4, 64), np.float32), np.zeros((1, 1, 1, 2, 10), np.float32)
+    for kt, vt, k, v, want in ((TensorProto.FLOAT16, TensorProto.FLOAT, np.float16, np.float32, "one element type"),
+                               (TensorProto.DOUBLE, TensorProto.DOUBLE, np.float64, np.float64, "float, float16 or")):
+        f = lambda name, t=TensorProto.FLOAT: helper.make_tensor_value_info(name, t, None)  # noqa: E731
+        graph = helper.make_graph([node], "attention", [f("q"), f("k", kt), f("v", vt), f("bias")], [f("Y")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("specrt", 1)])
+        so = ort.SessionOptions()
+        so.register_custom_ops_library(str(ops_lib))
+        session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        with pytest.raises(Exception, match=want):
+            session.run(None, {"q": q, "k": np.zeros((1, 2, 10, 64), k), "v": np.zeros((1, 2, 10, 64), v),
+                               "bias": bias})
 
 
 def test_cache_attention_refuses_bad_shapes(ops_lib):

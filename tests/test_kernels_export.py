@@ -35,6 +35,7 @@ TYPES = {"token_embd": Q.Q8_0, "output": Q.Q4_0, "attn_q": Q.Q4_1, "attn_k": Q.Q
          "attn_output": Q.Q4_0, "ffn_gate": Q.Q8_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1}
 SETTINGS = io.ExportSettings(batch=3, max_seq=256, prefill_chunk=16, verify_len=5, weights="gguf", attention="cpu")
 KERNELS = dataclasses.replace(SETTINGS, kernels="specrt")
+HALF_CACHES = ("float16", "bfloat16")
 
 
 def write_quantized_gguf(path: Path, seed: int = 0) -> Path:
@@ -106,6 +107,10 @@ def arts(sources, cpp_build, tmp_path_factory, monkeypatch_module):
     save_profile(arts["specrt"], measure(arts["specrt"], threads=2, progress=False))  # what the C++ hybrids plan on
     arts["float"] = export_artifact(path, root / "float", dataclasses.replace(SETTINGS, weights="float"),
                                     progress=False)  # the GGUF's weights dequantized: no activation rounding
+    for kv in HALF_CACHES:  # `--kv-dtype`: the target's cache in 16 bits
+        arts[kv] = export_artifact(path, root / kv, dataclasses.replace(KERNELS, kv_dtype=kv), draft=draft, mtp=mtp,
+                                   progress=False)
+        save_profile(arts[kv], measure(arts[kv], threads=2, progress=False))
     return arts
 
 
@@ -206,3 +211,56 @@ def test_cpp_runtime_loads_the_library_and_gives_python_tokens(arts, cpp_build, 
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1])["outputs"] == want
+
+
+@pytest.mark.parametrize("kv", HALF_CACHES)
+def test_half_caches_keep_every_method_exact(arts, cpp_build, kv):
+    """`--kv-dtype float16 / bfloat16`: the target's cache is declared and stored in 16 bits (keys and values cast
+    once, when written); logits stay near the float32 cache's; every method gives `ar`'s tokens, and the C++ runtime
+    gives Python's."""
+    import os
+    import subprocess
+
+    from specrt.tools.parity import _specrt_logits
+
+    art = arts[kv]
+    m = io.load_manifest(art)
+    assert m.export.kv_dtype == kv
+    target = onnx.load(str(art / "target.onnx"), load_external_data=False)
+    want_type = onnx.TensorProto.FLOAT16 if kv == "float16" else onnx.TensorProto.BFLOAT16
+    caches = [vi for vi in (*target.graph.input, *target.graph.output) if vi.name.startswith(("past.", "present."))]
+    assert len(caches) == 4 * LAYERS and all(vi.type.tensor_type.elem_type == want_type for vi in caches)
+    ids = [1, *np.random.default_rng(1).integers(3, 250, size=47).tolist()]
+    logits = {}
+    for name in ("specrt", kv):
+        with Engine(arts[name], EngineConfig(threads=2)) as engine:
+            logits[name] = _specrt_logits(engine, ids)
+    assert not np.array_equal(logits[kv], logits["specrt"])  # the cache really is rounded
+    assert np.abs(logits[kv] - logits["specrt"]).max() < 0.02 * np.abs(logits["specrt"]).max()
+
+    prompts = [[1, 70, 71, 72, 73, 74, 70, 71, 72], [1, *range(100, 140)], [1, 5, 9, 200, 3, 5, 9]]
+    reqs = [Request(p, SamplingParams(max_new_tokens=40, ignore_eos=True), id=i) for i, p in enumerate(prompts)]
+    with Engine(art, EngineConfig(threads=2)) as engine:
+        want = [o.output_ids for o in engine.generate(reqs)[0]]
+    for method in METHODS:
+        for scheduler in ("fixed", "sps"):
+            with open_engine(art, EngineConfig(method=method, scheduler=scheduler, threads=2)) as engine:
+                got, _ = engine.generate(reqs)
+            assert [o.output_ids for o in got] == want, f"{kv}: {method} / {scheduler}"
+    env = {k: v for k, v in os.environ.items() if k != "SPECRT_OPS_LIB"}
+    for method in ("ar", "dspark+ngram"):
+        args = [str(cpp_build / "specrt-cpp"), str(art), "--method", method, "--max-new-tokens", "40", "--ignore-eos",
+                "--threads", "2", "--json"]
+        for p in prompts:
+            args += ["--input-ids", ",".join(map(str, p))]
+        r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout.strip().splitlines()[-1])["outputs"] == want, f"{kv}: C++ {method}"
+
+
+def test_half_caches_need_the_kernels(sources, tmp_path):
+    assert_one_line_error(cli("export", sources[0], "--out", tmp_path / "a", "--weights", "gguf", "--attention", "cpu",
+                              "--kernels", "stock", "--kv-dtype", "float16", "--no-profile", "--quiet"),
+                          "--kv-dtype float16 is a cache that specrt's CacheAttention reads: it needs --kernels "
+                          "specrt (got --kernels stock)")
+    assert not (tmp_path / "a").exists()

@@ -24,8 +24,8 @@ PLUGIN_DOMAIN = "specrt"  # specrt's ops (plugins/): an ONNX local function for 
 # exported with `--kernels specrt` need the library (specrt.ops_library)
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits, GatherBlockQuantized): quantized weights
 
-_ONNX_DTYPE = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int64": TensorProto.INT64,
-               "int32": TensorProto.INT32, "bool": TensorProto.BOOL, "uint8": TensorProto.UINT8}
+_ONNX_DTYPE = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16,
+               "int64": TensorProto.INT64, "int32": TensorProto.INT32, "bool": TensorProto.BOOL, "uint8": TensorProto.UINT8}
 
 
 def onnx_dtype(name: str) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 
 from specrt import artifact as io
 from specrt.model_config import ModelConfig
-from specrt.exporter.onnx.builder import GraphBuilder
+from specrt.exporter.onnx.builder import GraphBuilder, onnx_dtype
 from specrt.exporter.onnx.attention import (KeyBlock, Packing, Rope, attend, cache_block, check_lowering,
                                             project_heads, write_cache)
 from specrt.exporter.onnx.layers import (Shapes, add_rms_norm, embedding, linear, mlp, rms_norm, rope_tables,
@@ -100,10 +100,12 @@ def slot_io(g: GraphBuilder, shapes: Shapes, slots: str, cfg: ModelConfig, max_s
 
 def _attention(g: GraphBuilder, x: str, p: str, cache: tuple[str, str], cfg: ModelConfig, shapes: Shapes,
                rope: Rope, scatter_idx: str, bias: str, dtype: str, window: int | str, lowering: str,
-               sized_cache: bool, packing: Packing | None) -> tuple[str, str, str]:
+               sized_cache: bool, packing: Packing | None, kv_dtype: str) -> tuple[str, str, str]:
     """Self-attention of T new tokens over the cache they are first written into; returns (o, present_k, present_v)."""
     with g.scope("attn"):
         q, k, v = project_heads(g, x, p, "qkv", shapes.qkv, cfg, rope, dtype, lowering=lowering, packing=packing)
+        if kv_dtype != dtype:  # the cache's storage (--kv-dtype): rounded once, when written
+            k, v = (g.op("Cast", t, to=onnx_dtype(kv_dtype), name=f"{n}_to_cache") for t, n in ((k, "k"), (v, "v")))
         present_k, present_v = write_cache(g, cache, scatter_idx, k, v, rows=lowering == "cpu")
         keys = KeyBlock("cache", present_k, present_v, window) if sized_cache else \
             cache_block(g, present_k, present_v, window)
@@ -114,19 +116,19 @@ def _attention(g: GraphBuilder, x: str, p: str, cache: tuple[str, str], cfg: Mod
 def decoder_layer(g: GraphBuilder, x: str, prefix: str, cache: tuple[str, str], cfg: ModelConfig, shapes: Shapes,
                   rope: Rope, scatter_idx: str, bias: str, dtype: str, window: int | str, *,
                   lowering: str = "standard", sized_cache: bool = False,
-                  packing: Packing | None = None) -> tuple[str, str, str]:
+                  packing: Packing | None = None, kv_dtype: str | None = None) -> tuple[str, str, str]:
     """One pre-norm decoder layer over its KV cache; returns (x, present_k, present_v).
 
     `prefix` names the layer's weights (`model.layers.3`), `cache` its past K/V graph inputs; `window` is the
     cache length attention reads (S, or the cpu lowering's window tensor from `slot_io`); `sized_cache`: the
     cache is as long as the window (the runtime sized it), so attention reads it whole; `packing`: x holds the
-    call's packed tokens (`attention.Packing`), not the whole grid.
+    call's packed tokens (`attention.Packing`), not the whole grid; `kv_dtype`: the cache's elements (`dtype`).
     """
     eps = cfg.rms_norm_eps
     a = rms_norm(g, x, g.weight(f"{prefix}.input_layernorm.weight"), eps, dtype, name="input_layernorm",
                  lowering=lowering)
     o, pk, pv = _attention(g, a, f"{prefix}.self_attn", cache, cfg, shapes, rope, scatter_idx, bias, dtype, window,
-                           lowering, sized_cache, packing)
+                           lowering, sized_cache, packing, kv_dtype or dtype)
     x, m = add_rms_norm(g, x, o, g.weight(f"{prefix}.post_attention_layernorm.weight"), eps, dtype,
                         name="post_attention_layernorm", residual="attn_residual", lowering=lowering)
     x = g.op("Add", x, mlp(g, m, f"{prefix}.mlp", cfg.intermediate_size), name="mlp_residual")
@@ -173,16 +175,19 @@ def target_cache_len(attention: str, max_seq: int) -> int | str:
 
 
 def build_target_graph(g: GraphBuilder, cfg: ModelConfig, *, max_seq: int, dtype: str,
-                       features: Sequence[int | str] = (), attention: str = "standard") -> None:
+                       features: Sequence[int | str] = (), attention: str = "standard", kv_dtype: str | None = None
+                       ) -> None:
     """Emit the whole target graph into `g` over named axes B/T/R (the caller turns it into a model).
 
-    `attention` is the lowering (`attention.LOWERINGS`): `standard` for TensorRT, `cpu` for ONNX Runtime on CPU."""
+    `attention` is the lowering (`attention.LOWERINGS`): `standard` for TensorRT, `cpu` for ONNX Runtime on CPU.
+    `kv_dtype`: the cache's elements (default `dtype`); new keys and values are cast to it before they are written,
+    so a token's cached key is the same bits whichever call wrote it."""
     check_lowering(attention)
     d = cfg.hidden_size
     inputs, outputs = io.target_signature(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                           head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, max_seq=max_seq,
                                           dtype=dtype, feature_dim=d * len(features),
-                                          cache_len=target_cache_len(attention, max_seq))
+                                          cache_len=target_cache_len(attention, max_seq), cache_dtype=kv_dtype)
     for t in inputs:
         g.input(t.name, t.dtype, t.shape)
     shape = {t.name: t.shape for t in outputs}
@@ -201,7 +206,7 @@ def build_target_graph(g: GraphBuilder, cfg: ModelConfig, *, max_seq: int, dtype
             with g.scope(f"layers.{i}"):
                 x, pk, pv = decoder_layer(g, x, f"model.layers.{i}", io.past_names(i), cfg, shapes, rope,
                                           scatter_idx, bias, dtype, window, lowering=attention,
-                                          sized_cache=attention == "cpu", packing=packing)
+                                          sized_cache=attention == "cpu", packing=packing, kv_dtype=kv_dtype)
             captured[i] = x
             presents.append((pk, pv))
         h = rms_norm(g, x, g.weight("model.norm.weight"), cfg.rms_norm_eps, dtype, name="norm", lowering=attention)
@@ -220,6 +225,7 @@ def build_target_graph(g: GraphBuilder, cfg: ModelConfig, *, max_seq: int, dtype
                 feats = g.op("Reshape", feats, g.op("Concat", shapes.batch, shapes.tokens,
                                                     g.const([d * len(features)], "f", "int64"), axis=0))
             g.output(feats, io.FEATURES, dtype, shape[io.FEATURES])
+    dtypes = {t.name: t.dtype for t in outputs}
     for i, (pk, pv) in enumerate(presents):
         for value, name in zip((pk, pv), io.present_names(i)):
-            g.output(value, name, dtype, shape[name])
+            g.output(value, name, dtypes[name], shape[name])

@@ -34,6 +34,13 @@ def _declared_shapes(model: onnx.ModelProto) -> dict[str, tuple]:
             for vi in (*model.graph.input, *model.graph.output)}
 
 
+def _ortvalue(buf: np.ndarray, dtype: str) -> "ort.OrtValue":
+    """An OrtValue over `buf` (no copy); a bfloat16 tensor is held as its uint16 bits (io.storage_dtype)."""
+    if dtype == "bfloat16":
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(buf, onnx.TensorProto.BFLOAT16)
+    return ort.OrtValue.ortvalue_from_numpy(buf)
+
+
 def session_options(threads: int | None = None, *, spin: bool = True) -> "ort.SessionOptions":
     """Options for every specrt session; `spin=False` when another session runs in turn with this one
     (idle spinning threads would steal the cores the other session needs next)."""
@@ -105,7 +112,8 @@ class OrtRunner:
         io.check_memory(io.tensor_bytes(specs, sizes),
                         f"the {self.spec.name} KV cache for {self.slots} slots x {length} positions")
         self.cache_length = length
-        self._cache = {t.name: np.zeros(t.resolve(sizes), dtype=t.dtype) for t in specs}
+        self._cache = {t.name: np.zeros(t.resolve(sizes), dtype=io.storage_dtype(t.dtype)) for t in specs}
+        self._cache_types = {t.name: t.dtype for t in specs}
         for name, buf in old.items():
             n = min(buf.shape[2], length)
             self._cache[name][:, :, :n] = buf[:, :, :n]
@@ -117,7 +125,7 @@ class OrtRunner:
         """Bind each layer's cache rows [slot, slot + n) as both past and present; `views` keeps the OrtValues."""
         views.clear()
         for name, buf in self._cache.items():
-            views.append(ort.OrtValue.ortvalue_from_numpy(buf[slot:slot + n]))
+            views.append(_ortvalue(buf[slot:slot + n], self._cache_types[name]))
             b.bind_ortvalue_input(name, views[-1])
             b.bind_ortvalue_output(name.replace("past.", "present.", 1), views[-1])
 

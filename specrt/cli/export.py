@@ -33,6 +33,10 @@ from specrt.cli.options import export_options, export_settings
                    "by specrt's CPU kernels (libspecrt_ops, built by the README's C++ commands; each output row "
                    "computed alone, so verifying T tokens gives each the bits decoding it does), needs --weights "
                    "gguf --attention cpu. [default: specrt for a preset when libspecrt_ops is built, else stock]")
+@click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+              help="How the target's KV cache stores keys and values: float16 / bfloat16 halve its memory (each key "
+                   "and value rounded once, when written; read widened exactly), with --kernels specrt. "
+                   "[default: the graph's --dtype]")
 @click.option("--draft-vocab", type=int, default=None,
               help="Draft heads score only the N most frequent target tokens of their distillation data (FR-Spec: "
                    "DSpark's LM and Markov heads, MTP's head; output stays exact). 0: the whole vocabulary. "
@@ -46,7 +50,8 @@ from specrt.cli.options import export_options, export_settings
                    "stores one later; without one, every run measures a quick one).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feedback: str, no_heads: bool,
-           weights: str, accuracy_level: str, kernels: str | None, draft_vocab: int | None, token_counts: Path | None,
+           weights: str, accuracy_level: str, kernels: str | None, kv_dtype: str | None, draft_vocab: int | None,
+           token_counts: Path | None,
            force: bool, no_profile: bool, quiet: bool, **opts) -> None:
     """Export MODEL (HF directory, .gguf file, or preset name `smollm2`) into an artifact directory.
 
@@ -76,7 +81,8 @@ def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feed
 
         block = dspark_block_size(draft)
     settings = dataclasses.replace(export_settings(**opts, block=block), weights=weights,
-                                   accuracy_level=int(accuracy_level), kernels=kernels, draft_vocab=draft_vocab)
+                                   accuracy_level=int(accuracy_level), kernels=kernels, kv_dtype=kv_dtype or "",
+                                   draft_vocab=draft_vocab)
     path = export_artifact(resolve_model(model, progress=not quiet), out, settings, draft=draft, mtp=mtp,
                            mtp_feedback=mtp_feedback, token_counts=token_counts, progress=not quiet, force=force)
     if not no_profile:
@@ -128,7 +134,7 @@ def inspect(artifact: Path, as_json: bool) -> None:
     click.echo(f"model    {cfg.family}: {cfg.num_layers} layers, d={cfg.hidden_size}, "
                f"heads {cfg.num_heads}/{cfg.num_kv_heads} kv, vocab {cfg.vocab_size}")
     click.echo(f"export   B={s.batch} S_MAX={s.max_seq} prefill_chunk={s.prefill_chunk} verify_len={s.verify_len} "
-               f"dtype={s.dtype} attention={s.attention}")
+               f"dtype={s.dtype} attention={s.attention}" + (f" kv_dtype={s.kv_dtype}" if s.kv_dtype else ""))
     fmt = s.weights if s.weights == "float" else (
         f"{s.weights}, specrt's kernels (libspecrt_ops)" if s.kernels == "specrt" else
         f"{s.weights}, accuracy level {s.accuracy_level}, ONNX Runtime only")

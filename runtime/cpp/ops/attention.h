@@ -13,12 +13,17 @@ namespace specrt::ops {
 
 constexpr int64_t kMaxHeadDim = 256;
 
+// How the cache stores keys and values (`specrt export --kv-dtype`): each element is widened to float32 exactly on
+// load, so a row's arithmetic is the float32 one whatever the storage.
+enum class CacheType { F32, F16, BF16 };
+
 struct AttentionShape {
     int64_t batch, tokens, heads, kv_heads, head_dim;  // q [B, T, H, D]
     int64_t cache;                                      // k, v [B, Hkv, S, D]
     int64_t keys;                                       // L <= S: the keys attended (the bias's last axis)
     int64_t bias_tokens;                                // bias [B, 1, 1, T or 1, L]
     float scale;
+    CacheType cache_type = CacheType::F32;  // of k and v
 };
 
 // The rows a task computes: query heads [g0, g1) of KV head `kv_head`'s G, tokens [t0, t1), batch row b. Rows of one
@@ -32,7 +37,7 @@ int64_t attention_tasks(const AttentionShape& s);
 // Floats of scratch one task needs (per calling thread).
 int64_t attention_scratch(const AttentionShape& s);
 // Task `task` (of attention_tasks) into the output [B, T, H, D].
-void attention_task(Isa isa, const AttentionShape& s, const float* q, const float* k, const float* v,
+void attention_task(Isa isa, const AttentionShape& s, const float* q, const void* k, const void* v,
                     const float* bias, int64_t task, float* scratch, float* out);
 
 }  // namespace specrt::ops

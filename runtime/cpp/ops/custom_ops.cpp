@@ -6,9 +6,10 @@
 //     Y = A Wᵀ with A's rows quantized per 32-block to int8 (gguf_kernels.h).
 //   specrt::GatherGGUF(W: uint8 [V, K/32 * block bytes], ids: int64 [...]) -> Y: float [..., K]
 //     attributes: format, K.  Rows of a GGUF table (the embedding), dequantized.
-//   specrt::CacheAttention(q: float [B, T, H, D], k, v: float [B, Hkv, S, D], bias: float [B, 1, 1, T or 1, L])
-//     -> Y: float [B, T, H, D]; attribute scale.  softmax(q·scale·kᵀ + bias)·v over the first L keys
-//     (attention.h).
+//   specrt::CacheAttention(q: float [B, T, H, D], k, v: float, float16 or bfloat16 [B, Hkv, S, D] (one type),
+//                          bias: float [B, 1, 1, T or 1, L])
+//     -> Y: float [B, T, H, D]; attribute scale.  softmax(q·scale·kᵀ + bias)·v over the first L keys, the cache's
+//     elements widened to float32 (attention.h).
 // Every operator computes each output row alone, in one fixed order: a row's bits never depend on the call's rows.
 #include "attention.h"
 #include "gguf_kernels.h"
@@ -184,6 +185,11 @@ struct CacheAttentionKernel {
         if (qs.size() != 4 || ks.size() != 4 || vs != ks || bs.size() != 5) fail("expects q [B,T,H,D], k and v "
                                                                                 "[B,Hkv,S,D], bias [B,1,1,T|1,L]");
         specrt::ops::AttentionShape s{qs[0], qs[1], qs[2], ks[1], qs[3], ks[2], bs[4], bs[3], scale_};
+        const ONNXTensorElementDataType kt = k.GetTensorTypeAndShapeInfo().GetElementType();
+        if (kt != v.GetTensorTypeAndShapeInfo().GetElementType()) fail("k and v must have one element type");
+        if (kt == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) s.cache_type = specrt::ops::CacheType::F16;
+        else if (kt == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16) s.cache_type = specrt::ops::CacheType::BF16;
+        else if (kt != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) fail("k and v must be float, float16 or bfloat16");
         if (ks[0] != s.batch || ks[3] != s.head_dim || s.kv_heads <= 0 || s.heads % s.kv_heads)
             fail("k and v must be [B, Hkv, S, D] with Hkv dividing H");
         if (s.head_dim % 8 || s.head_dim > specrt::ops::kMaxHeadDim) fail("head size must be a multiple of 8, <= 256");
@@ -194,8 +200,8 @@ struct CacheAttentionKernel {
         if (s.batch * s.tokens * s.heads == 0) return;
         if (s.keys == 0) fail("no keys to attend");
         if (s.heads / s.kv_heads * specrt::ops::kTokensPerTask > 64) fail("more than 32 query heads per KV head");
-        Job job{this, &s, q.GetTensorData<float>(), k.GetTensorData<float>(), v.GetTensorData<float>(),
-                bias.GetTensorData<float>(), y.GetTensorMutableData<float>()};
+        Job job{this, &s, q.GetTensorData<float>(), bias.GetTensorData<float>(), k.GetTensorRawData(),
+                v.GetTensorRawData(), y.GetTensorMutableData<float>()};
         ctx.ParallelFor(&CacheAttentionKernel::task, static_cast<size_t>(specrt::ops::attention_tasks(s)), 0, &job);
     }
 
@@ -203,7 +209,8 @@ private:
     struct Job {
         CacheAttentionKernel* self;
         const specrt::ops::AttentionShape* s;
-        const float *q, *k, *v, *bias;
+        const float *q, *bias;
+        const void *k, *v;
         float* y;
     };
     static void task(void* data, size_t t) {
@@ -226,7 +233,9 @@ struct CacheAttentionOp : Ort::CustomOpBase<CacheAttentionOp, CacheAttentionKern
     const char* GetName() const { return "CacheAttention"; }
     const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
     size_t GetInputTypeCount() const { return 4; }
-    ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+    ONNXTensorElementDataType GetInputType(size_t i) const {  // k and v: any type here, checked in Compute
+        return i == 1 || i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    }
     size_t GetOutputTypeCount() const { return 1; }
     ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };

@@ -8,7 +8,7 @@ void rows_vnni(Format f, const uint8_t* w, const int8_t* q, const float* d, cons
                int64_t blocks, int64_t n0, int64_t n1, int64_t n_total, float* y) {
     rows_simd<true>(f, w, q, d, s, m, blocks, n0, n1, n_total, y);
 }
-void attention_avx512(const AttentionShape& s, const float* q, const float* k, const float* v, const float* bias,
+void attention_avx512(const AttentionShape& s, const float* q, const void* k, const void* v, const float* bias,
                     const AttentionTask& task, float* scratch, float* out) {
     attention_group_impl(s, q, k, v, bias, task, scratch, out);
 }

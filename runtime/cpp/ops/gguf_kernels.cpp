@@ -94,9 +94,9 @@ void packed_avx2(const Packed& w, const int8_t* q, const float* d, const int32_t
                  int64_t g1, int64_t n_total, float* y);
 void packed_vnni(const Packed& w, const int8_t* q, const float* d, const int32_t* s, int64_t m, int64_t g0,
                  int64_t g1, int64_t n_total, float* y);
-void attention_avx2(const AttentionShape& s, const float* q, const float* k, const float* v, const float* bias,
+void attention_avx2(const AttentionShape& s, const float* q, const void* k, const void* v, const float* bias,
                     const AttentionTask& task, float* scratch, float* out);
-void attention_avx512(const AttentionShape& s, const float* q, const float* k, const float* v, const float* bias,
+void attention_avx512(const AttentionShape& s, const float* q, const void* k, const void* v, const float* bias,
                       const AttentionTask& task, float* scratch, float* out);
 
 
@@ -243,7 +243,7 @@ int64_t attention_scratch(const AttentionShape& s) {  // scores, then the scaled
     return rows * ((s.keys + 7) / 8 * 8) + rows * s.head_dim + 8;
 }
 
-void attention_task(Isa isa, const AttentionShape& s, const float* q, const float* k, const float* v,
+void attention_task(Isa isa, const AttentionShape& s, const float* q, const void* k, const void* v,
                     const float* bias, int64_t index, float* scratch, float* out) {
     const int64_t G = s.heads / s.kv_heads;
     AttentionTask task;

@@ -140,8 +140,16 @@ Runner::Runner(Ort::Env& env, const fs::path& dir, const GraphSpec& spec, int th
     }
     for (const TensorSpec& t : spec.inputs) {
         if (t.name.rfind("past.", 0) != 0) continue;
-        if (t.dtype != "float32")
-            throw Error(SPECRT_ERROR_ARTIFACT, spec.file + ": a " + t.dtype + " KV cache (this runtime reads float32)");
+        if (t.dtype == "float16" || t.dtype == "bfloat16") {  // `specrt export --kv-dtype`
+            cache_type_ = t.dtype == "float16" ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16
+                                               : ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
+            cache_item_ = 2;
+        } else if (t.dtype != "float32") {
+            throw Error(SPECRT_ERROR_ARTIFACT,
+                        spec.file + ": a " + t.dtype + " KV cache (this runtime reads float32, float16 and bfloat16)");
+        }
+        if (!cache_specs_.empty() && t.dtype != cache_specs_.front().dtype)
+            throw Error(SPECRT_ERROR_ARTIFACT, spec.file + ": KV caches of more than one type");
         if (t.shape.size() != 4) throw Error(SPECRT_ERROR_ARTIFACT, spec.file + ": " + t.name + " is not [B, H, S, D]");
         cache_specs_.push_back(t);
     }
@@ -227,8 +235,9 @@ void Runner::bind_cache(Call& c) {
         const TensorSpec& t = cache_specs_[i];
         std::vector<int64_t> shape = t.resolve({{"B", c.slots}, {kCacheLen, length_}});
         size_t per_slot = count(shape) / static_cast<size_t>(c.slots);
-        c.cache_values.push_back(Ort::Value::CreateTensor<float>(mem, cache_[i].data() + c.slot * per_slot, count(shape),
-                                                                 shape.data(), shape.size()));
+        c.cache_values.push_back(Ort::Value::CreateTensor(mem, cache_[i].data() + c.slot * per_slot * cache_item_,
+                                                          count(shape) * cache_item_, shape.data(), shape.size(),
+                                                          cache_type_));
         c.binding->BindInput(t.name.c_str(), c.cache_values.back());
         std::string present = "present." + t.name.substr(5);
         c.binding->BindOutput(present.c_str(), c.cache_values.back());
@@ -238,14 +247,15 @@ void Runner::bind_cache(Call& c) {
 
 // (Re)allocate every layer's cache at `length` positions per slot, keeping what it holds.
 void Runner::resize(int64_t length) {
-    std::vector<std::vector<float>> next(cache_specs_.size());
+    std::vector<std::vector<uint8_t>> next(cache_specs_.size());
     for (size_t i = 0; i < cache_specs_.size(); ++i) {
         std::vector<int64_t> shape = cache_specs_[i].resolve({{"B", slots_}, {kCacheLen, length}});
-        next[i].assign(count(shape), 0.0f);
+        next[i].assign(count(shape) * cache_item_, 0);  // zero bits: 0.0 in each type
         if (!cache_.empty() && length_ > 0) {  // [B, H, S, D]: copy each (slot, head)'s first min(S) rows
-            int64_t rows = shape[0] * shape[1], d = shape[3], keep = std::min(length, length_);
+            const int64_t rows = shape[0] * shape[1], row = shape[3] * static_cast<int64_t>(cache_item_),
+                          keep = std::min(length, length_);
             for (int64_t r = 0; r < rows; ++r)
-                std::memcpy(next[i].data() + r * length * d, cache_[i].data() + r * length_ * d, keep * d * sizeof(float));
+                std::memcpy(next[i].data() + r * length * row, cache_[i].data() + r * length_ * row, keep * row);
         }
     }
     cache_ = std::move(next);

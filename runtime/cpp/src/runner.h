@@ -57,7 +57,9 @@ private:
     GraphSpec spec_, greedy_spec_;
     std::unique_ptr<Ort::Session> session_, greedy_session_;
     std::vector<TensorSpec> cache_specs_;
-    std::vector<std::vector<float>> cache_;
+    ONNXTensorElementDataType cache_type_ = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;  // float32, float16 or bfloat16
+    size_t cache_item_ = sizeof(float);                                          // its bytes per element
+    std::vector<std::vector<uint8_t>> cache_;  // per layer's key and value: [slots, Hkv, length, D] elements
     std::map<Key, Call> calls_;
     int64_t slots_ = 0, length_ = 0;
     bool sized_ = false;
