@@ -218,10 +218,12 @@ def lookup(history: np.ndarray, max_n: int, steps: int) -> np.ndarray:
 
 
 def make_drafter(method: Method, art_dir: Path, manifest: io.Manifest, *, gamma: int, backend: str = "ort",
-                 threads: int | None = None, ngram: int = 3, costs: Costs | None = None, **where) -> Drafter:
+                 threads: int | None = None, ngram: int = 3, costs: Costs | None = None, gated: bool = False,
+                 **where) -> Drafter:
     """The drafter of a speculative method: n-gram lookups, a head ("mtp", "dspark"), or a head with lookups
-    ("dspark+ngram", "mtp+ngram": runtime/hybrid.py, which needs the cost profile `costs`). `where`:
-    load_runner's device, dtype."""
+    ("dspark+ngram", "mtp+ngram": runtime/hybrid.py, which needs the cost profile `costs`). `gated`: a head alone is
+    called only on the rounds where it promises more committed tokens per ms than a plain decoding step (the hybrid's
+    choice without lookups; the engine asks for it under sps and sps-async). `where`: load_runner's device, dtype."""
     if method.head is None:
         return NGramDrafter(gamma, max_n=ngram)
     name = method.head
@@ -230,8 +232,9 @@ def make_drafter(method: Method, art_dir: Path, manifest: io.Manifest, *, gamma:
         raise SpecrtError(f"--method {method.name} needs an artifact exported with a {name} head "
                           f"(this one has: {have}); export with --draft or --mtp, or use --method ngram")
     head = GraphDrafter(art_dir, manifest, name, backend=backend, threads=threads, **where)
-    if not method.hybrid:
+    if not method.hybrid and not gated:
         return head
     from specrt.runtime.hybrid import HybridDrafter
 
-    return HybridDrafter(head, costs, max_n=ngram, temperatures=manifest.heads[name].temperatures)
+    return HybridDrafter(head, costs, max_n=ngram, temperatures=manifest.heads[name].temperatures,
+                         lookups=method.hybrid)

@@ -166,8 +166,11 @@ class Engine:
                                   f"got {c.gamma}")
             costs = self._costs(c.backend, c.threads, profile) if c.plans_on_costs else None
             self.costs = costs
+            # under a cost-aware scheduler the host loop calls a head only when it promises more than decoding
+            gated = c.scheduler in ("sps", "sps-async") and c.backend == "ort" and costs is not None
             self.drafter = make_drafter(method, self.art_dir, self.manifest, gamma=c.gamma or exported,
-                                        backend=c.backend, threads=c.threads, ngram=c.ngram, costs=costs, **where)
+                                        backend=c.backend, threads=c.threads, ngram=c.ngram, costs=costs,
+                                        gated=gated, **where)
             g = min(c.gamma or exported, self.drafter.steps)
             head = self.manifest.heads.get(method.head) if method.head else None
             sched = make_scheduler(c.scheduler, gamma=g, temperatures=head.temperatures if head else (),

@@ -9,6 +9,10 @@
     head      when called, the head drafts for every slot; each slot keeps whichever block's survival sums higher
               (`pick`)
 
+Without lookups (`lookups=False`) the same choice gates a head alone: `dspark` or `mtp` under a cost-aware scheduler
+(sps, sps-async) call the head only on the rounds where its realized rate beats a plain decoding step's, so a draft
+call that would go unverified under load is not made (`drafters.make_drafter`'s `gated`).
+
 `choose` (lookup and decide) runs on the host on both paths; the device round (runtime/device_round.py) runs the
 head and `pick` on the device, keeping the backlog there. A skipped head does not see the rounds' verified
 positions: they wait in the slot's backlog, and the next head call writes them first (rows beyond what one
@@ -62,10 +66,13 @@ class HybridDrafter:
     needs_features = True
     calls = None  # it chooses between lookups and its head on the host each round
 
-    def __init__(self, head: GraphDrafter, costs: Costs | None, *, max_n: int = 3, temperatures=()) -> None:
+    def __init__(self, head: GraphDrafter, costs: Costs | None, *, max_n: int = 3, temperatures=(),
+                 lookups: bool = True) -> None:
         if costs is None:
             raise SpecrtError(f"--method {head.head.name}+ngram needs a cost profile (run `specrt profile ART`)")
         self.head, self.costs = head, costs
+        # False: a gated head (`make_drafter`'s `gated`), no lookups: a round without the head is a plain decode step
+        self.lookups = lookups
         self.steps = head.steps
         self.lookup = NGramDrafter(self.steps, max_n=max_n)  # blocks as wide as the head's
         self.temperatures = np.asarray(temperatures, np.float32)
@@ -112,7 +119,10 @@ class HybridDrafter:
         self._fold()
         n = len(slots)
         active = np.array([s is not None for s in slots])
-        found = self.lookup.propose(slots)
+        if self.lookups:
+            found = self.lookup.propose(slots)
+        else:
+            found = Proposal(tokens=np.zeros((n, self.steps), np.int64), counts=np.zeros(n, np.int64), probs=None)
         a_lookup = steps.survive(np.broadcast_to(self.history[LOOKUP].survival().astype(np.float32), (n, self.steps)),
                                  found.counts)
         _, without = admission(a_lookup, active, 0.0, self.costs)

@@ -205,3 +205,28 @@ def test_head_is_explored_when_its_estimate_says_skip(tiny_arts):
         view = _View(Context(i, feats, np.asarray([5])), 5, [1, 2, 3])  # never a lookup match
         heads.append(hybrid.propose([view]).head == "dspark")  # no outcome observed: the estimate stays
     assert sum(heads) == 2 and heads[EXPLORE] and heads[2 * EXPLORE + 1]
+
+
+@pytest.mark.parametrize("scheduler", ["sps", "sps-async"])
+def test_a_head_alone_is_gated_under_the_cost_aware_schedulers(tiny_arts, scheduler):
+    """`dspark` under sps / sps-async: the head is called only on the rounds where it promises more than a plain
+    decoding step (the hybrid's choice without lookups). On a profile where its call costs 50 decoding steps it is
+    called on the exploring rounds only, every other round decodes without a draft call, and the tokens are `ar`'s;
+    on a profile where it is cheap it drafts on most rounds. Under fixed and threshold the head drafts every round."""
+    art = tiny_arts("llama")
+    prompts = _repetitive(256, 3, seed=4)
+    reqs = [Request(prompt_ids=p, params=SamplingParams(max_new_tokens=96, ignore_eos=True), id=i)
+            for i, p in enumerate(prompts)]
+    want = [o.output_ids for o in Engine(art, method="ar", threads=1).generate(reqs)[0]]
+    drafted = {}
+    for draft_ms in (500.0, 0.01):
+        _store_profile(art, draft_ms=draft_ms)
+        with Engine(art, method="dspark", scheduler=scheduler, threads=1) as engine:
+            assert isinstance(engine.drafter, HybridDrafter) and not engine.drafter.lookups
+            outs, stats = engine.generate(reqs)
+            rounds = engine.drafter.rounds
+        assert [o.output_ids for o in outs] == want, draft_ms
+        drafted[draft_ms] = rounds[HEAD] / (rounds[HEAD] + rounds[LOOKUP])
+    assert drafted[500.0] <= 2 / EXPLORE and drafted[0.01] > 0.5, drafted
+    with Engine(art, method="dspark", scheduler="fixed", threads=1) as engine:
+        assert isinstance(engine.drafter, GraphDrafter)
