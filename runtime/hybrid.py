@@ -11,7 +11,8 @@
 
 Without lookups (`lookups=False`) the same choice gates a head alone: `dspark` or `mtp` under a cost-aware scheduler
 (sps, sps-async) call the head only on the rounds where its realized rate beats a plain decoding step's, so a draft
-call that would go unverified under load is not made (`drafters.make_drafter`'s `gated`).
+call that would go unverified under load is not made (`drafters.make_drafter`'s `gated`); each exploration that does
+not win the head back doubles the wait before the next (EXPLORE up to GATED_EXPLORE_MAX rounds).
 
 `choose` (lookup and decide) runs on the host on both paths; the device round (runtime/device_round.py) runs the
 head and `pick` on the device, keeping the backlog there. A skipped head does not see the rounds' verified
@@ -35,6 +36,9 @@ from specrt.runtime.schedulers import AcceptanceHistory, Costs, admission, prefi
 LOOKUP, HEAD = 0, 1
 LOOKUP_LATER = 0.8  # prior conditional acceptance of a lookup's drafts after its first
 EXPLORE = 32  # rounds without the head before it is called regardless of its estimate
+# a gated head alone (no lookups; the host loop only): each exploration that does not win the head back doubles the
+# wait before the next, up to this many rounds (a head that never pays costs 1/256 of the rounds, not 1/32)
+GATED_EXPLORE_MAX = 256
 DECAY = 0.95  # weight of the head's older rounds in its realized rate, per head round
 # before any head round: as if PRIOR_ROUNDS rounds had each verified one draft per slot and committed PRIOR_TOKENS
 PRIOR_ROUNDS, PRIOR_TOKENS = 4.0, 1.5
@@ -83,6 +87,8 @@ class HybridDrafter:
         self.rounds = {LOOKUP: 0, HEAD: 0}  # rounds drafted without and with the head
         self.committed = self.cost = 0.0  # the head rounds' committed tokens and profiled ms (decayed sums)
         self.since_head = 0
+        self.explore_every = EXPLORE  # rounds without the head before it is explored (grows for a gated head)
+        self._explored = False  # the last head call was an exploration
         self._last: list = []  # this round's (verified, accepted) per slot, folded in at the next propose
         self._last_n, self._last_head = 0, False
 
@@ -121,12 +127,22 @@ class HybridDrafter:
         active = np.array([s is not None for s in slots])
         if self.lookups:
             found = self.lookup.propose(slots)
-        else:
+            a_lookup = steps.survive(np.broadcast_to(self.history[LOOKUP].survival().astype(np.float32),
+                                                     (n, self.steps)), found.counts)
+            _, without = admission(a_lookup, active, 0.0, self.costs)
+        else:  # no drafts without the head: the round is a decoding step of the active slots (admission's rate)
             found = Proposal(tokens=np.zeros((n, self.steps), np.int64), counts=np.zeros(n, np.int64), probs=None)
-        a_lookup = steps.survive(np.broadcast_to(self.history[LOOKUP].survival().astype(np.float32), (n, self.steps)),
-                                 found.counts)
-        _, without = admission(a_lookup, active, 0.0, self.costs)
-        head = without < self.head_rate(n) or self.since_head >= EXPLORE
+            a_lookup = np.zeros((n, self.steps), np.float32)
+            tokens = int(active.sum())
+            without = tokens / self.costs.verify_ms(n, tokens)
+        wins = without < self.head_rate(n)
+        if not self.lookups:  # back off while explorations do not win the head back; reset when it wins
+            if wins:
+                self.explore_every = EXPLORE
+            elif self._explored:
+                self.explore_every = min(2 * self.explore_every, GATED_EXPLORE_MAX)
+        head = wins or self.since_head >= self.explore_every
+        self._explored = head and not wins
         self._last_n, self._last_head = n, head
         self.rounds[HEAD if head else LOOKUP] += 1
         self.since_head = 0 if head else self.since_head + 1

@@ -96,6 +96,8 @@ class Speculator:
     def schedule(self, slots: list[SlotState | None], proposal: Proposal, load: Load) -> np.ndarray:
         """The scheduler's lengths, capped by the drafts proposed, gamma and each request's budget."""
         active = np.array([s is not None for s in slots])
+        if not proposal.counts.any():  # nothing drafted (a gated head not called, no lookup found): a decoding step
+            return np.zeros(len(slots), np.int64)
         budget = np.array([s.budget if s is not None else 0 for s in slots], np.int64)
         planned = np.asarray(self.scheduler.schedule(slots, proposal, load), np.int64)
         return steps.cap(planned, proposal.counts, budget, active, self.gamma)

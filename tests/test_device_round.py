@@ -132,7 +132,8 @@ def test_mixed_batches_stay_on_the_device(art, method, scheduler, monkeypatch):
     mixed = [greedy[0], sampled[0], greedy[1], sampled[1], greedy[2], sampled[2], greedy[3]]
     ref, _ = _generate(art, greedy, method="ar", backend="ort")
     kw = dict(method=method, scheduler=scheduler)
-    host, _ = _generate(art, mixed, backend="ort", profile=replace(_profile(2.0), backend="ort"), **kw)
+    # the host loop as the device rounds run it: a head alone drafts every round (no gating, EngineConfig.gate_head)
+    host, _ = _generate(art, mixed, backend="ort", profile=replace(_profile(2.0), backend="ort"), gate_head=False, **kw)
     dev, engine = _generate(art, mixed, backend="torch", profile=_profile(2.0), **kw)
     assert [dev[i] for i in (0, 2, 4, 6)] == ref
     assert dev == host  # the sampled requests too: same draws, same rng streams
@@ -182,7 +183,7 @@ def test_every_scheduler_and_hybrid_on_the_device(art, method, scheduler, monkey
     records, host_records = Records(), Records()
     kw = dict(method=method, scheduler=scheduler, threshold=0.2)
     host, _ = _generate(art, requests, backend="ort", profile=replace(_profile(2.0), backend="ort"),
-                        observers=[host_records], **kw)
+                        observers=[host_records], gate_head=False, **kw)  # as the device rounds: no gated head
     dev, engine = _generate(art, requests, backend="torch", profile=_profile(2.0), observers=[records], **kw)
     rounds = engine.device_rounds
     assert dev == host == ref
