@@ -178,14 +178,13 @@ class SPSScheduler(_Base):
 class AsyncSPSScheduler(SPSScheduler):
     """§5.2: this round admits as many drafts as Algorithm 1 chose on the previous round's survivals; the
     current survivals only choose which (ConfidenceTruncate's budget mode). The first round plans for itself; a round
-    with no drafts at all leaves the plan to the next round that has some."""
+    with no drafts at all never reaches the scheduler (Speculator.schedule), so the plan waits for the next that has
+    some."""
 
     name = "sps-async"
 
     def schedule(self, slots: list[SlotView | None], proposal: Proposal, load: Load) -> np.ndarray:
         active = np.array([s is not None for s in slots])
-        if not proposal.counts.any():  # a round without drafts (a gated head not called): nothing to plan from
-            return np.zeros(len(slots), np.int64)
         a = self.survival(proposal)
         planned = int(self.plan(a, active, proposal.head).sum())
         budget = self.planned if self.planned is not None else planned
