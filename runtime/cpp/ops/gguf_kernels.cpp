@@ -90,9 +90,9 @@ void rows_vnni(Format f, const uint8_t* w, const int8_t* q, const float* d, cons
                int64_t blocks, int64_t n0, int64_t n1, int64_t n_total, float* y);
 void quantize_avx2(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, int32_t* s);
 void quantize_vnni(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, int32_t* s);
-void packed_avx2(const Packed& w, const int8_t* q, const float* d, const int32_t* s, int64_t m, int64_t g0,
+void packed_avx2(const Packed& w, const int8_t* q, const float* d, const float* ds, int64_t m, int64_t g0,
                  int64_t g1, int64_t n_total, float* y);
-void packed_vnni(const Packed& w, const int8_t* q, const float* d, const int32_t* s, int64_t m, int64_t g0,
+void packed_vnni(const Packed& w, const int8_t* q, const float* d, const float* ds, int64_t m, int64_t g0,
                  int64_t g1, int64_t n_total, float* y);
 void attention_avx2(const AttentionShape& s, const float* q, const void* k, const void* v, const float* bias,
                     const AttentionTask& task, float* scratch, float* out);
@@ -141,22 +141,24 @@ void quantize(Isa isa, const float* x, int64_t m, int64_t k, Activations& out) {
     if (isa != Isa::Scalar) {
         (isa == Isa::Avx512Vnni ? quantize_vnni : quantize_avx2)(x, 0, m * blocks, out.q.data(), out.d.data(),
                                                                   out.s.data());
-        return;
-    }
-    for (int64_t i = 0; i < m * blocks; ++i) {
-        const float* v = x + i * kBlock;
-        float amax = 0.0f;
-        for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
-        const float d = amax / 127.0f, inv = d > 0 ? 1.0f / d : 0.0f;
-        int32_t sum = 0;
-        for (int j = 0; j < kBlock; ++j) {
-            const int8_t q = static_cast<int8_t>(std::nearbyint(v[j] * inv));
-            out.q[i * kBlock + j] = q;
-            sum += q;
+    } else {
+        for (int64_t i = 0; i < m * blocks; ++i) {
+            const float* v = x + i * kBlock;
+            float amax = 0.0f;
+            for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+            const float d = amax / 127.0f, inv = d > 0 ? 1.0f / d : 0.0f;
+            int32_t sum = 0;
+            for (int j = 0; j < kBlock; ++j) {
+                const int8_t q = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+                out.q[i * kBlock + j] = q;
+                sum += q;
+            }
+            out.d[i] = d;
+            out.s[i] = sum;
         }
-        out.d[i] = d;
-        out.s[i] = sum;
     }
+    out.ds.resize(m * blocks);
+    for (int64_t i = 0; i < m * blocks; ++i) out.ds[i] = out.d[i] * static_cast<float>(out.s[i]);
 }
 
 void matmul_rows(Isa isa, Format f, const uint8_t* w, const Activations& a, int64_t n0, int64_t n1, int64_t n_total,
@@ -171,8 +173,8 @@ void matmul_rows(Isa isa, Format f, const uint8_t* w, const Activations& a, int6
 }
 
 void pack(Format f, const uint8_t* w, int64_t n, int64_t blocks, Packed& out) {
-    static constexpr int kOrder[kGroup] = {0, 2, 4, 6, 1, 3, 5, 7};  // Q4 lanes after the horizontal adds
     const int bytes = block_bytes(f), record = packed_record(f);
+    const int scales = f == Format::Q4_1 ? 2 : 1, codes_at = 16 * scales, code_bytes = f == Format::Q8_0 ? 32 : 16;
     out.format = f;
     out.n = n;
     out.blocks = blocks;
@@ -185,16 +187,10 @@ void pack(Format f, const uint8_t* w, int64_t n, int64_t blocks, Packed& out) {
                 const int64_t row = g * kGroup + j;
                 if (row >= n) continue;  // zero: scale 0, codes 0
                 const uint8_t* p = w + row * blocks * bytes + b * bytes;
-                if (f == Format::Q8_0) {
-                    std::memcpy(rec + 2 * j, p, 2);
-                    std::memcpy(rec + 16 + 32 * j, p + 2, 32);
-                    continue;
-                }
-                const int lane = static_cast<int>(std::find(kOrder, kOrder + kGroup, j) - kOrder);
-                std::memcpy(rec + 2 * lane, p, 2);                              // d
-                if (f == Format::Q4_1) std::memcpy(rec + 16 + 2 * lane, p + 2, 2);  // m
-                const int codes = f == Format::Q4_1 ? 32 : 16;
-                std::memcpy(rec + codes + 32 * (j / 2) + 16 * (j % 2), p + (f == Format::Q4_1 ? 4 : 2), 16);
+                std::memcpy(rec + 2 * j, p, 2);                            // d
+                if (f == Format::Q4_1) std::memcpy(rec + 16 + 2 * j, p + 2, 2);  // m
+                for (int c = 0; c < code_bytes; c += 4)  // the row's code bytes 4 at a time, lane j of vector c / 4
+                    std::memcpy(rec + codes_at + 32 * (c / 4) + 4 * j, p + 2 * scales + c, 4);
             }
         }
 }
@@ -223,8 +219,8 @@ void dequantize_row(Format f, const uint8_t* row, int64_t blocks, float* out) {
 }
 
 void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, int64_t g1, int64_t n_total, float* y) {
-    if (isa == Isa::Avx512Vnni) packed_vnni(w, a.q.data(), a.d.data(), a.s.data(), a.m, g0, g1, n_total, y);
-    else packed_avx2(w, a.q.data(), a.d.data(), a.s.data(), a.m, g0, g1, n_total, y);
+    if (isa == Isa::Avx512Vnni) packed_vnni(w, a.q.data(), a.d.data(), a.ds.data(), a.m, g0, g1, n_total, y);
+    else packed_avx2(w, a.q.data(), a.d.data(), a.ds.data(), a.m, g0, g1, n_total, y);
 }
 
 namespace {

@@ -28,14 +28,16 @@ struct Activations {
     std::vector<int8_t> q;    // [m, blocks, 32]
     std::vector<float> d;     // [m, blocks]
     std::vector<int32_t> s;   // [m, blocks]: sum of the block's codes
+    std::vector<float> ds;    // [m, blocks]: d * s (what a block's minimum is multiplied by)
 };
 void quantize(Isa isa, const float* a, int64_t m, int64_t k, Activations& out);
 
 // The weights repacked once per session, 8 rows at a time, for the SIMD kernels: per (group of 8 rows, block) the 8
-// scales (fp16), for Q4_1 the 8 minimums (fp16), then the codes, so that one vector op serves 8 rows. Q4: two rows'
-// 16 code bytes per 32 bytes, scales in the order a horizontal-add tree leaves the rows in (0 2 4 6 1 3 5 7); Q8_0:
-// 32 code bytes per row, rows in order. Rows past N are zero. The same bits as the file's blocks: each row's
-// products are computed from exactly its own codes and scales.
+// scales (fp16), for Q4_1 the 8 minimums (fp16), then the codes as 32-byte vectors with one 32-bit lane per row:
+// vector c holds bytes 4c..4c+3 of each row's codes (Q4: 4 vectors, the low nibbles elements 4c.., the high ones
+// 16+4c..; Q8_0: 8 vectors), so that one vector op serves 8 rows and leaves each row's sum in its own lane, in row
+// order. Rows past N are zero. The same bits as the file's blocks: each row's products are computed from exactly
+// its own codes and scales.
 struct Packed {
     Format format = Format::Q4_0;
     int64_t n = 0, groups = 0, blocks = 0;
