@@ -47,6 +47,9 @@ class Proposal:
     survival: np.ndarray | None = None  # [n, K] calibrated prefix survival (the graph's ConfidenceTruncate)
     head: str = ""  # the graph family whose call drafted this round ("": no graph call, n-gram lookups)
     onehot: np.ndarray | None = None  # [n] bool: rows drafted deterministically (q one-hot) beside `probs`
+    # the head's call first wrote rows of rounds it skipped (a gated head's backlog): its time is not what a draft
+    # call costs, so the cost table does not learn from it
+    catch_up: bool = False
 
     def draft_probs(self, i: int, n: int, vocab_size: int) -> np.ndarray | None:
         """Slot i's first n draft distributions over the whole vocabulary (zero outside a draft vocabulary);

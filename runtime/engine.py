@@ -439,7 +439,7 @@ class Engine:
         rnd = self.spec.round(live, load)
         if self.costs is not None:
             self.costs.observe_verify(n, rnd.verified, rnd.call_s * 1e3)
-            if rnd.proposal.head:
+            if rnd.proposal.head and not rnd.proposal.catch_up:
                 self.costs.observe_draft(rnd.proposal.head, n, rnd.draft_s * 1e3)
         self.stats.steps += 1
         self.stats.draft_s += rnd.draft_s

@@ -44,13 +44,14 @@ DECAY = 0.95  # weight of the head's older rounds in its realized rate, per head
 PRIOR_ROUNDS, PRIOR_TOKENS = 4.0, 1.5
 
 
-def merge(first: Context | None, then: Context | None) -> Context | None:
-    """Contiguous pending rows: `first`'s, then `then`'s."""
-    if first is None or then is None:
-        return first or then
-    assert then.pos == first.pos + len(first.next_tokens), "pending context rows must be contiguous"
-    return Context(first.pos, np.concatenate([first.features, then.features]),
-                   np.concatenate([first.next_tokens, then.next_tokens]))
+def merge(parts: list[Context]) -> Context | None:
+    """Contiguous pending rows, in order, as one context (None for none)."""
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    for a, b in zip(parts, parts[1:]):
+        assert b.pos == a.pos + len(a.next_tokens), "pending context rows must be contiguous"
+    return Context(parts[0].pos, np.concatenate([c.features for c in parts]),
+                   np.concatenate([c.next_tokens for c in parts]))
 
 
 @dataclass
@@ -82,7 +83,7 @@ class HybridDrafter:
         self.temperatures = np.asarray(temperatures, np.float32)
         # a lookup that starts right tends to go on (it copies a span): optimistic about untried later positions
         self.history = {LOOKUP: AcceptanceHistory(self.steps, later=LOOKUP_LATER), HEAD: AcceptanceHistory(self.steps)}
-        self.backlog: list[Context | None] = []
+        self.backlog: list[list[Context]] = []  # per slot: the rows of rounds without the head, in order
         self.source = np.zeros(0, np.int64)  # per slot: who drafted its row of the last proposal
         self.rounds = {LOOKUP: 0, HEAD: 0}  # rounds drafted without and with the head
         self.committed = self.cost = 0.0  # the head rounds' committed tokens and profiled ms (decayed sums)
@@ -95,11 +96,11 @@ class HybridDrafter:
     def allocate(self, slots: int) -> None:
         self.head.allocate(slots)
         self.lookup.allocate(slots)
-        self.backlog = [None] * slots
+        self.backlog = [[] for _ in range(slots)]
         self.source = np.zeros(slots, np.int64)
 
     def prefill(self, slot: int, ctx: Context) -> Context | None:
-        self.backlog[slot] = None
+        self.backlog[slot] = []
         return self.head.prefill(slot, ctx)
 
     def observe(self, slot: int, verified: int, accepted: int) -> None:
@@ -153,19 +154,20 @@ class HybridDrafter:
         if head:
             return self._with_head(slots, found, a_lookup)
         for i, s in enumerate(slots):
-            if s is not None:
-                self.backlog[i] = merge(self.backlog[i], s.ctx)
+            if s is not None and s.ctx is not None:
+                self.backlog[i].append(s.ctx)  # merged once, when the head is next called
         self.source[:len(slots)] = LOOKUP
         return Proposal(tokens=found.tokens, counts=found.counts, probs=None, survival=a_lookup)
 
     def _with_head(self, slots: list[SlotView | None], found: Proposal, a_lookup: np.ndarray) -> Proposal:
         caught: list[SlotView | None] = []
+        catch_up = any(s is not None and self.backlog[i] for i, s in enumerate(slots))
         for i, s in enumerate(slots):
             if s is None:
                 caught.append(None)
                 continue
-            ctx = merge(self.backlog[i], s.ctx)
-            self.backlog[i] = None
+            ctx = merge(self.backlog[i] + ([s.ctx] if s.ctx is not None else []))
+            self.backlog[i] = []
             if ctx is not None and len(ctx.next_tokens) > self.head.max_rows:
                 ctx = self.head.prefill(i, ctx)  # writes all but the last row
             caught.append(_Caught(s, ctx))
@@ -178,7 +180,7 @@ class HybridDrafter:
         return Proposal(tokens=out, counts=np.where(use, found.counts, p.counts), probs=p.probs,
                         confidence_logits=p.confidence_logits, vocab_ids=p.vocab_ids,
                         survival=np.where(use[:, None], a_lookup, a_head).astype(np.float32), head=p.head,
-                        onehot=use)
+                        onehot=use, catch_up=catch_up)
 
 
 def pick(a_lookup: Array, a_head: Array, lookup_counts: Array) -> Array:

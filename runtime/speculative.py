@@ -81,6 +81,8 @@ class Speculator:
         t0 = time.perf_counter()
         proposal = self.drafter.propose(slots)
         t1 = time.perf_counter()
+        if not proposal.counts.any():  # nothing drafted (a gated head not called, no lookup found)
+            return self.decode(slots, proposal, draft_s=t1 - t0)
         lengths = self.schedule(slots, proposal, load)
         ts = time.perf_counter()
         call = self.verify(slots, proposal, lengths)
@@ -93,11 +95,40 @@ class Speculator:
                 self.drafter.observe(i, o.verify_len, o.verdict.accepted)
         return Round(proposal, outcomes, draft_s=t1 - t0, verify_s=t2 - t1, verified=verified, call_s=t2 - ts)
 
+    def decode(self, slots: list[SlotState | None], proposal: Proposal, *, draft_s: float) -> Round:
+        """A round without drafts as the plain decoding step it is: the decode bucket, each slot's row of logits
+        (the same bits a verify call gives it: rows never depend on the call) and features, no scheduling."""
+        t0 = time.perf_counter()
+        bucket = self.target.spec.bucket("decode", B=len(slots))
+        anchor, start = np.zeros(bucket["B"], np.int64), np.zeros(bucket["B"], np.int64)
+        for i, s in enumerate(slots):  # idle slots write a dummy token at position 0 of their own row
+            if s is not None:
+                anchor[i], start[i] = s.pending, s.length
+        calls.target.grid(self.target.inputs(0, bucket), anchor, start, None, calls.target.dense_rows(bucket))
+        out = self.target.run(0, bucket)
+        call_s = time.perf_counter() - t0
+        logits, features = out[io.LOGITS], out.get(io.FEATURES)
+        none = np.zeros(0, np.int64)
+        outcomes: list[Outcome | None] = []
+        for i, s in enumerate(slots):
+            if s is None:
+                outcomes.append(None)
+                continue
+            if s.params.greedy:
+                verdict = Verdict(0, int(np.argmax(logits[i])))
+            else:  # the bonus draw of a round that verified nothing, uniforms included
+                verdict = accept_sampled(none, None, logits[i:i + 1], s.params, s.rng, gamma=self.gamma)
+            outcomes.append(Outcome(verify_len=0, verdict=verdict, tokens=[verdict.bonus],
+                                    features=features[i, :1] if features is not None else None))
+            self.scheduler.observe(0, 0)
+            self.drafter.observe(i, 0, 0)
+        verified = sum(s is not None for s in slots)
+        return Round(proposal, outcomes, draft_s=draft_s, verify_s=time.perf_counter() - t0, verified=verified,
+                     call_s=call_s)
+
     def schedule(self, slots: list[SlotState | None], proposal: Proposal, load: Load) -> np.ndarray:
         """The scheduler's lengths, capped by the drafts proposed, gamma and each request's budget."""
         active = np.array([s is not None for s in slots])
-        if not proposal.counts.any():  # nothing drafted (a gated head not called, no lookup found): a decoding step
-            return np.zeros(len(slots), np.int64)
         budget = np.array([s.budget if s is not None else 0 for s in slots], np.int64)
         planned = np.asarray(self.scheduler.schedule(slots, proposal, load), np.int64)
         return steps.cap(planned, proposal.counts, budget, active, self.gamma)
