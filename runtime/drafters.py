@@ -239,5 +239,6 @@ def make_drafter(method: Method, art_dir: Path, manifest: io.Manifest, *, gamma:
         return head
     from specrt.runtime.hybrid import HybridDrafter
 
+    # the device round (torch) keeps the backlog on the device: the prompt must reach the head at prefill there
     return HybridDrafter(head, costs, max_n=ngram, temperatures=manifest.heads[name].temperatures,
-                         lookups=method.hybrid)
+                         lookups=method.hybrid, defer_prefill=backend != "torch")

@@ -72,12 +72,15 @@ class HybridDrafter:
     calls = None  # it chooses between lookups and its head on the host each round
 
     def __init__(self, head: GraphDrafter, costs: Costs | None, *, max_n: int = 3, temperatures=(),
-                 lookups: bool = True) -> None:
+                 lookups: bool = True, defer_prefill: bool = False) -> None:
         if costs is None:
             raise SpecrtError(f"--method {head.head.name}+ngram needs a cost profile (run `specrt profile ART`)")
         self.head, self.costs = head, costs
         # False: a gated head (`make_drafter`'s `gated`), no lookups: a round without the head is a plain decode step
         self.lookups = lookups
+        # True: a prompt's rows wait in the backlog like a skipped round's, written by the head's first call (a
+        # request the head never drafts for never costs its prefill); the host loop only
+        self.defer_prefill = defer_prefill
         self.steps = head.steps
         self.lookup = NGramDrafter(self.steps, max_n=max_n)  # blocks as wide as the head's
         self.temperatures = np.asarray(temperatures, np.float32)
@@ -100,6 +103,9 @@ class HybridDrafter:
         self.source = np.zeros(slots, np.int64)
 
     def prefill(self, slot: int, ctx: Context) -> Context | None:
+        if self.defer_prefill:
+            self.backlog[slot] = [ctx]
+            return None
         self.backlog[slot] = []
         return self.head.prefill(slot, ctx)
 

@@ -147,10 +147,11 @@ class _Costs:
 
 @pytest.mark.parametrize("head", ["dspark", "mtp"])
 @pytest.mark.parametrize("skipped", [[1], [2, 3, 2]])  # rows of the rounds the head skips (in one call / not)
-def test_skipped_rounds_reach_the_head_before_it_drafts(tiny_arts, head, skipped):
+@pytest.mark.parametrize("defer", [False, True])  # the prompt written at prefill, or left in the backlog too
+def test_skipped_rounds_reach_the_head_before_it_drafts(tiny_arts, head, skipped, defer):
     """Rounds drafted by lookups alone leave their verified rows in a backlog; the next head call writes them
     first (through the prefill bucket when they exceed one propose call's rows), so its drafts equal those of a
-    head that saw every round."""
+    head that saw every round. With `defer_prefill` the prompt's rows wait there too."""
     art = tiny_arts("llama")
     manifest = io.load_manifest(art)
     rng = np.random.default_rng(7)
@@ -167,15 +168,16 @@ def test_skipped_rounds_reach_the_head_before_it_drafts(tiny_arts, head, skipped
         want = plain.propose([_View(ctx, int(ctx.next_tokens[-1]), [1, 2, 3])])
 
     costs = _Costs()
-    hybrid = HybridDrafter(GraphDrafter(art, manifest, head, threads=1), costs)
+    hybrid = HybridDrafter(GraphDrafter(art, manifest, head, threads=1), costs, defer_prefill=defer)
     hybrid.allocate(1)
     pending = hybrid.prefill(0, prompt_ctx)
+    assert (pending is None) == defer
     history = [7, 8, 9, 4, 7, 8]  # "7 8" occurred before: the lookup proposes 9, 4, ...
     costs.draft = 1e9  # the head cannot pay: lookups draft
     for i, ctx in enumerate(rounds[:-1]):
-        p = hybrid.propose([_View(merge_first(pending, ctx) if i == 0 else ctx, 1, history)])
+        p = hybrid.propose([_View(merge_first(pending, ctx) if i == 0 and pending else ctx, 1, history)])
         assert p.head == "" and p.counts[0] > 0
-    assert sum(len(c.next_tokens) for c in hybrid.backlog[0]) == 1 + sum(skipped)
+    assert sum(len(c.next_tokens) for c in hybrid.backlog[0]) == (len(prompt) if defer else 1) + sum(skipped)
     costs.draft = 0.0
     got = hybrid.propose([_View(rounds[-1], int(rounds[-1].next_tokens[-1]), [1, 2, 3])])  # no match: the head
     assert got.head == head and hybrid.backlog[0] == [] and got.catch_up  # its time is not a draft call's cost
