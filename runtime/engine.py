@@ -417,10 +417,7 @@ class Engine:
         """One decode step over slots [0, n): write each pending token, sample the next."""
         n = max(i for i, s in enumerate(self.slots) if s is not None) + 1
         bucket = self.target.spec.bucket("decode", B=n)
-        anchor, start = np.zeros(bucket["B"], np.int64), np.zeros(bucket["B"], np.int64)
-        for i, s in enumerate(self.slots[:n]):  # idle slots write a dummy token at position 0 of their own row
-            if s is not None:
-                anchor[i], start[i] = s.pending, s.length
+        anchor, start = calls.target.anchors(self.slots[:n], bucket["B"])
         calls.target.grid(self.target.inputs(0, bucket), anchor, start, None, calls.target.dense_rows(bucket))
         logits = self.target.run(0, bucket)[io.LOGITS]
         self.stats.steps += 1

@@ -167,11 +167,12 @@ class HybridDrafter:
 
     def _with_head(self, slots: list[SlotView | None], found: Proposal, a_lookup: np.ndarray) -> Proposal:
         caught: list[SlotView | None] = []
-        catch_up = any(s is not None and self.backlog[i] for i, s in enumerate(slots))
+        catch_up = False  # some slot's backlog is written first
         for i, s in enumerate(slots):
             if s is None:
                 caught.append(None)
                 continue
+            catch_up = catch_up or bool(self.backlog[i])
             ctx = merge(self.backlog[i] + ([s.ctx] if s.ctx is not None else []))
             self.backlog[i] = []
             if ctx is not None and len(ctx.next_tokens) > self.head.max_rows:

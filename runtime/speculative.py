@@ -100,10 +100,7 @@ class Speculator:
         (the same bits a verify call gives it: rows never depend on the call) and features, no scheduling."""
         t0 = time.perf_counter()
         bucket = self.target.spec.bucket("decode", B=len(slots))
-        anchor, start = np.zeros(bucket["B"], np.int64), np.zeros(bucket["B"], np.int64)
-        for i, s in enumerate(slots):  # idle slots write a dummy token at position 0 of their own row
-            if s is not None:
-                anchor[i], start[i] = s.pending, s.length
+        anchor, start = calls.target.anchors(slots, bucket["B"])
         calls.target.grid(self.target.inputs(0, bucket), anchor, start, None, calls.target.dense_rows(bucket))
         out = self.target.run(0, bucket)
         call_s = time.perf_counter() - t0
@@ -144,11 +141,10 @@ class Speculator:
         spec = self.target.spec
         bucket = spec.bucket("verify", B=n, T=t, P=count) if t > 1 else spec.bucket("decode", B=n)
         b, T = bucket["B"], bucket["T"]
-        anchor, start = np.zeros(b, np.int64), np.zeros(b, np.int64)
+        anchor, start = calls.target.anchors(slots, b)
         drafts = np.zeros((b, T - 1), np.int64)
         for i, s in enumerate(slots):
-            if s is not None:  # idle slots (and bucket padding) write a dummy row at position 0 of their own row
-                anchor[i], start[i] = s.pending, s.length
+            if s is not None:
                 drafts[i, :int(lengths[i])] = proposal.tokens[i, :int(lengths[i])]
         rows = calls.target.packed_rows(lengths, active, bucket)
         calls.target.grid(self.target.inputs(0, bucket), anchor, start, drafts, rows)
