@@ -46,6 +46,7 @@ class CostTable:
         self.log_drift, self.observations, self.explored_rounds = 0.0, 0, 0
         self._since_explore = 0
         self._curves: dict[tuple[int, int], np.ndarray] = {}
+        self._wants: dict[tuple[int, int], np.ndarray] = {}
 
     # -- what the schedulers read (runtime/schedulers.py Costs) ---------------------------------------
 
@@ -87,10 +88,13 @@ class CostTable:
         None between explorations."""
         if self._since_explore < EXPLORE_EVERY:
             return None
-        b = ceil_key(self.profile.verify, batch)
-        row = self.profile.verify[b]
-        return np.array([p <= max(row) and len(self.seen.get(("verify", b, ceil_key(row, p)), ())) < SEEN
-                         for p in range(tokens + 1)])
+        key = (batch, tokens)
+        if key not in self._wants:  # kept until a cell's count changes
+            b = ceil_key(self.profile.verify, batch)
+            row = self.profile.verify[b]
+            self._wants[key] = np.array([p <= max(row) and len(self.seen.get(("verify", b, ceil_key(row, p)), ()))
+                                         < SEEN for p in range(tokens + 1)])
+        return self._wants[key]
 
     def explored(self) -> None:
         """A scheduler admitted a pair to explore: the next exploration waits EXPLORE_EVERY rounds."""
@@ -118,6 +122,8 @@ class CostTable:
         self._curves.clear()
         seen = self.seen.setdefault(cell, deque(maxlen=WINDOW))
         seen.append(ms)
+        if len(seen) <= SEEN:  # a count exploring reads changed
+            self._wants.clear()
         values = sorted([profiled] * PRIOR + list(seen))
         self.estimate[cell] = values[(len(values) - 1) // 2]  # the lower median: see above
         self.observations += 1

@@ -43,7 +43,7 @@ from specrt.runtime.acceptance import accept_rows
 from specrt.runtime.sampling import SamplingParams, warp
 from specrt.runtime.backends.base import DeviceRunner
 from specrt.runtime.drafters import Context, Drafter
-from specrt.runtime.hybrid import EXPLORE, HEAD, LOOKUP, HybridDrafter, pick
+from specrt.runtime.hybrid import HEAD, LOOKUP, HybridDrafter, pick
 from specrt.runtime.schedulers import Costs, Scheduler, verify_curve
 
 SURVIVALS = ("threshold", "sps", "sps-async")  # schedulers that read survivals
@@ -85,8 +85,8 @@ class DeviceRounds:
         self.offset = graph.offset if graph is not None else 0
         self.confident = self.head is not None and io.SURVIVAL in {o.name for o in self.head.spec.host_outputs()}
         t = self.gamma + 1
-        # context rows a slot may hold: one round's, or a hybrid's backlog (at most EXPLORE rounds without the head)
-        self.rows = (EXPLORE + 1) * t if self.hybrid else t
+        # context rows a slot may hold: one round's, or a hybrid's backlog (at most explore_max rounds without the head)
+        self.rows = (drafter.explore_max + 1) * t if self.hybrid else t
         self.graph_stats = GraphStats()
         self.target_vocab = next(o for o in target.spec.outputs if o.name == io.LOGITS).shape[-1]
         self.syncs = 0  # host synchronisations: one per round

@@ -208,16 +208,27 @@ class NGramDrafter:
 
 
 def lookup(history: np.ndarray, max_n: int, steps: int) -> np.ndarray:
-    """Up to `steps` tokens that followed the latest earlier occurrence of the longest suffix (n <= max_n)."""
+    """Up to `steps` tokens that followed the latest earlier occurrence of the longest suffix (n <= max_n).
+
+    An occurrence ends at some j <= size - 2 (a token follows it), so the candidates are the earlier positions of
+    the last token; each one's match is grown backwards over the suffix, latest candidate first, stopping at the
+    first full-length match. This runs for every slot every round: one vectorized pass, then the few candidates."""
     size = len(history)
-    for n in range(min(max_n, size - 1), 0, -1):
-        # windows start at 0..size-1-n: strictly before the suffix itself, each followed by >= 1 token
-        windows = np.lib.stride_tricks.sliding_window_view(history[:-1], n)
-        hits = np.flatnonzero((windows == history[size - n:]).all(axis=1))
-        if hits.size:
-            start = hits[-1] + n
-            return history[start:start + steps]
-    return history[:0]
+    ends = np.flatnonzero(history[:size - 1] == history[size - 1]) if size > 1 else ()
+    if not len(ends):
+        return history[:0]
+    top = min(max_n, size - 1)
+    suffix = history[size - top:].tolist()[::-1]  # the last token first
+    best, best_n = int(ends[-1]), 1
+    for j in ends[::-1].tolist() if top > 1 else ():
+        n = 1
+        while n < top and j >= n and history[j - n] == suffix[n]:
+            n += 1
+        if n > best_n:
+            best, best_n = j, n
+            if n == top:
+                break
+    return history[best + 1:best + 1 + steps]
 
 
 def make_drafter(method: Method, art_dir: Path, manifest: io.Manifest, *, gamma: int, backend: str = "ort",
@@ -237,8 +248,11 @@ def make_drafter(method: Method, art_dir: Path, manifest: io.Manifest, *, gamma:
     head = GraphDrafter(art_dir, manifest, name, backend=backend, threads=threads, **where)
     if not method.hybrid and not gated:
         return head
-    from specrt.runtime.hybrid import HybridDrafter
+    from specrt.runtime.hybrid import EXPLORE, EXPLORE_MAX, HybridDrafter
 
-    # the device round (torch) keeps the backlog on the device: the prompt must reach the head at prefill there
+    # the device round (torch) keeps the backlog on the device: the prompt must reach the head at prefill there, and
+    # the buffer holds EXPLORE rounds
+    device = backend == "torch"
     return HybridDrafter(head, costs, max_n=ngram, temperatures=manifest.heads[name].temperatures,
-                         lookups=method.hybrid, defer_prefill=backend != "torch")
+                         lookups=method.hybrid, defer_prefill=not device,
+                         explore_max=EXPLORE if device else EXPLORE_MAX)

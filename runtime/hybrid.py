@@ -4,15 +4,17 @@
     decide    Algorithm 1's expected rate (committed tokens per ms on the cost profile; runtime/schedulers.py
               `admission`) of the lookups alone, against the rate the rounds that called the head have realized
               lately (committed tokens over the profiled cost of their calls): the head's value shows only after
-              its call (the confidences that choose what to verify), so its past rounds are the estimate. Every
-              EXPLORE rounds without it, the head is called anyway, so its estimate follows the text.
+              its call (the confidences that choose what to verify), so its past rounds are the estimate. After
+              EXPLORE rounds without it, the head is called anyway, so its estimate follows the text; each such
+              exploration that does not win the head back doubles the wait before the next (up to
+              EXPLORE_MAX rounds: a head that never pays, as under load, costs 1/256 of the rounds, not 1/32, and
+              each of its calls first writes the skipped rounds' backlog); a round the head wins resets it.
     head      when called, the head drafts for every slot; each slot keeps whichever block's survival sums higher
               (`pick`)
 
 Without lookups (`lookups=False`) the same choice gates a head alone: `dspark` or `mtp` under a cost-aware scheduler
 (sps, sps-async) call the head only on the rounds where its realized rate beats a plain decoding step's, so a draft
-call that would go unverified under load is not made (`drafters.make_drafter`'s `gated`); each exploration that does
-not win the head back doubles the wait before the next (EXPLORE up to GATED_EXPLORE_MAX rounds).
+call that would go unverified under load is not made (`drafters.make_drafter`'s `gated`), with the same explorations.
 
 `choose` (lookup and decide) runs on the host on both paths; the device round (runtime/device_round.py) runs the
 head and `pick` on the device, keeping the backlog there. A skipped head does not see the rounds' verified
@@ -35,10 +37,8 @@ from specrt.runtime.schedulers import AcceptanceHistory, Costs, admission, prefi
 
 LOOKUP, HEAD = 0, 1
 LOOKUP_LATER = 0.8  # prior conditional acceptance of a lookup's drafts after its first
-EXPLORE = 32  # rounds without the head before it is called regardless of its estimate
-# a gated head alone (no lookups; the host loop only): each exploration that does not win the head back doubles the
-# wait before the next, up to this many rounds (a head that never pays costs 1/256 of the rounds, not 1/32)
-GATED_EXPLORE_MAX = 256
+EXPLORE = 32  # rounds without the head before it is first called regardless of its estimate
+EXPLORE_MAX = 256  # the longest wait, after explorations that did not win the head back
 DECAY = 0.95  # weight of the head's older rounds in its realized rate, per head round
 # before any head round: as if PRIOR_ROUNDS rounds had each verified one draft per slot and committed PRIOR_TOKENS
 PRIOR_ROUNDS, PRIOR_TOKENS = 4.0, 1.5
@@ -72,7 +72,7 @@ class HybridDrafter:
     calls = None  # it chooses between lookups and its head on the host each round
 
     def __init__(self, head: GraphDrafter, costs: Costs | None, *, max_n: int = 3, temperatures=(),
-                 lookups: bool = True, defer_prefill: bool = False) -> None:
+                 lookups: bool = True, defer_prefill: bool = False, explore_max: int = EXPLORE_MAX) -> None:
         if costs is None:
             raise SpecrtError(f"--method {head.head.name}+ngram needs a cost profile (run `specrt profile ART`)")
         self.head, self.costs = head, costs
@@ -81,6 +81,8 @@ class HybridDrafter:
         # True: a prompt's rows wait in the backlog like a skipped round's, written by the head's first call (a
         # request the head never drafts for never costs its prefill); the host loop only
         self.defer_prefill = defer_prefill
+        # the longest wait between explorations: the device round's backlog buffer holds explore_max + 1 rounds
+        self.explore_max = max(explore_max, EXPLORE)
         self.steps = head.steps
         self.lookup = NGramDrafter(self.steps, max_n=max_n)  # blocks as wide as the head's
         self.temperatures = np.asarray(temperatures, np.float32)
@@ -91,7 +93,7 @@ class HybridDrafter:
         self.rounds = {LOOKUP: 0, HEAD: 0}  # rounds drafted without and with the head
         self.committed = self.cost = 0.0  # the head rounds' committed tokens and profiled ms (decayed sums)
         self.since_head = 0
-        self.explore_every = EXPLORE  # rounds without the head before it is explored (grows for a gated head)
+        self.explore_every = EXPLORE  # rounds without the head before it is explored (doubles while it loses)
         self._explored = False  # the last head call was an exploration
         self._last: list = []  # this round's (verified, accepted) per slot, folded in at the next propose
         self._last_n, self._last_head = 0, False
@@ -143,11 +145,10 @@ class HybridDrafter:
             tokens = int(active.sum())
             without = tokens / self.costs.verify_ms(n, tokens)
         wins = without < self.head_rate(n)
-        if not self.lookups:  # back off while explorations do not win the head back; reset when it wins
-            if wins:
-                self.explore_every = EXPLORE
-            elif self._explored:
-                self.explore_every = min(2 * self.explore_every, GATED_EXPLORE_MAX)
+        if wins:  # back off while explorations do not win the head back; reset when it wins
+            self.explore_every = EXPLORE
+        elif self._explored:
+            self.explore_every = min(2 * self.explore_every, self.explore_max)
         head = wins or self.since_head >= self.explore_every
         self._explored = head and not wins
         self._last_n, self._last_head = n, head

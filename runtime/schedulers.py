@@ -147,10 +147,33 @@ def admission(a: np.ndarray, active: np.ndarray, fixed_ms: float, costs: Costs, 
     tokens = n * (gamma + 1)
     wants = getattr(costs, "exploring", None) if explore else None
     cells = wants(n, tokens) if wants is not None else None
-    lengths, rate, explored = steps.admission(a, active, fixed_ms, verify_curve(costs, n, tokens), cells)
+    curve = verify_curve(costs, n, tokens)
+    nothing = _admits_nothing(a, active, fixed_ms, curve, cells)
+    if nothing is not None:
+        return np.zeros(n, np.int64), nothing
+    lengths, rate, explored = steps.admission(a, active, fixed_ms, curve, cells)
     if explored:
         costs.explored()
     return lengths, float(rate)
+
+
+def _admits_nothing(a: np.ndarray, active: np.ndarray, fixed_ms: float, curve: np.ndarray,
+                    cells: np.ndarray | None) -> float | None:
+    """The rate of a round Algorithm 1 admits nothing to (its best pair does not improve a plain step's rate, and
+    is not one to explore), else None. Most rounds under load, found with a few scalar operations instead of
+    steps.admission's sort; the same float64 arithmetic, so the same decision."""
+    n, g = a.shape
+    flat = np.where(active[None, :], a.T, np.float32(0.0)).reshape(-1)  # k-major, as steps.admission orders pairs
+    j = int(np.argmax(flat))  # the first pair admitted: the highest survival, ties to the lowest k-major index
+    v = np.float64(flat[j])
+    base = np.float64(np.count_nonzero(active))
+    start = int(base)
+    last = len(curve) - 1
+    rate0 = base / (fixed_ms + curve[min(start, last)])
+    if v > 0 and ((base + v) / (fixed_ms + curve[min(start + 1, last)]) > rate0
+                  or (cells is not None and cells[min(start + 1, len(cells) - 1)])):
+        return None
+    return float(rate0)
 
 
 class SPSScheduler(_Base):

@@ -194,19 +194,22 @@ def merge_first(pending: Context, ctx: Context) -> Context:
 
 
 def test_head_is_explored_when_its_estimate_says_skip(tiny_arts):
-    """A head whose rounds realized little is still called every EXPLORE rounds, so its estimate can recover."""
+    """A head whose rounds realized little is still called after EXPLORE rounds, so its estimate can recover; each
+    exploration that does not win it back doubles the wait before the next, up to EXPLORE_MAX rounds."""
     art = tiny_arts("llama")
     manifest = io.load_manifest(art)
     costs = _Costs()
-    hybrid = HybridDrafter(GraphDrafter(art, manifest, "dspark", threads=1), costs)
+    hybrid = HybridDrafter(GraphDrafter(art, manifest, "dspark", threads=1), costs, explore_max=4 * EXPLORE)
     hybrid.allocate(1)
     hybrid.committed, hybrid.cost = 1.0, 1e6  # its rounds so far: nearly nothing per ms
     feats = np.zeros((1, max(h.feature_offset + h.feature_dim for h in manifest.heads.values())), np.float32)
     heads = []
-    for i in range(2 * EXPLORE + 2):
+    for i in range(16 * EXPLORE):
         view = _View(Context(i, feats, np.asarray([5])), 5, [1, 2, 3])  # never a lookup match
         heads.append(hybrid.propose([view]).head == "dspark")  # no outcome observed: the estimate stays
-    assert sum(heads) == 2 and heads[EXPLORE] and heads[2 * EXPLORE + 1]
+    called = [i for i, h in enumerate(heads) if h]
+    waits = np.diff([-1, *called]) - 1  # rounds without the head before each call
+    assert waits.tolist() == [EXPLORE, 2 * EXPLORE, 4 * EXPLORE, 4 * EXPLORE, 4 * EXPLORE], waits
 
 
 @pytest.mark.parametrize("scheduler", ["sps", "sps-async"])

@@ -15,6 +15,7 @@ from specrt.runtime.drafters import Proposal
 from specrt.runtime.engine import Engine, Request
 from specrt.runtime.profile import Profile, save_profile
 from specrt.runtime.sampling import SamplingParams
+from specrt.runtime import schedulers
 from specrt.runtime.schedulers import (AcceptanceHistory, AsyncSPSScheduler, Load, SPSScheduler, make_scheduler)
 
 from test_speculative import _exact_pair_probs, _prompts, _pvalue, peaked, tiny_arts  # noqa: F401 (fixtures)
@@ -114,6 +115,22 @@ def _admission_by_pairs(a, active, fixed_ms, curve, explore=None):
     return lengths, best, explored
 
 
+class _Curve:
+    """A cost table that is one verify curve (and the cells it wants explored)."""
+
+    def __init__(self, curve, explore):
+        self.curve, self.explore, self.explorations = curve, explore, 0
+
+    def verify_curve(self, batch, tokens):
+        return self.curve
+
+    def exploring(self, batch, tokens):
+        return self.explore
+
+    def explored(self):
+        self.explorations += 1
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_admission_is_algorithm_1_on_numpy_and_torch(seed):
     """steps.admission (sorted pairs, running sums in admission order) equals Algorithm 1 pair by pair, on numpy
@@ -134,6 +151,12 @@ def test_admission_is_algorithm_1_on_numpy_and_torch(seed):
     t = steps.admission(torch.from_numpy(a), torch.from_numpy(active), torch.tensor(fixed, dtype=torch.float64),
                         torch.from_numpy(curve), None if explore is None else torch.from_numpy(explore))
     assert t[0].tolist() == want.tolist() and float(t[1]) == rate and bool(t[2]) == explored
+    # the host wrapper, with its shortcut for rounds that admit nothing (most rounds on a steep curve)
+    for c in (curve, 10.0 + 8.0 * (curve - 10.0)):
+        want, rate, explored = _admission_by_pairs(a, active, fixed, c, explore)
+        table = _Curve(c, explore)
+        lengths, host_rate = schedulers.admission(a, active, fixed, table, explore=explore is not None)
+        assert lengths.tolist() == want.tolist() and host_rate == rate and table.explorations == int(explored)
     for budget in (0, 1, n, n * g // 2, n * g + 3):
         assert steps.admit(a, budget).tolist() == admit(a, budget).tolist()
         assert steps.admit(torch.from_numpy(a), torch.tensor(budget)).tolist() == admit(a, budget).tolist()

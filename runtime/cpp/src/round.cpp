@@ -10,7 +10,7 @@ namespace {
 
 constexpr int LOOKUP = 0, HEAD = 1;  // runtime/hybrid.py
 constexpr double kLookupLater = 0.8, kDecay = 0.95, kPriorRounds = 4.0, kPriorTokens = 1.5;
-constexpr int64_t kExplore = 32;
+constexpr int64_t kExplore = 32, kExploreMax = 256;
 
 // Survivals with 0 past each row's counts[i] drafts (runtime/steps.py survive).
 void survive(std::vector<float>& a, int64_t g, const std::vector<int64_t>& counts) {
@@ -253,7 +253,8 @@ Proposal GraphDrafter::propose(const Views& views) {
 
 HybridDrafter::HybridDrafter(std::unique_ptr<GraphDrafter> head, CostTable& costs, int64_t max_n)
     : head_(std::move(head)), costs_(costs), lookup_(head_->steps, max_n),
-      history_{AcceptanceHistory(head_->steps, kLookupLater), AcceptanceHistory(head_->steps)} {
+      history_{AcceptanceHistory(head_->steps, kLookupLater), AcceptanceHistory(head_->steps)},
+      explore_every_(kExplore) {
     steps = head_->steps;
 }
 
@@ -301,7 +302,13 @@ Proposal HybridDrafter::propose(const Views& views) {
     std::vector<float> a_lookup = broadcast(history_[LOOKUP].survival(), n, steps);
     survive(a_lookup, steps, found.counts);
     const double without = admission(a_lookup, n, steps, active, 0.0, costs_, false).rate;
-    const bool head = without < head_rate(n) || since_head_ >= kExplore;
+    const bool wins = without < head_rate(n);
+    if (wins)  // back off while explorations do not win the head back
+        explore_every_ = kExplore;
+    else if (explored_)
+        explore_every_ = std::min(2 * explore_every_, kExploreMax);
+    const bool head = wins || since_head_ >= explore_every_;
+    explored_ = head && !wins;
     last_n_ = n;
     last_head_ = head;
     ++rounds_[head ? HEAD : LOOKUP];

@@ -101,8 +101,9 @@ private:
     std::vector<std::optional<Context>> backlog_;
     std::vector<int64_t> source_;
     int64_t rounds_[2] = {0, 0}, since_head_ = 0, last_n_ = 0;
+    int64_t explore_every_;  // rounds without the head before it is explored (doubles while explorations lose)
     double committed_ = 0.0, cost_ = 0.0;
-    bool last_head_ = false;
+    bool last_head_ = false, explored_ = false;
     std::vector<std::pair<int64_t, int64_t>> last_;
 };
 
