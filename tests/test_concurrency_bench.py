@@ -55,13 +55,28 @@ def test_rows_for_every_level_method_and_scheduler(art, tmp_path):
     assert (tmp_path / "c.png").stat().st_size > 0
 
 
+def test_repeats_interleave_passes(art, tmp_path):
+    """--repeats with --concurrency: every engine serves every pass (outputs identical each time), and a row's
+    numbers are medians over its passes."""
+    r = CliRunner().invoke(main, ["bench", str(art), "--prompts", str(_prompts(tmp_path)), "--max-new-tokens", "8",
+                                  "--methods", "ar,ngram", "--concurrency", "2", "--schedulers", "fixed,sps",
+                                  "--repeats", "3", "--threads", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(next(line for line in r.output.splitlines() if line.startswith("{")))
+    assert report["identical"] and report["repeats"] == 3 and len(report["rows"]) == 3
+    for row in report["rows"]:
+        passes = sorted(row["passes_tokens_per_s"])
+        assert len(passes) == 3 and row["tokens_per_s"] == passes[1] and row["generated_tokens"] == 6 * 8
+
+
 def test_bad_concurrency_requests(art, tmp_path):
     art, prompts = str(art), str(_prompts(tmp_path))
     for extra, message in ((["--concurrency", "8"], "between 1 and the artifact's 4 request slots"),
                            (["--concurrency", "1,x"], "comma-separated integers"),
                            (["--concurrency", "1", "--schedulers", "fixed,nope"], "unknown scheduler nope"),
                            (["--schedulers", "sps"], "--schedulers goes with --concurrency"),
-                           (["--concurrency", "1", "--baseline", "hf"], "--baseline runs at batch 1")):
+                           (["--concurrency", "1", "--baseline", "hf"], "--baseline runs at batch 1"),
+                           (["--concurrency", "1", "--repeats", "0"], "--repeats must be >= 1")):
         r = CliRunner().invoke(main, ["bench", art, "--prompts", prompts, "--methods", "ar,ngram", *extra])
         assert r.exit_code != 0 and message in r.output, (extra, r.output)
         assert "Traceback" not in r.output

@@ -10,7 +10,8 @@ the next prompt at the following step, the way a server runs), greedy, and repor
                               or rounds; speculative rows add draft_s and verify_s (parts of decode_s)
 
 Rows: batched AR ("ar", scheduler "-") and every speculative method under every scheduler. The greedy tokens of
-every row must equal AR's for every prompt (exactness), or the command fails.
+every row must equal AR's for every prompt (exactness), or the command fails. Engines are warmed up, then serve
+--repeats passes in rotating order (`run` says how); every number is the median over passes.
 """
 from __future__ import annotations
 
@@ -79,30 +80,69 @@ def serve(engine: Engine, prompts: list[list[int]], params: SamplingParams, conc
 
 def run(art: str | Path, prompts: list[list[int]], *, levels: list[int], methods: list[str], schedulers: list[str],
         max_new_tokens: int, gamma: int | None, backend: str, threads: int | None, threshold: float,
-        progress: bool, device: str = "cpu", dtype: str | None = None) -> dict:
-    """Every (method, scheduler) at every concurrency level; AR first, whose outputs the others must equal."""
+        progress: bool, device: str = "cpu", dtype: str | None = None, repeats: int = 1) -> dict:
+    """Every (method, scheduler) at every concurrency level; AR's outputs are the ones the others must equal.
+
+    Per level, every engine is opened once and warmed up on the first `level` prompts (untimed: first-use
+    allocations, the cost table's first observations), then `repeats` passes serve all prompts through every engine
+    in turn, the order rotating from pass to pass, so that a drift of the machine's speed falls on every engine
+    alike. An engine keeps its state across passes, as a server would (its cost table, its head's estimate). A row
+    reports the median over passes; `vs_best_of_ar_and_fixed` is the median over passes of the ratio to the best of
+    AR and the fixed rows in the same pass."""
     params = SamplingParams(max_new_tokens=max_new_tokens)
     rows, identical = [], True
     configs = [("ar", "fixed")] + [(m, s) for m in methods if m != "ar" for s in schedulers]
     for c in levels:
-        reference = None
-        for method, sched in configs:
-            engine = open_engine(art, EngineConfig(method=method, gamma=gamma if method != "ar" else None,
-                                                   scheduler=sched, backend=backend, threads=threads, slots=c,
-                                                   threshold=threshold, device=device, dtype=dtype))
-            label = method if method == "ar" else f"{method}/{sched}"
-            row, outputs = serve(engine, prompts, params, c, progress=progress, desc=f"c={c} {label}")
-            reference = reference if reference is not None else outputs
-            row["identical"] = outputs == reference
+        engines = []
+        try:
+            for method, sched in configs:
+                engine = open_engine(art, EngineConfig(method=method, gamma=gamma if method != "ar" else None,
+                                                       scheduler=sched, backend=backend, threads=threads, slots=c,
+                                                       threshold=threshold, device=device, dtype=dtype))
+                engines.append((method if method == "ar" else f"{method}/{sched}", engine))
+            for label, engine in engines:
+                serve(engine, prompts[:c], params, c, progress=False)  # warm-up
+            passes: list[list[dict]] = [[] for _ in engines]  # per engine, its row of every pass
+            outputs: list[list[list[list[int]]]] = [[] for _ in engines]  # per engine, its outputs of every pass
+            for k in range(repeats):
+                for j in [(k + i) % len(engines) for i in range(len(engines))]:
+                    label, engine = engines[j]
+                    row, out = serve(engine, prompts, params, c, progress=progress,
+                                     desc=f"c={c} {label}" + (f" pass {k + 1}/{repeats}" if repeats > 1 else ""))
+                    passes[j].append(row)
+                    outputs[j].append(out)
+        finally:
+            for _, engine in engines:
+                engine.close()
+        reference = outputs[0][0]  # AR's
+        best = [max(runs[k]["tokens_per_s"] for runs, (m, s) in zip(passes, configs) if m == "ar" or s == "fixed")
+                for k in range(repeats)]
+        for runs, outs in zip(passes, outputs):
+            row = _median_row(runs)
+            row["identical"] = all(out == reference for out in outs)
             identical &= row["identical"]
+            ratios = [r["tokens_per_s"] / b for r, b in zip(runs, best) if b]
+            row["vs_best_of_ar_and_fixed"] = round(_median(ratios), 3) if ratios else None
+            if repeats > 1:
+                row["passes_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
             rows.append(row)
-    best = {c: max(r["tokens_per_s"] for r in rows if r["concurrency"] == c and
-                   (r["method"] == "ar" or r["scheduler"] == "fixed")) for c in levels}
-    for r in rows:
-        r["vs_best_of_ar_and_fixed"] = round(r["tokens_per_s"] / best[r["concurrency"]], 3) if best[r["concurrency"]] \
-            else None
     return {"identical": identical, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "levels": levels,
-            "rows": rows}
+            "repeats": repeats, "rows": rows}
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def _median_row(runs: list[dict]) -> dict:
+    """One row for an engine's passes: every number the median over passes (the first pass's other fields)."""
+    row = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, float) and not isinstance(value, bool):
+            row[key] = round(_median([r[key] for r in runs]), 3)
+    return row
 
 
 def plot(report: dict, path: str | Path) -> Path:
@@ -135,7 +175,7 @@ def plot(report: dict, path: str | Path) -> Path:
 
 def bench(artifact: Path, prompt_files, limit, max_new_tokens: int, names: list[str], gamma, scheduler: str,
           schedulers: str | None, threshold: float, concurrency: str, backend: str, threads, *, progress: bool,
-          device: str = "cpu", dtype: str | None = None) -> dict:
+          device: str = "cpu", dtype: str | None = None, repeats: int = 1) -> dict:
     """`specrt bench --concurrency`: every method (with each of `schedulers`, comma-separated) at each concurrency
     level of `concurrency` on the prompt files' prompts; the report of `run`."""
     chosen = [x.strip() for x in (schedulers or scheduler).split(",") if x.strip()]
@@ -149,7 +189,7 @@ def bench(artifact: Path, prompt_files, limit, max_new_tokens: int, names: list[
     prompts = [encode_prompt(tok, t) for p in prompt_files for t in read_prompts_file(p, limit)]
     return run(artifact, prompts, levels=levels, methods=names, schedulers=chosen, max_new_tokens=max_new_tokens,
                gamma=gamma, backend=backend, threads=threads, threshold=threshold, progress=progress,
-               device=device, dtype=dtype)
+               device=device, dtype=dtype, repeats=repeats)
 
 
 def format_rows(report: dict) -> str:

@@ -43,7 +43,8 @@ from specrt.cli.options import scheduler_for
                    "extra specrt[openvino]), cpp-METHOD (specrt's C++ runtime on the artifact, e.g. cpp-ar, "
                    "cpp-dspark+ngram: docs/cpp.md); repeat or comma-separate.")
 @click.option("--repeats", default=1, show_default=True,
-              help="Passes over the prompts (each pass interleaves every engine prompt by prompt, rotating).")
+              help="Passes over the prompts (each pass interleaves every engine prompt by prompt, rotating; with "
+                   "--concurrency, every engine serves all prompts in turn per pass, rotating; medians reported).")
 @click.option("--threads", type=int, default=None,
               help="Threads for ONNX Runtime, torch, llama.cpp and OpenVINO (default: all cores).")
 @click.option("--plot", type=click.Path(path_type=Path), default=None,
@@ -76,13 +77,16 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
         raise SpecrtError(f"--plot writes a PNG; got {plot}")
     baselines = b.parse_baselines(baselines)
     scheduler = scheduler_for(scheduler, backend)
+    if repeats < 1:
+        raise SpecrtError(f"--repeats must be >= 1, got {repeats}")
     if concurrency is not None:
         if baselines:
             raise SpecrtError("--baseline runs at batch 1; drop --concurrency to compare with it")
         from specrt.tools import concurrency as cc
 
         report = cc.bench(artifact, prompt_files, limit, max_new_tokens, names, gamma, scheduler, schedulers, threshold,
-                          concurrency, backend, threads, progress=not as_json, device=device, dtype=dtype)
+                          concurrency, backend, threads, progress=not as_json, device=device, dtype=dtype,
+                          repeats=repeats)
         if plot is not None:
             report["plot"] = str(cc.plot(report, plot))
         click.echo(json.dumps(report) if as_json else cc.format_rows(report))
@@ -91,8 +95,6 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
         return
     if schedulers is not None:
         raise SpecrtError("--schedulers goes with --concurrency; for one scheduler at batch 1 use --scheduler")
-    if repeats < 1:
-        raise SpecrtError(f"--repeats must be >= 1, got {repeats}")
     for name in baselines:
         if name != "hf":
             require(name)  # a missing optional extra fails before anything is loaded
