@@ -97,6 +97,7 @@ class HybridDrafter:
         self._explored = False  # the last head call was an exploration
         self._last: list = []  # this round's (verified, accepted) per slot, folded in at the next propose
         self._last_n, self._last_head = 0, False
+        self._empty: dict[int, tuple[Proposal, np.ndarray]] = {}
 
     def allocate(self, slots: int) -> None:
         self.head.allocate(slots)
@@ -133,16 +134,14 @@ class HybridDrafter:
         """This round's lookups, their survivals [n, steps], and whether the head is called (counted as chosen)."""
         self._fold()
         n = len(slots)
-        active = np.array([s is not None for s in slots])
         if self.lookups:
             found = self.lookup.propose(slots)
             a_lookup = steps.survive(np.broadcast_to(self.history[LOOKUP].survival().astype(np.float32),
                                                      (n, self.steps)), found.counts)
-            _, without = admission(a_lookup, active, 0.0, self.costs)
+            _, without = admission(a_lookup, np.array([s is not None for s in slots]), 0.0, self.costs)
         else:  # no drafts without the head: the round is a decoding step of the active slots (admission's rate)
-            found = Proposal(tokens=np.zeros((n, self.steps), np.int64), counts=np.zeros(n, np.int64), probs=None)
-            a_lookup = np.zeros((n, self.steps), np.float32)
-            tokens = int(active.sum())
+            found, a_lookup = self._nothing(n)
+            tokens = sum(s is not None for s in slots)
             without = tokens / self.costs.verify_ms(n, tokens)
         wins = without < self.head_rate(n)
         if wins:  # back off while explorations do not win the head back; reset when it wins
@@ -156,6 +155,14 @@ class HybridDrafter:
         self.since_head = 0 if head else self.since_head + 1
         return found, a_lookup, head
 
+    def _nothing(self, n: int) -> tuple[Proposal, np.ndarray]:
+        """A gated head's proposal without the head, and its survivals, for n slots: no drafts (kept per n, never
+        written: a round without drafts is a plain decoding step, which reads neither)."""
+        if n not in self._empty:
+            self._empty[n] = (Proposal(tokens=np.zeros((n, self.steps), np.int64), counts=np.zeros(n, np.int64),
+                                       probs=None), np.zeros((n, self.steps), np.float32))
+        return self._empty[n]
+
     def propose(self, slots: list[SlotView | None]) -> Proposal:
         found, a_lookup, head = self.choose(slots)
         if head:
@@ -164,6 +171,8 @@ class HybridDrafter:
             if s is not None and s.ctx is not None:
                 self.backlog[i].append(s.ctx)  # merged once, when the head is next called
         self.source[:len(slots)] = LOOKUP
+        if not self.lookups:
+            return found  # nothing drafted
         return Proposal(tokens=found.tokens, counts=found.counts, probs=None, survival=a_lookup)
 
     def _with_head(self, slots: list[SlotView | None], found: Proposal, a_lookup: np.ndarray) -> Proposal:

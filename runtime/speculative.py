@@ -97,7 +97,9 @@ class Speculator:
 
     def decode(self, slots: list[SlotState | None], proposal: Proposal, *, draft_s: float) -> Round:
         """A round without drafts as the plain decoding step it is: the decode bucket, each slot's row of logits
-        (the same bits a verify call gives it: rows never depend on the call) and features, no scheduling."""
+        (the same bits a verify call gives it: rows never depend on the call) and features, no scheduling. Nothing
+        was verified, so the scheduler and drafter observe nothing (no acceptance history counts a round without
+        drafts), which keeps the host's work per round near plain decoding's."""
         t0 = time.perf_counter()
         bucket = self.target.spec.bucket("decode", B=len(slots))
         anchor, start = calls.target.anchors(slots, bucket["B"])
@@ -117,8 +119,6 @@ class Speculator:
                 verdict = accept_sampled(none, None, logits[i:i + 1], s.params, s.rng, gamma=self.gamma)
             outcomes.append(Outcome(verify_len=0, verdict=verdict, tokens=[verdict.bonus],
                                     features=features[i, :1] if features is not None else None))
-            self.scheduler.observe(0, 0)
-            self.drafter.observe(i, 0, 0)
         verified = sum(s is not None for s in slots)
         return Round(proposal, outcomes, draft_s=draft_s, verify_s=time.perf_counter() - t0, verified=verified,
                      call_s=call_s)
