@@ -162,7 +162,6 @@ def _admits_nothing(a: np.ndarray, active: np.ndarray, fixed_ms: float, curve: n
     """The rate of a round Algorithm 1 admits nothing to (its best pair does not improve a plain step's rate, and
     is not one to explore), else None. Most rounds under load, found with a few scalar operations instead of
     steps.admission's sort; the same float64 arithmetic, so the same decision."""
-    n, g = a.shape
     flat = np.where(active[None, :], a.T, np.float32(0.0)).reshape(-1)  # k-major, as steps.admission orders pairs
     j = int(np.argmax(flat))  # the first pair admitted: the highest survival, ties to the lowest k-major index
     v = np.float64(flat[j])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from statistics import median
 from pathlib import Path
 
 from tqdm import tqdm
@@ -100,7 +101,7 @@ def run(art: str | Path, prompts: list[list[int]], *, levels: list[int], methods
                                                        scheduler=sched, backend=backend, threads=threads, slots=c,
                                                        threshold=threshold, device=device, dtype=dtype))
                 engines.append((method if method == "ar" else f"{method}/{sched}", engine))
-            for label, engine in engines:
+            for _, engine in engines:
                 serve(engine, prompts[:c], params, c, progress=False)  # warm-up
             passes: list[list[dict]] = [[] for _ in engines]  # per engine, its row of every pass
             outputs: list[list[list[list[int]]]] = [[] for _ in engines]  # per engine, its outputs of every pass
@@ -122,7 +123,7 @@ def run(art: str | Path, prompts: list[list[int]], *, levels: list[int], methods
             row["identical"] = all(out == reference for out in outs)
             identical &= row["identical"]
             ratios = [r["tokens_per_s"] / b for r, b in zip(runs, best) if b]
-            row["vs_best_of_ar_and_fixed"] = round(_median(ratios), 3) if ratios else None
+            row["vs_best_of_ar_and_fixed"] = round(median(ratios), 3) if ratios else None
             if repeats > 1:
                 row["passes_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
             rows.append(row)
@@ -130,18 +131,12 @@ def run(art: str | Path, prompts: list[list[int]], *, levels: list[int], methods
             "repeats": repeats, "rows": rows}
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
-
-
 def _median_row(runs: list[dict]) -> dict:
     """One row for an engine's passes: every number the median over passes (the first pass's other fields)."""
     row = dict(runs[0])
     for key, value in runs[0].items():
-        if isinstance(value, float) and not isinstance(value, bool):
-            row[key] = round(_median([r[key] for r in runs]), 3)
+        if isinstance(value, float):
+            row[key] = round(median(r[key] for r in runs), 3)
     return row
 
 
