@@ -46,6 +46,7 @@ class CostTable:
         self.log_drift, self.observations, self.explored_rounds = 0.0, 0, 0
         self._since_explore = 0
         self._curves: dict[tuple[int, int], np.ndarray] = {}
+        self._cells: dict[tuple[int, int], tuple[list[int], np.ndarray]] = {}  # a curve's cells, each count's cell
         self._wants: dict[tuple[int, int], np.ndarray] = {}
 
     # -- what the schedulers read (runtime/schedulers.py Costs) ---------------------------------------
@@ -75,12 +76,22 @@ class CostTable:
     def verify_curve(self, batch: int, tokens: int) -> np.ndarray:
         """[tokens + 1] float64: verify_ms(batch, p) for p = 0..tokens, kept until the next observation."""
         key = (batch, tokens)
-        if key not in self._curves:  # one lookup per profiled cell; each token count takes its cell's (ceil_key)
+        if key not in self._curves:  # each profiled cell once; each token count takes its cell's (ceil_key)
             b = ceil_key(self.profile.verify, batch)
-            cells = sorted(self.profile.verify[b])
-            ms = np.array([self.verify_ms(b, q) for q in cells], np.float64)
-            at = np.minimum(np.searchsorted(cells, np.arange(tokens + 1)), len(cells) - 1)
-            self._curves[key] = ms[at]
+            if key not in self._cells:
+                cells = sorted(self.profile.verify[b])
+                self._cells[key] = (cells, np.minimum(np.searchsorted(cells, np.arange(tokens + 1)), len(cells) - 1))
+            cells, at = self._cells[key]
+            row, ms, below = self.profile.verify[b], [], None  # below: the nearest observed cell so far
+            for p in cells:  # verify_ms(b, p) for every cell, in one pass
+                if ("verify", b, p) in self.estimate:
+                    below = p
+                    ms.append(self.estimate[("verify", b, p)])
+                elif below is not None:
+                    ms.append(row[p] * self.estimate[("verify", b, below)] / row[below])
+                else:
+                    ms.append(row[p] * math.exp(self.log_drift))
+            self._curves[key] = np.array(ms, np.float64)[at]
         return self._curves[key]
 
     def exploring(self, batch: int, tokens: int) -> np.ndarray | None:

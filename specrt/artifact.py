@@ -95,6 +95,11 @@ class TensorSpec:
         return tuple(sizes[d] if isinstance(d, str) else d for d in self.shape)
 
 
+# GraphSpec.bucket's answers: the loop asks the same few questions every round, and a spec (frozen, slotted) holds no
+# cache of its own
+_CHOSEN: dict[tuple, tuple[dict, "Bucket"]] = {}
+
+
 @dataclass(frozen=True, slots=True)
 class GraphSpec:
     """One exported graph family: its file, its I/O signature over named axes, and the buckets it serves.
@@ -122,11 +127,17 @@ class GraphSpec:
     def bucket(self, use: str, **need: int) -> Bucket:
         """The smallest bucket of `use` whose named sizes are all >= `need`: fewest slots, then fewest tokens
         per slot, then the smallest token budget (axes `need` leaves out take their smallest size)."""
+        key = (id(self.buckets), use, *need.items())
+        held = _CHOSEN.get(key)
+        if held is not None and held[0] is self.buckets:
+            return held[1]
         fits = [b for b in self.buckets.get(use, ()) if all(b[k] >= v for k, v in need.items())]
         if not fits:
             raise SpecrtError(f"graph {self.name}: no {use} bucket holds {need} "
                               f"(exported: {list(self.buckets.get(use, ()))})")
-        return min(fits, key=lambda b: tuple(b.values()))
+        chosen = min(fits, key=lambda b: tuple(b.values()))
+        _CHOSEN[key] = (self.buckets, chosen)  # holding the dict keeps its id from being reused
+        return chosen
 
     def cache_inputs(self) -> tuple[TensorSpec, ...]:
         return tuple(t for t in self.inputs if t.name.startswith("past."))
