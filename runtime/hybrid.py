@@ -3,8 +3,11 @@
     lookup    every active slot looks its history up (free: no graph call)
     decide    Algorithm 1's expected rate (committed tokens per ms on the cost profile; runtime/schedulers.py
               `admission`) of the lookups alone, against the rate the rounds that called the head have realized
-              lately (committed tokens over the profiled cost of their calls): the head's value shows only after
-              its call (the confidences that choose what to verify), so its past rounds are the estimate. After
+              lately: the head's value shows only after its call (the confidences that choose what to verify), so
+              its past rounds are the estimate, kept per active slot (tokens committed and verified per slot and
+              round) and priced at this round's batch: a call for n slots of which k are active costs the head's
+              draft call for n and a verify of k times the tokens a slot verified (so idle slots, as a batch
+              drains, neither dilute nor inflate it). After
               EXPLORE rounds without it, the head is called anyway, so its estimate follows the text; each such
               exploration that does not win the head back doubles the wait before the next (up to
               EXPLORE_MAX rounds: a head that never pays, as under load, costs 1/256 of the rounds, not 1/32, and
@@ -40,7 +43,7 @@ LOOKUP_LATER = 0.8  # prior conditional acceptance of a lookup's drafts after it
 EXPLORE = 32  # rounds without the head before it is first called regardless of its estimate
 EXPLORE_MAX = 256  # the longest wait, after explorations that did not win the head back
 DECAY = 0.95  # weight of the head's older rounds in its realized rate, per head round
-# before any head round: as if PRIOR_ROUNDS rounds had each verified one draft per slot and committed PRIOR_TOKENS
+# before any head round: as if PRIOR_ROUNDS slot rounds had each verified one draft and committed PRIOR_TOKENS
 PRIOR_ROUNDS, PRIOR_TOKENS = 4.0, 1.5
 
 
@@ -91,12 +94,13 @@ class HybridDrafter:
         self.backlog: list[list[Context]] = []  # per slot: the rows of rounds without the head, in order
         self.source = np.zeros(0, np.int64)  # per slot: who drafted its row of the last proposal
         self.rounds = {LOOKUP: 0, HEAD: 0}  # rounds drafted without and with the head
-        self.committed = self.cost = 0.0  # the head rounds' committed tokens and profiled ms (decayed sums)
+        # the head rounds' active slot rounds and their tokens committed and verified (decayed sums, per head round)
+        self.slot_rounds = self.committed = self.verified = 0.0
         self.since_head = 0
         self.explore_every = EXPLORE  # rounds without the head before it is explored (doubles while it loses)
         self._explored = False  # the last head call was an exploration
         self._last: list = []  # this round's (verified, accepted) per slot, folded in at the next propose
-        self._last_n, self._last_head = 0, False
+        self._last_head = False
         self._empty: dict[int, tuple[Proposal, np.ndarray]] = {}
 
     def allocate(self, slots: int) -> None:
@@ -116,24 +120,33 @@ class HybridDrafter:
         self.history[int(self.source[slot])].observe(verified, accepted)
         self._last.append((verified, accepted))
 
-    def head_rate(self, n: int) -> float:
-        """Committed tokens per ms the rounds that called the head realized lately (a prior before any)."""
-        prior_cost = self.costs.draft_ms(self.head.head.name, n) + self.costs.verify_ms(n, 2 * n)
-        return (self.committed + PRIOR_ROUNDS * PRIOR_TOKENS * n) / (self.cost + PRIOR_ROUNDS * prior_cost)
+    def head_rate(self, n: int, active: int) -> float:
+        """Committed tokens per ms a head round for n slots, `active` of them with a request, promises: the tokens a
+        slot committed and verified per head round lately (a prior before any), at this round's profiled costs."""
+        if not active:
+            return 0.0
+        rounds = self.slot_rounds + PRIOR_ROUNDS
+        committed = active * (self.committed + PRIOR_ROUNDS * PRIOR_TOKENS) / rounds
+        verified = active * (self.verified + PRIOR_ROUNDS * 2) / rounds
+        lo = int(verified)  # the verify cost between its whole token counts
+        verify = self.costs.verify_ms(n, lo) if lo > 0 else 0.0
+        if verified > lo:
+            verify += (verified - lo) * (self.costs.verify_ms(n, lo + 1) - verify)
+        return committed / (self.costs.draft_ms(self.head.head.name, n) + verify)
 
     def _fold(self) -> None:
-        """Add the last round, if it called the head, to the head's realized rate."""
+        """Add the last round, if it called the head, to the head's per-slot record."""
         if self._last_head and self._last:
-            tokens = sum(v + 1 for v, _ in self._last)
-            cost = self.costs.draft_ms(self.head.head.name, self._last_n) + self.costs.verify_ms(self._last_n, tokens)
+            self.slot_rounds = DECAY * self.slot_rounds + len(self._last)
             self.committed = DECAY * self.committed + sum(a + 1 for _, a in self._last)
-            self.cost = DECAY * self.cost + cost
+            self.verified = DECAY * self.verified + sum(v + 1 for v, _ in self._last)
         self._last = []
 
     def choose(self, slots: list[SlotView | None]) -> tuple[Proposal, np.ndarray, bool]:
         """This round's lookups, their survivals [n, steps], and whether the head is called (counted as chosen)."""
         self._fold()
         n = len(slots)
+        active = sum(s is not None for s in slots)
         if self.lookups:
             found = self.lookup.propose(slots)
             a_lookup = steps.survive(np.broadcast_to(self.history[LOOKUP].survival().astype(np.float32),
@@ -141,16 +154,15 @@ class HybridDrafter:
             _, without = admission(a_lookup, np.array([s is not None for s in slots]), 0.0, self.costs)
         else:  # no drafts without the head: the round is a decoding step of the active slots (admission's rate)
             found, a_lookup = self._nothing(n)
-            tokens = sum(s is not None for s in slots)
-            without = tokens / self.costs.verify_ms(n, tokens)
-        wins = without < self.head_rate(n)
+            without = active / self.costs.verify_ms(n, active)
+        wins = without < self.head_rate(n, active)
         if wins:  # back off while explorations do not win the head back; reset when it wins
             self.explore_every = EXPLORE
         elif self._explored:
             self.explore_every = min(2 * self.explore_every, self.explore_max)
         head = wins or self.since_head >= self.explore_every
         self._explored = head and not wins
-        self._last_n, self._last_head = n, head
+        self._last_head = head
         self.rounds[HEAD if head else LOOKUP] += 1
         self.since_head = 0 if head else self.since_head + 1
         return found, a_lookup, head

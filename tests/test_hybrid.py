@@ -201,7 +201,8 @@ def test_head_is_explored_when_its_estimate_says_skip(tiny_arts):
     costs = _Costs()
     hybrid = HybridDrafter(GraphDrafter(art, manifest, "dspark", threads=1), costs, explore_max=4 * EXPLORE)
     hybrid.allocate(1)
-    hybrid.committed, hybrid.cost = 1.0, 1e6  # its rounds so far: nearly nothing per ms
+    # its rounds so far: a million slot rounds that committed one token in all
+    hybrid.slot_rounds, hybrid.committed, hybrid.verified = 1e6, 1.0, 2e6
     feats = np.zeros((1, max(h.feature_offset + h.feature_dim for h in manifest.heads.values())), np.float32)
     heads = []
     for i in range(16 * EXPLORE):

@@ -274,21 +274,29 @@ void HybridDrafter::observe(int64_t slot, int64_t verified, int64_t accepted) {
     last_.emplace_back(verified, accepted);
 }
 
-double HybridDrafter::head_rate(int64_t n) const {
-    const double prior = costs_.draft_ms(head_->head().name, n) + costs_.verify_ms(n, 2 * n);
-    return (committed_ + kPriorRounds * kPriorTokens * n) / (cost_ + kPriorRounds * prior);
+// Committed tokens per ms a head round for n slots, `active` of them with a request, promises: the tokens a slot
+// committed and verified per head round lately (a prior before any), at this round's profiled costs.
+double HybridDrafter::head_rate(int64_t n, int64_t active) const {
+    if (active == 0) return 0.0;
+    const double rounds = slot_rounds_ + kPriorRounds;
+    const double committed = active * (committed_ + kPriorRounds * kPriorTokens) / rounds;
+    const double verified = active * (verified_ + kPriorRounds * 2) / rounds;
+    const int64_t lo = static_cast<int64_t>(verified);  // the verify cost between its whole token counts
+    double verify = lo > 0 ? costs_.verify_ms(n, lo) : 0.0;
+    if (verified > lo) verify += (verified - lo) * (costs_.verify_ms(n, lo + 1) - verify);
+    return committed / (costs_.draft_ms(head_->head().name, n) + verify);
 }
 
 void HybridDrafter::fold() {
     if (last_head_ && !last_.empty()) {
-        int64_t tokens = 0, committed = 0;
+        int64_t verified = 0, committed = 0;
         for (auto [v, a] : last_) {
-            tokens += v + 1;
+            verified += v + 1;
             committed += a + 1;
         }
-        const double cost = costs_.draft_ms(head_->head().name, last_n_) + costs_.verify_ms(last_n_, tokens);
+        slot_rounds_ = kDecay * slot_rounds_ + static_cast<double>(last_.size());
         committed_ = kDecay * committed_ + committed;
-        cost_ = kDecay * cost_ + cost;
+        verified_ = kDecay * verified_ + verified;
     }
     last_.clear();
 }
@@ -297,19 +305,19 @@ Proposal HybridDrafter::propose(const Views& views) {
     fold();
     const int64_t n = static_cast<int64_t>(views.slots.size());
     std::vector<char> active(n);
-    for (int64_t i = 0; i < n; ++i) active[i] = views.slots[i] != nullptr;
+    int64_t live = 0;
+    for (int64_t i = 0; i < n; ++i) live += active[i] = views.slots[i] != nullptr;
     Proposal found = lookup_.propose(views);
     std::vector<float> a_lookup = broadcast(history_[LOOKUP].survival(), n, steps);
     survive(a_lookup, steps, found.counts);
     const double without = admission(a_lookup, n, steps, active, 0.0, costs_, false).rate;
-    const bool wins = without < head_rate(n);
+    const bool wins = without < head_rate(n, live);
     if (wins)  // back off while explorations do not win the head back
         explore_every_ = kExplore;
     else if (explored_)
         explore_every_ = std::min(2 * explore_every_, kExploreMax);
     const bool head = wins || since_head_ >= explore_every_;
     explored_ = head && !wins;
-    last_n_ = n;
     last_head_ = head;
     ++rounds_[head ? HEAD : LOOKUP];
     since_head_ = head ? 0 : since_head_ + 1;

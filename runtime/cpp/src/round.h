@@ -91,7 +91,7 @@ public:
     int64_t head_rounds() const { return rounds_[1]; }
 
 private:
-    double head_rate(int64_t n) const;
+    double head_rate(int64_t n, int64_t active) const;
     void fold();
 
     std::unique_ptr<GraphDrafter> head_;
@@ -100,9 +100,10 @@ private:
     AcceptanceHistory history_[2];
     std::vector<std::optional<Context>> backlog_;
     std::vector<int64_t> source_;
-    int64_t rounds_[2] = {0, 0}, since_head_ = 0, last_n_ = 0;
+    int64_t rounds_[2] = {0, 0}, since_head_ = 0;
     int64_t explore_every_;  // rounds without the head before it is explored (doubles while explorations lose)
-    double committed_ = 0.0, cost_ = 0.0;
+    // the head rounds' active slot rounds and their tokens committed and verified (decayed sums, per head round)
+    double slot_rounds_ = 0.0, committed_ = 0.0, verified_ = 0.0;
     bool last_head_ = false, explored_ = false;
     std::vector<std::pair<int64_t, int64_t>> last_;
 };
