@@ -207,11 +207,14 @@ def test_gather_gguf_rows_are_gguf_dequantized_rows(ops_lib, fmt):
 KV_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 
 
-def _attention_session(lib, isa: str, scale: float, kv: str = "float32"):
-    node = helper.make_node("CacheAttention", ["q", "k", "v", "bias"], ["Y"], domain="specrt", scale=scale)
+def _attention_session(lib, isa: str, scale: float, kv: str = "float32", cells: bool = False):
+    """A session of one CacheAttention; `cells`: with its optional fifth input (the grid cells computed)."""
+    names = ["q", "k", "v", "bias", *(["cells"] if cells else [])]
+    node = helper.make_node("CacheAttention", names, ["Y"], domain="specrt", scale=scale)
     f = lambda name, t=TensorProto.FLOAT: helper.make_tensor_value_info(name, t, None)  # noqa: E731
-    graph = helper.make_graph([node], "attention", [f("q"), f("k", KV_TYPES[kv]), f("v", KV_TYPES[kv]), f("bias")],
-                              [f("Y")])
+    inputs = [f("q"), f("k", KV_TYPES[kv]), f("v", KV_TYPES[kv]), f("bias"), *([f("cells", TensorProto.INT64)]
+                                                                              if cells else [])]
+    graph = helper.make_graph([node], "attention", inputs, [f("Y")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("specrt", 1)])
     so = ort.SessionOptions()
     so.register_custom_ops_library(str(lib))
@@ -298,6 +301,37 @@ def test_cache_attention_rows_do_not_depend_on_the_call(ops_lib, isa, kv):
     for t in range(T):
         (alone,) = session.run(None, {"q": q[:, t:t + 1].copy(), "k": k, "v": v, "bias": bias[:, :, :, t:t + 1].copy()})
         np.testing.assert_array_equal(y[:, t:t + 1], alone, err_msg=f"query {t}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_cache_attention_computes_only_the_cells_a_packed_call_names(ops_lib, isa):
+    """With `cells` (a packed verify's token rows: indices into the [B, T] grid, in any order, padding cells
+    included), the named cells get the bits the full call gives them and every other cell is zero; one cell, few
+    cells (single-row tasks) and runs longer than a task all agree. A cell outside the grid is refused."""
+    if not _supported(ops_lib, isa):
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    rng = np.random.default_rng(5)
+    B, T, H, Hkv, D, S = 4, 8, 9, 3, 64, 80
+    full = _attention_session(ops_lib, isa, D ** -0.5)
+    packed = _attention_session(ops_lib, isa, D ** -0.5, cells=True)
+    q = rng.normal(size=(B, T, H, D)).astype(np.float32)
+    k = rng.normal(size=(B, Hkv, S, D)).astype(np.float32)
+    v = rng.normal(size=(B, Hkv, S, D)).astype(np.float32)
+    bias = _causal_bias(B, T, 60, [10, 30, 45, 52])
+    (want,) = full.run(None, {"q": q, "k": k, "v": v, "bias": bias})
+    lengths = [[0, 0, 0, 0], [7, 0, 2, 0], [3, 5, 0, 7], [7, 7, 7, 7]]
+    for verify in lengths:  # each slot's anchor and drafts, then two padding cells (as packed_rows gives them)
+        real = [b * T + t for b in range(B) for t in range(verify[b] + 1)]
+        pad = [c for c in range(B * T) if c not in real][:2]
+        cells = np.asarray(rng.permutation(real + pad), np.int64)
+        (got,) = packed.run(None, {"q": q, "k": k, "v": v, "bias": bias, "cells": cells})
+        mask = np.zeros(B * T, bool)
+        mask[cells] = True
+        mask = mask.reshape(B, T)
+        np.testing.assert_array_equal(got[mask], want[mask], err_msg=f"{isa} lengths {verify}")
+        assert not got[~mask].any(), verify
+    with pytest.raises(Exception, match="cells must index"):
+        packed.run(None, {"q": q, "k": k, "v": v, "bias": bias, "cells": np.asarray([0, B * T], np.int64)})
 
 
 def test_cache_attention_refuses_mixed_or_other_cache_types(ops_lib):

@@ -18,7 +18,8 @@ largest position any query of the call may see (a [1] i64 tensor, the caller's "
 attention follows the valid length, not S. Exact: the keys past L are the ones the bias masks anyway.
 
 With `--kernels specrt` a single key block is attended by one specrt::CacheAttention (libspecrt_ops): scores,
-bias, softmax and values per query row, each row computed alone, so a verify's rows get the bits decoding gives.
+bias, softmax and values per query row, each row computed alone, so a verify's rows get the bits decoding gives;
+a packed call passes its token rows, and only those cells attend (the grid's other cells are zeros, never read).
 """
 from __future__ import annotations
 
@@ -147,8 +148,10 @@ def attend(g: GraphBuilder, q: str, blocks: Sequence[KeyBlock], bias: str, o_pro
     """
     H, Hkv, D, G = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.kv_groups
     if g.kernels == "specrt" and len(blocks) == 1 and dtype == "float32":  # one fused op over the first L keys
-        out = g.op("CacheAttention", q, blocks[0].k, blocks[0].v, bias, name="attention", domain=PLUGIN_DOMAIN,
-                   scale=float(D ** -0.5))
+        # packed: only the P computed cells attend (`cells`), so a verify's attention costs its tokens, not B x T
+        cells = [packing.rows] if packing is not None else []
+        out = g.op("CacheAttention", q, blocks[0].k, blocks[0].v, bias, *cells, name="attention",
+                   domain=PLUGIN_DOMAIN, scale=float(D ** -0.5))
         out = g.op("Reshape", out, g.const([-1, H * D], "flat", "int64"))
         if packing is not None:
             out = packing.pack(g, out)

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "gguf_kernels.h"
 
@@ -33,11 +34,13 @@ struct AttentionTask {
     int64_t b, kv_head, t0, t1, g0, g1;
 };
 constexpr int64_t kTokensPerTask = 2, kMinTasks = 4;
-int64_t attention_tasks(const AttentionShape& s);
+// The tasks of a call: every query row, or (`computed` [B * T], nonzero for the cells to compute) only the grid
+// cells a packed verify computes, so attention costs the call's tokens, not its B x T grid.
+std::vector<AttentionTask> attention_plan(const AttentionShape& s, const uint8_t* computed = nullptr);
 // Floats of scratch one task needs (per calling thread).
 int64_t attention_scratch(const AttentionShape& s);
-// Task `task` (of attention_tasks) into the output [B, T, H, D].
-void attention_task(Isa isa, const AttentionShape& s, const float* q, const void* k, const void* v,
-                    const float* bias, int64_t task, float* scratch, float* out);
+// One task's rows into the output [B, T, H, D].
+void attention_run(Isa isa, const AttentionShape& s, const float* q, const void* k, const void* v,
+                   const float* bias, const AttentionTask& task, float* scratch, float* out);
 
 }  // namespace specrt::ops

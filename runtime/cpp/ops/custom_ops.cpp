@@ -18,6 +18,7 @@
 #include <onnxruntime/onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
 
+#include <cstring>
 #include <mutex>
 #include <stdexcept>
 
@@ -200,15 +201,36 @@ struct CacheAttentionKernel {
         if (s.batch * s.tokens * s.heads == 0) return;
         if (s.keys == 0) fail("no keys to attend");
         if (s.heads / s.kv_heads * specrt::ops::kTokensPerTask > 64) fail("more than 32 query heads per KV head");
-        Job job{this, &s, q.GetTensorData<float>(), bias.GetTensorData<float>(), k.GetTensorRawData(),
-                v.GetTensorRawData(), y.GetTensorMutableData<float>()};
-        ctx.ParallelFor(&CacheAttentionKernel::task, static_cast<size_t>(specrt::ops::attention_tasks(s)), 0, &job);
+        float* out = y.GetTensorMutableData<float>();
+        // optional `cells` [P]: the grid cells b * T + t a packed verify computes; the others are written as zeros
+        std::vector<uint8_t> computed;
+        if (ctx.GetInputCount() > 4) {
+            Ort::ConstValue cells = ctx.GetInput(4);
+            if (cells) {
+                const int64_t grid = s.batch * s.tokens, row = s.heads * s.head_dim;
+                const int64_t p = cells.GetTensorTypeAndShapeInfo().GetElementCount();
+                const int64_t* at = cells.GetTensorData<int64_t>();
+                computed.assign(grid, 0);
+                for (int64_t i = 0; i < p; ++i) {
+                    if (at[i] < 0 || at[i] >= grid) fail("cells must index the [B, T] grid of q");
+                    computed[at[i]] = 1;
+                }
+                for (int64_t c = 0; c < grid; ++c)
+                    if (!computed[c]) std::memset(out + c * row, 0, sizeof(float) * row);
+            }
+        }
+        const std::vector<specrt::ops::AttentionTask> tasks =
+            specrt::ops::attention_plan(s, computed.empty() ? nullptr : computed.data());
+        Job job{this, &s, &tasks, q.GetTensorData<float>(), bias.GetTensorData<float>(), k.GetTensorRawData(),
+                v.GetTensorRawData(), out};
+        ctx.ParallelFor(&CacheAttentionKernel::task, tasks.size(), 0, &job);
     }
 
 private:
     struct Job {
         CacheAttentionKernel* self;
         const specrt::ops::AttentionShape* s;
+        const std::vector<specrt::ops::AttentionTask>* tasks;
         const float *q, *bias;
         const void *k, *v;
         float* y;
@@ -219,7 +241,7 @@ private:
         scratch.resize(specrt::ops::attention_scratch(*j.s));
         const uintptr_t at = reinterpret_cast<uintptr_t>(scratch.data());
         float* aligned = scratch.data() + ((32 - at % 32) % 32) / sizeof(float);  // 32 bytes: vector loads
-        specrt::ops::attention_task(j.self->isa_, *j.s, j.q, j.k, j.v, j.bias, static_cast<int64_t>(t), aligned, j.y);
+        specrt::ops::attention_run(j.self->isa_, *j.s, j.q, j.k, j.v, j.bias, (*j.tasks)[t], aligned, j.y);
     }
 
     float scale_ = 1.0f;
@@ -232,9 +254,13 @@ struct CacheAttentionOp : Ort::CustomOpBase<CacheAttentionOp, CacheAttentionKern
     }
     const char* GetName() const { return "CacheAttention"; }
     const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-    size_t GetInputTypeCount() const { return 4; }
+    size_t GetInputTypeCount() const { return 5; }
     ONNXTensorElementDataType GetInputType(size_t i) const {  // k and v: any type here, checked in Compute
+        if (i == 4) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;  // cells
         return i == 1 || i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    }
+    OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+        return i == 4 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
     }
     size_t GetOutputTypeCount() const { return 1; }
     ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }

@@ -223,15 +223,28 @@ void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, i
     else packed_avx2(w, a.q.data(), a.d.data(), a.ds.data(), a.m, g0, g1, n_total, y);
 }
 
-namespace {
-bool single_rows(const AttentionShape& s) {
-    return s.batch * s.kv_heads * ((s.tokens + kTokensPerTask - 1) / kTokensPerTask) < kMinTasks;
-}
-}  // namespace
-
-int64_t attention_tasks(const AttentionShape& s) {
-    return single_rows(s) ? s.batch * s.tokens * s.heads
-                          : s.batch * s.kv_heads * ((s.tokens + kTokensPerTask - 1) / kTokensPerTask);
+std::vector<AttentionTask> attention_plan(const AttentionShape& s, const uint8_t* computed) {
+    const int64_t G = s.heads / s.kv_heads;
+    auto on = [&](int64_t b, int64_t t) { return computed == nullptr || computed[b * s.tokens + t] != 0; };
+    std::vector<AttentionTask> tasks;
+    for (int64_t b = 0; b < s.batch; ++b)
+        for (int64_t h = 0; h < s.kv_heads; ++h)
+            for (int64_t t = 0; t < s.tokens;) {  // runs of computed tokens, kTokensPerTask at a time
+                if (!on(b, t)) {
+                    ++t;
+                    continue;
+                }
+                int64_t t1 = t + 1;
+                while (t1 < s.tokens && t1 - t < kTokensPerTask && on(b, t1)) ++t1;
+                tasks.push_back({b, h, t, t1, 0, G});
+                t = t1;
+            }
+    if (static_cast<int64_t>(tasks.size()) >= kMinTasks) return tasks;
+    std::vector<AttentionTask> rows;  // too few for the threads: one task per query row
+    for (const AttentionTask& task : tasks)
+        for (int64_t t = task.t0; t < task.t1; ++t)
+            for (int64_t g = 0; g < G; ++g) rows.push_back({task.b, task.kv_head, t, t + 1, g, g + 1});
+    return rows;
 }
 
 int64_t attention_scratch(const AttentionShape& s) {  // scores, then the scaled queries (32-byte aligned)
@@ -239,19 +252,8 @@ int64_t attention_scratch(const AttentionShape& s) {  // scores, then the scaled
     return rows * ((s.keys + 7) / 8 * 8) + rows * s.head_dim + 8;
 }
 
-void attention_task(Isa isa, const AttentionShape& s, const float* q, const void* k, const void* v,
-                    const float* bias, int64_t index, float* scratch, float* out) {
-    const int64_t G = s.heads / s.kv_heads;
-    AttentionTask task;
-    if (single_rows(s)) {  // row index = (b * T + t) * H + h
-        const int64_t h = index % s.heads, bt = index / s.heads;
-        task = {bt / s.tokens, h / G, bt % s.tokens, bt % s.tokens + 1, h % G, h % G + 1};
-    } else {
-        const int64_t per_row = (s.tokens + kTokensPerTask - 1) / kTokensPerTask;
-        const int64_t t0 = index % per_row * kTokensPerTask;
-        task = {index / (s.kv_heads * per_row), index / per_row % s.kv_heads, t0,
-                std::min(s.tokens, t0 + kTokensPerTask), 0, G};
-    }
+void attention_run(Isa isa, const AttentionShape& s, const float* q, const void* k, const void* v,
+                   const float* bias, const AttentionTask& task, float* scratch, float* out) {
     switch (isa) {
         case Isa::Avx512Vnni: attention_avx512(s, q, k, v, bias, task, scratch, out); break;
         case Isa::Avx2: attention_avx2(s, q, k, v, bias, task, scratch, out); break;
