@@ -11,6 +11,10 @@ interleaved in one process (this machine's speed drifts, so only same-run differ
     no-attn    attention (QK, mask, softmax, PV and the reshapes around them) bypassed; cache writes stay
     no-rope    rotary embedding of q and k bypassed
     matmuls    all three cut: MatMulNBits, norms, cache writes, embedding and head remain
+    no-unpack  `--kernels specrt` graphs: the scatter of the packed rows onto the B x T grid bypassed
+    no-pack    the gather of the packed rows after attention bypassed
+    no-silu    the MLP's SiLU bypassed
+    small      rope, unpack, pack and SiLU all cut
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ from specrt.artifact import load_manifest
 from specrt.runtime.backends import load_runner
 
 VARIANTS = {"full": set(), "no-mins": {"mins"}, "no-attn": {"attn"}, "no-rope": {"rope"},
-            "matmuls": {"mins", "attn", "rope"}}
+            "matmuls": {"mins", "attn", "rope"}, "no-unpack": {"unpack"}, "no-pack": {"pack"},
+            "no-silu": {"silu"}, "small": {"rope", "unpack", "pack", "silu"}}
 
 
 def _layer(name: str) -> str:
@@ -50,6 +55,12 @@ def cut(model: onnx.ModelProto, parts: set[str]) -> onnx.ModelProto:
             n.input[0] = f"/{prefix}/layers.{_layer(n.name)}/input_layernorm:0"  # any [N, d] tensor
         if "rope" in parts and n.name.endswith("attn/Split_1"):
             n.input[0] = f"/{prefix}/layers.{_layer(n.name)}/attn/Split:0"
+        if "unpack" in parts and n.name.endswith("attn/qkv_heads"):
+            n.input[0] = f"/{prefix}/layers.{_layer(n.name)}/attn/qkv_proj:0"
+        if "pack" in parts and n.name.endswith("attn/o_proj"):
+            n.input[0] = f"/{prefix}/layers.{_layer(n.name)}/attn/Reshape:0"
+        if "silu" in parts and n.name.endswith("mlp/Mul"):
+            n.input[0] = f"/{prefix}/layers.{_layer(n.name)}/mlp/Split:0"
     for n in m.graph.node:
         for i, x in enumerate(n.input):
             n.input[i] = rename.get(x, x)
