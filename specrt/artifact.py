@@ -45,6 +45,9 @@ FORMAT_VERSION = 4
 # artifact (tools/default_artifact.py) is re-exported when this moves. 2: tokenizer.chat (the chat template's text
 # around one user message, for the C++ runtime).
 MANIFEST_REVISION = 2
+# The exporter's graphs changed within a format version (the same inputs and outputs, the same manifest): a cached
+# default artifact is re-exported when this moves. 2: a target layer's attention as one specrt::PackedAttention.
+GRAPHS_REVISION = 2
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.bin"
 TOKENIZER_DIR = "tokenizer"

@@ -361,3 +361,136 @@ def test_cache_attention_refuses_bad_shapes(ops_lib):
     with pytest.raises(Exception, match="multiple of 8"):
         q6, k6 = np.zeros((1, 2, 4, 6), np.float32), np.zeros((1, 2, 10, 6), np.float32)
         session.run(None, {"q": q6, "k": k6, "v": k6, "bias": np.zeros((1, 1, 1, 2, 10), np.float32)})
+
+
+def _packed_session(lib, isa: str, H: int, Hkv: int, kv: str = "float32"):
+    """A session of one PackedAttention (rope, cache writes and attention of a packed call's rows)."""
+    names = ["qkv", "cos", "sin", "slots", "bias", "cells", "past_k", "past_v"]
+    node = helper.make_node("PackedAttention", names, ["Y", "present_k", "present_v"], domain="specrt",
+                            scale=0.125, heads=H, kv_heads=Hkv)
+    types = {"slots": TensorProto.INT64, "cells": TensorProto.INT64, "past_k": KV_TYPES[kv], "past_v": KV_TYPES[kv]}
+    f = lambda name: helper.make_tensor_value_info(name, types.get(name, TensorProto.FLOAT), None)  # noqa: E731
+    graph = helper.make_graph([node], "packed_attention", [f(n) for n in names],
+                              [f("Y"), helper.make_tensor_value_info("present_k", KV_TYPES[kv], None),
+                               helper.make_tensor_value_info("present_v", KV_TYPES[kv], None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("specrt", 1)])
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(lib))
+    so.intra_op_num_threads = 2
+    os.environ["SPECRT_OPS_ISA"] = isa
+    try:
+        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    finally:
+        del os.environ["SPECRT_OPS_ISA"]
+
+
+def _bits(x: np.ndarray, kv: str) -> np.ndarray:
+    """A cache as its stored bits (numpy has no bfloat16: uint16)."""
+    if kv == "float32":
+        return x.copy()
+    if kv == "float16":
+        return x.astype(np.float16)
+    u = x.view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _ortvalue(bits: np.ndarray, kv: str):
+    onnx_type = KV_TYPES[kv] if kv == "bfloat16" else None
+    return (ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, onnx_type) if onnx_type else
+            ort.OrtValue.ortvalue_from_numpy(bits))
+
+
+def _run_packed(session, feeds: dict, past_k: np.ndarray, past_v: np.ndarray, kv: str, in_place: bool, heads: int):
+    """Y and the present caches' bits; `in_place`: present bound to past's own buffers (as the runtimes bind them),
+    else to buffers of their own (the op copies past first)."""
+    binding = session.io_binding()
+    head_dim = feeds["qkv"].shape[1] // (heads + 2 * past_k.shape[1])
+    y = np.full((len(feeds["cells"]), heads * head_dim), np.nan, np.float32)
+    binding.bind_ortvalue_output("Y", ort.OrtValue.ortvalue_from_numpy(y))
+    for name, x in feeds.items():
+        binding.bind_cpu_input(name, x)
+    k, v = _bits(past_k, kv), _bits(past_v, kv)
+    pk, pv = _ortvalue(k, kv), _ortvalue(v, kv)
+    binding.bind_ortvalue_input("past_k", pk)
+    binding.bind_ortvalue_input("past_v", pv)
+    if in_place:
+        out_k, out_v = k, v
+        binding.bind_ortvalue_output("present_k", pk)
+        binding.bind_ortvalue_output("present_v", pv)
+    else:
+        out_k, out_v = np.full_like(k, 7), np.full_like(v, 7)
+        ok, ov = _ortvalue(out_k, kv), _ortvalue(out_v, kv)
+        binding.bind_ortvalue_output("present_k", ok)
+        binding.bind_ortvalue_output("present_v", ov)
+    session.run_with_iobinding(binding)
+    return y, out_k, out_v
+
+
+def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x·cos + rotate_half(x)·sin in float32, each product and the sum rounded apart (ONNX's Mul, Mul, Add)."""
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x * cos).astype(np.float32) + (rotated * sin).astype(np.float32)
+
+
+@pytest.mark.parametrize("kv", KV_TYPES)
+@pytest.mark.parametrize("isa", ISAS)
+def test_packed_attention_is_rope_cache_writes_then_cache_attention(ops_lib, isa, kv):
+    """One PackedAttention = rope of the packed rows' q and k (the bits of ONNX's Mul/Mul/Add), k and v written at
+    their cells' slots (rounded to the cache's type as ONNX Runtime's Cast rounds: nearest even), then
+    CacheAttention over the written cache for exactly those cells, packed: the same bits, with present bound to
+    past's buffer (written in place) or to a buffer of its own (past copied first, every other position kept)."""
+    if not _supported(ops_lib, isa):
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    rng = np.random.default_rng(11)
+    for B, T, H, Hkv, D, S in ((1, 1, 9, 3, 64, 40), (4, 8, 9, 3, 64, 80), (2, 3, 2, 2, 8, 12)):
+        packed = _packed_session(ops_lib, isa, H, Hkv, kv)
+        attention = _attention_session(ops_lib, isa, 0.125, kv, cells=True)
+        starts = rng.integers(0, S - T + 1, size=B)
+        slots = (starts[:, None] + np.arange(T)[None]).astype(np.int64)
+        angles = slots[..., None, None] * rng.uniform(0.01, 1.0, size=D // 2).repeat(2)[None, None, None]
+        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)  # [B, T, 1, D]
+        bias = _causal_bias(B, T, int(slots.max()) + 1, starts)
+        real = [b * T + t for b in range(B) for t in range(rng.integers(0, T) + 1)]  # each slot's tokens
+        cells = rng.permutation(real).astype(np.int64)
+        P = len(cells)
+        qkv = rng.normal(size=(P, (H + 2 * Hkv) * D)).astype(np.float32)
+        past_k = rng.normal(size=(B, Hkv, S, D)).astype(np.float32)
+        past_v = rng.normal(size=(B, Hkv, S, D)).astype(np.float32)
+        # the reference: rope, the writes, CacheAttention on the grid
+        want_k, want_v, q = _bits(past_k, kv), _bits(past_v, kv), np.zeros((B, T, H, D), np.float32)
+        for i, c in enumerate(cells):
+            b, t = divmod(int(c), T)
+            heads = qkv[i].reshape(H + 2 * Hkv, D)
+            q[b, t] = _rope(heads[:H], cos[b, t], sin[b, t])
+            want_k[b, :, slots[b, t]] = _bits(_rope(heads[H:H + Hkv], cos[b, t], sin[b, t]), kv)
+            want_v[b, :, slots[b, t]] = _bits(heads[H + Hkv:], kv)
+        (grid,) = attention.run(None, {"q": q, "k": _ortvalue(want_k, kv), "v": _ortvalue(want_v, kv),
+                                       "bias": bias, "cells": cells})
+        want = grid.reshape(B * T, H * D)[cells]
+        feeds = {"qkv": qkv, "cos": cos, "sin": sin, "slots": slots, "bias": bias, "cells": cells}
+        for in_place in (True, False):
+            y, got_k, got_v = _run_packed(packed, feeds, past_k, past_v, kv, in_place, H)
+            what = f"{isa} {kv} B={B} T={T} H={H}/{Hkv} D={D} in place={in_place}"
+            np.testing.assert_array_equal(got_k, want_k, err_msg=what)
+            np.testing.assert_array_equal(got_v, want_v, err_msg=what)
+            np.testing.assert_array_equal(y, want, err_msg=what)
+
+
+def test_packed_attention_refuses_bad_cells_slots_and_shapes(ops_lib):
+    B, T, H, Hkv, D, S = 2, 2, 4, 2, 8, 6
+    session = _packed_session(ops_lib, "scalar", H, Hkv)
+    feeds = {"qkv": np.zeros((2, (H + 2 * Hkv) * D), np.float32), "cos": np.ones((B, T, 1, D), np.float32),
+             "sin": np.zeros((B, T, 1, D), np.float32), "slots": np.asarray([[0, 1], [2, 3]], np.int64),
+             "bias": np.zeros((B, 1, 1, T, S), np.float32), "cells": np.asarray([0, 2], np.int64),
+             "past_k": np.zeros((B, Hkv, S, D), np.float32), "past_v": np.zeros((B, Hkv, S, D), np.float32)}
+    session.run(None, feeds)
+    for change, want in (({"cells": np.asarray([0, 0], np.int64)}, "must not repeat"),
+                         ({"cells": np.asarray([0, 4], np.int64)}, "cells must index"),
+                         ({"slots": np.asarray([[0, 1], [6, 3]], np.int64)}, "outside the cache"),
+                         ({"cells": np.asarray([0], np.int64)}, "one per qkv row"),
+                         ({"qkv": np.zeros((2, 7 * D + 1), np.float32)}, r"\[P, \(H \+ 2 Hkv\) D\]"),
+                         ({"sin": np.zeros((B, T, D), np.float32)}, "cos and sin"),
+                         ({"bias": np.zeros((B, 1, 1, T, S + 1), np.float32)}, "L <= the cache length")):
+        with pytest.raises(Exception, match=want):
+            session.run(None, {**feeds, **change})

@@ -127,8 +127,9 @@ def test_graphs_run_on_the_library_and_store_the_files_bytes(arts, sources):
     assert m.export.kernels == "specrt"
     ops = collections.Counter(n.op_type for n in onnx.load(str(art / "target.onnx"), load_external_data=False)
                               .graph.node if n.domain == "specrt")
-    # every matrix of the target (2 layers x qkv, o, gate_up, down; the head), its embedding, its attention
-    assert ops == {"MatMulGGUF": 2 * 4 + 1, "GatherGGUF": 1, "CacheAttention": 2}
+    # every matrix of the target (2 layers x qkv, o, gate_up, down; the head), its embedding, its attention (rope,
+    # cache writes and attention in one node)
+    assert ops == {"MatMulGGUF": 2 * 4 + 1, "GatherGGUF": 1, "PackedAttention": 2}
     target = onnx.load(str(art / "target.onnx"), load_external_data=False)
     assert not [n for n in target.graph.node if n.domain == "com.microsoft" and n.op_type == "MatMulNBits"]
     # ffn_down of layer 0 is the file's bytes, unchanged
@@ -140,6 +141,40 @@ def test_graphs_run_on_the_library_and_store_the_files_bytes(arts, sources):
     assert data == np.asarray(raw.data).tobytes()
     # layer 1's q (Q4_0) and k/v (Q4_1) stack into one matrix of two formats: Q8_0 instead
     assert any(i.name == "model.layers.1.self_attn.qkv_proj.weight.gguf.Q8_0" for i in target.graph.initializer)
+
+
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+def test_fused_attention_is_the_unfused_graph_bit_for_bit(arts, sources, kv, monkeypatch, tmp_path):
+    """A target layer's attention is one specrt::PackedAttention (rope, cache writes, attention of the packed rows);
+    exported without it (rope, Cast and ScatterND nodes around a CacheAttention), the same GGUF gives the same logits
+    bit for bit, at prefill, decoding and verify, with a float32 or a float16 cache."""
+    from specrt.exporter.onnx import target
+    from specrt.runtime.backends import infer
+
+    monkeypatch.setattr(target, "fuses_attention", lambda *args: False)
+    unfused = export_artifact(sources[0], tmp_path / "unfused", dataclasses.replace(KERNELS, kv_dtype=kv),
+                              progress=False)
+    ops = collections.Counter(n.op_type for n in onnx.load(str(unfused / "target.onnx"), load_external_data=False)
+                              .graph.node if n.domain == "specrt")
+    assert ops["CacheAttention"] == LAYERS and not ops["PackedAttention"]
+    ids = [1, *np.random.default_rng(3).integers(3, 250, size=47).tolist()]
+    calls = [16, 1, 1, 5, 3, 1, 4, 16, 1]  # a prefill chunk, decoding steps, verifies (sum: len(ids))
+    logits = {}
+    for name, art in (("fused", arts["specrt" if kv == "float32" else kv]), ("unfused", unfused)):
+        with Engine(art, EngineConfig(threads=2)) as engine:
+            runner = engine.target
+            runner.allocate(max(runner.slots, 1))
+            rows, start = [], 0
+            for n in calls:
+                feeds = {io.INPUT_IDS: np.asarray([ids[start:start + n]], np.int64),
+                         io.POSITION_IDS: np.arange(start, start + n, dtype=np.int64)[None],
+                         io.WRITE_INDEX: np.array([start], np.int64),
+                         io.TOKEN_ROWS: np.arange(n, dtype=np.int64), io.LOGIT_ROWS: np.arange(n, dtype=np.int64)}
+                rows.append(infer(runner, 0, feeds)[io.LOGITS].copy())
+                start += n
+            logits[name] = np.concatenate(rows)
+    assert start == len(ids)
+    np.testing.assert_array_equal(logits["fused"], logits["unfused"])
 
 
 def test_logits_as_close_to_the_float_model_as_the_stock_ops(arts):

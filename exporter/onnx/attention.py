@@ -20,6 +20,8 @@ attention follows the valid length, not S. Exact: the keys past L are the ones t
 With `--kernels specrt` a single key block is attended by one specrt::CacheAttention (libspecrt_ops): scores,
 bias, softmax and values per query row, each row computed alone, so a verify's rows get the bits decoding gives;
 a packed call passes its token rows, and only those cells attend (the grid's other cells are zeros, never read).
+The target's layers go further: one specrt::PackedAttention does the rope, the cache writes and the attention of
+the packed rows (`target.fuses_attention`), and none of this module's nodes are emitted for them.
 """
 from __future__ import annotations
 

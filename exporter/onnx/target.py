@@ -18,7 +18,7 @@ import numpy as np
 
 from specrt import artifact as io
 from specrt.model_config import ModelConfig
-from specrt.exporter.onnx.builder import GraphBuilder, onnx_dtype
+from specrt.exporter.onnx.builder import PLUGIN_DOMAIN, GraphBuilder, onnx_dtype
 from specrt.exporter.onnx.attention import (KeyBlock, Packing, Rope, attend, cache_block, check_lowering,
                                             project_heads, write_cache)
 from specrt.exporter.onnx.layers import (Shapes, add_rms_norm, embedding, linear, mlp, rms_norm, rope_tables,
@@ -29,11 +29,12 @@ FINAL = "final"  # feature source: the final-normed hidden state (what MTP consu
 
 
 def cache_io(g: GraphBuilder, shapes: Shapes, write_index: str, cfg: ModelConfig, max_seq: int,
-             dtype: str, *, lowering: str = "standard") -> tuple[str, str, int | str]:
+             dtype: str, *, lowering: str = "standard", fused: bool = False) -> tuple[str, str, int | str]:
     """Scatter indices, attention bias and cache window (`slot_io`) for T new tokens at write_index[b] + t.
 
     In the cpu lowering the target's cache length is the axis S the runtime sizes (`GraphSpec.sized_cache`),
-    and attention reads all of it: the window is Shape(past)[2], no copy of the valid positions is made."""
+    and attention reads all of it: the window is Shape(past)[2], no copy of the valid positions is made.
+    `fused`: specrt::PackedAttention writes the cache itself, and takes the slots [B,T] instead of indices."""
     with g.scope("cache_io"):
         t_range = g.op("Range", g.const(0, "zero", "int64"),
                        g.op("Squeeze", shapes.tokens, g.const([0], "axis0", "int64")),
@@ -41,7 +42,7 @@ def cache_io(g: GraphBuilder, shapes: Shapes, write_index: str, cfg: ModelConfig
         qpos = g.op("Add", g.op("Unsqueeze", write_index, g.const([1], "axis1", "int64")), t_range,
                     name="query_positions")  # [B,T]: cache slot of each new token
         sized = g.op("Shape", io.past_names(0)[0], start=2, end=3, name="cache_length") if lowering == "cpu" else None
-        return slot_io(g, shapes, qpos, cfg, max_seq, lowering=lowering, sized=sized)
+        return slot_io(g, shapes, qpos, cfg, max_seq, lowering=lowering, sized=sized, fused=fused)
 
 
 def _row_indices(g: GraphBuilder, shapes: Shapes, slots: str, heads: int) -> str:
@@ -58,16 +59,19 @@ def _row_indices(g: GraphBuilder, shapes: Shapes, slots: str, heads: int) -> str
 
 
 def slot_io(g: GraphBuilder, shapes: Shapes, slots: str, cfg: ModelConfig, max_seq: int, *,
-            lowering: str = "standard", sized: str | None = None) -> tuple[str, str, int | str]:
+            lowering: str = "standard", sized: str | None = None, fused: bool = False) -> tuple[str, str, int | str]:
     """For new tokens at cache slots [B,T]: scatter indices, the bias [B,1,1,T,L] and the cache window L the
     keys are cut to: S, or in the cpu lowering a [1] i64 tensor, one past the largest slot written; with `sized`
     (the [1] length of a runtime-sized cache) L is all of it, and nothing is cut.
 
     The indices are ScatterElements' [B,Hkv,T,D] (`standard`), or ScatterND's [B,Hkv,T,3] (b, h, slot) in the
-    cpu lowering, where ONNX Runtime copies whole D-rows (4x faster per layer at T=1): see `write_cache`."""
+    cpu lowering, where ONNX Runtime copies whole D-rows (4x faster per layer at T=1): see `write_cache`; with
+    `fused`, the slots themselves (specrt::PackedAttention writes its rows)."""
     # Writes past the end go to the last slot, which the runtime never lets a valid token reach.
     last = g.op("Min", slots, g.const([max_seq - 1], "last_slot", "int64"))
-    if lowering == "cpu":
+    if fused:
+        scatter_idx = last
+    elif lowering == "cpu":
         scatter_idx = _row_indices(g, shapes, last, cfg.num_kv_heads)
     else:
         idx_shape = g.op("Concat", shapes.batch, g.const([cfg.num_kv_heads], "hkv", "int64"), shapes.tokens,
@@ -101,7 +105,22 @@ def slot_io(g: GraphBuilder, shapes: Shapes, slots: str, cfg: ModelConfig, max_s
 def _attention(g: GraphBuilder, x: str, p: str, cache: tuple[str, str], cfg: ModelConfig, shapes: Shapes,
                rope: Rope, scatter_idx: str, bias: str, dtype: str, window: int | str, lowering: str,
                sized_cache: bool, packing: Packing | None, kv_dtype: str) -> tuple[str, str, str]:
-    """Self-attention of T new tokens over the cache they are first written into; returns (o, present_k, present_v)."""
+    """Self-attention of T new tokens over the cache they are first written into; returns (o, present_k, present_v).
+
+    `fused` (see `fuses_attention`): one specrt::PackedAttention node between the qkv and o projections does the
+    rope, the cache writes and the attention of the packed rows; `scatter_idx` is then the cells' slots [B,T]."""
+    if fuses_attention(g, cfg, dtype, lowering, sized_cache, packing):
+        with g.scope("attn"):
+            w = g.weight
+            qkv = linear(g, x, w(f"{p}.qkv_proj.weight"), w(f"{p}.qkv_proj.bias") if cfg.attention_bias else None,
+                         name="qkv_proj")
+            o, present_k, present_v = g.op(
+                "PackedAttention", qkv, rope[0], rope[1], scatter_idx, bias, packing.rows, *cache, name="attention",
+                outputs=3, domain=PLUGIN_DOMAIN, scale=float(cfg.head_dim ** -0.5), heads=cfg.num_heads,
+                kv_heads=cfg.num_kv_heads)
+            o = linear(g, o, w(f"{p}.o_proj.weight"), w(f"{p}.o_proj.bias") if cfg.o_proj_bias else None,
+                       name="o_proj")
+        return o, present_k, present_v
     with g.scope("attn"):
         q, k, v = project_heads(g, x, p, "qkv", shapes.qkv, cfg, rope, dtype, lowering=lowering, packing=packing)
         if kv_dtype != dtype:  # the cache's storage (--kv-dtype): rounded once, when written
@@ -111,6 +130,14 @@ def _attention(g: GraphBuilder, x: str, p: str, cache: tuple[str, str], cfg: Mod
             cache_block(g, present_k, present_v, window)
         o = attend(g, q, [keys], bias, f"{p}.o_proj", cfg, dtype, packing=packing)
     return o, present_k, present_v
+
+
+def fuses_attention(g: GraphBuilder, cfg: ModelConfig, dtype: str, lowering: str, sized_cache: bool,
+                    packing: Packing | None) -> bool:
+    """Whether a target layer's attention is one specrt::PackedAttention (`--kernels specrt`, cpu lowering, float32
+    activations, a packed call over the runtime-sized cache, rope with no q/k norm before it)."""
+    return (g.kernels == "specrt" and lowering == "cpu" and sized_cache and packing is not None
+            and dtype == "float32" and not cfg.qk_norm)
 
 
 def decoder_layer(g: GraphBuilder, x: str, prefix: str, cache: tuple[str, str], cfg: ModelConfig, shapes: Shapes,
@@ -144,10 +171,11 @@ def input_shapes(g: GraphBuilder, ids: str, cfg: ModelConfig) -> Shapes:
                   qkv=g.op("Concat", bt, qkv_heads, axis=0, name="qkv_shape"))
 
 
-def rope_inputs(g: GraphBuilder, position_ids: str, cfg: ModelConfig, dtype: str) -> Rope:
-    """(cos, sin, rotate_half matrix) for `apply_rope`."""
-    return (*rope_tables(g, position_ids, cfg.inv_freq(), dtype),
-            g.const(rotate_half_matrix(cfg.head_dim, dtype), "rotate_half"))
+def rope_inputs(g: GraphBuilder, position_ids: str, cfg: ModelConfig, dtype: str, *, rotate: bool = True) -> Rope:
+    """(cos, sin, rotate_half matrix) for `apply_rope`; without `rotate` (fused attention rotates itself), no
+    matrix ("")."""
+    cos, sin = rope_tables(g, position_ids, cfg.inv_freq(), dtype)
+    return cos, sin, g.const(rotate_half_matrix(cfg.head_dim, dtype), "rotate_half") if rotate else ""
 
 
 def stack_layer_weights(out: dict[str, np.ndarray], prefix: str, cfg: ModelConfig) -> None:
@@ -198,8 +226,10 @@ def build_target_graph(g: GraphBuilder, cfg: ModelConfig, *, max_seq: int, dtype
         packing = Packing(io.TOKEN_ROWS, g.op("Mul", shapes.batch, shapes.tokens, name="grid_cells"))
         flat_ids = g.op("Reshape", input_ids, g.const([-1], "flat_ids", "int64"))
         x = embedding(g, g.weight("model.embed_tokens.weight"), packing.pack(g, flat_ids))  # [P, d]
-        rope = rope_inputs(g, position_ids, cfg, dtype)
-        scatter_idx, bias, window = cache_io(g, shapes, write_index, cfg, max_seq, dtype, lowering=attention)
+        fused = fuses_attention(g, cfg, dtype, attention, attention == "cpu", packing)
+        rope = rope_inputs(g, position_ids, cfg, dtype, rotate=not fused)
+        scatter_idx, bias, window = cache_io(g, shapes, write_index, cfg, max_seq, dtype, lowering=attention,
+                                             fused=fused)
         captured: dict[int | str, str] = {-1: x}
         presents: list[tuple[str, str]] = []
         for i in range(cfg.num_layers):

@@ -43,4 +43,12 @@ int64_t attention_scratch(const AttentionShape& s);
 void attention_run(Isa isa, const AttentionShape& s, const float* q, const void* k, const void* v,
                    const float* bias, const AttentionTask& task, float* scratch, float* out);
 
+// A packed call's P new tokens made ready for attention (specrt::PackedAttention). Token i (grid cell c = cells[i] =
+// b * T + t) is row i of qkv [P, (H + 2 Hkv) D]: its q and k heads are rotated (rope, rotate-half: x cos[c] +
+// rotate_half(x) sin[c], each product and the sum rounded apart, as ONNX's Mul and Add do), q is placed at cell c of
+// the grid [B, T, H, D], and k and v are stored in the cache [B, Hkv, S, D] at position slots[c] of batch row b,
+// rounded to the cache's type (to nearest even). Elementwise: a token's bits never depend on the call's others.
+void rope_rows(const AttentionShape& s, const float* qkv, int64_t p, const int64_t* cells, const float* cos,
+               const float* sin, const int64_t* slots, float* q_grid, void* k, void* v);
+
 }  // namespace specrt::ops

@@ -10,6 +10,12 @@
 //                          bias: float [B, 1, 1, T or 1, L])
 //     -> Y: float [B, T, H, D]; attribute scale.  softmax(q·scale·kᵀ + bias)·v over the first L keys, the cache's
 //     elements widened to float32 (attention.h).
+//   specrt::PackedAttention(qkv: float [P, (H + 2 Hkv) D], cos, sin: float [B, T, 1, D], slots: int64 [B, T],
+//                           bias: float [B, 1, 1, T or 1, L], cells: int64 [P], past_k, past_v: [B, Hkv, S, D])
+//     -> Y: float [P, H D], present_k, present_v: [B, Hkv, S, D] (past's type); attributes scale, heads, kv_heads.
+//     A packed call's attention in one node: the P tokens' q and k rotated (rope), their k and v written into the
+//     cache at slots[cell], then CacheAttention's rows for the cells, packed. present is past with the writes: bound
+//     to past's buffer it is written in place, otherwise past is copied first.
 // Every operator computes each output row alone, in one fixed order: a row's bits never depend on the call's rows.
 #include "attention.h"
 #include "gguf_kernels.h"
@@ -266,6 +272,121 @@ struct CacheAttentionOp : Ort::CustomOpBase<CacheAttentionOp, CacheAttentionKern
     ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
 
+struct PackedAttentionKernel {
+    PackedAttentionKernel(const OrtApi&, const OrtKernelInfo* info) {
+        Ort::ConstKernelInfo ki(info);
+        scale_ = ki.GetAttribute<float>("scale");
+        heads_ = ki.GetAttribute<int64_t>("heads");
+        kv_heads_ = ki.GetAttribute<int64_t>("kv_heads");
+        if (heads_ <= 0 || kv_heads_ <= 0 || heads_ % kv_heads_)
+            throw Ort::Exception("specrt::PackedAttention: heads must be a positive multiple of kv_heads",
+                                 ORT_INVALID_ARGUMENT);
+        isa_ = specrt::ops::best_isa();
+    }
+
+    void Compute(OrtKernelContext* context) {
+        Ort::KernelContext ctx(context);
+        auto fail = [](const std::string& what) {
+            throw Ort::Exception("specrt::PackedAttention: " + what, ORT_INVALID_ARGUMENT);
+        };
+        Ort::ConstValue qkv = ctx.GetInput(0), cos = ctx.GetInput(1), sin = ctx.GetInput(2), slots = ctx.GetInput(3),
+                        bias = ctx.GetInput(4), cells = ctx.GetInput(5), pk = ctx.GetInput(6), pv = ctx.GetInput(7);
+        auto shape = [](const Ort::ConstValue& x) { return x.GetTensorTypeAndShapeInfo().GetShape(); };
+        const std::vector<int64_t> xs = shape(qkv), ss = shape(slots), bs = shape(bias), ks = shape(pk);
+        if (xs.size() != 2 || xs[1] % (heads_ + 2 * kv_heads_)) fail("qkv must be [P, (H + 2 Hkv) D]");
+        if (ss.size() != 2) fail("slots must be [B, T]");
+        if (ks.size() != 4 || shape(pv) != ks || ks[0] != ss[0] || ks[1] != kv_heads_)
+            fail("past k and v must be [B, Hkv, S, D]");
+        const int64_t P = xs[0], B = ss[0], T = ss[1], D = xs[1] / (heads_ + 2 * kv_heads_);
+        if (ks[3] != D) fail("past k and v must be [B, Hkv, S, D] with qkv's head size");
+        if (D % 8 || D > specrt::ops::kMaxHeadDim) fail("head size must be a multiple of 8, <= 256");
+        if (shape(cos) != std::vector<int64_t>{B, T, 1, D} || shape(sin) != shape(cos)) fail("cos and sin must be [B, T, 1, D]");
+        if (shape(cells) != std::vector<int64_t>{P}) fail("cells must be [P], one per qkv row");
+        if (bs.size() != 5 || bs[0] != B || bs[1] != 1 || bs[2] != 1 || (bs[3] != 1 && bs[3] != T) || bs[4] > ks[2])
+            fail("bias must be [B, 1, 1, T or 1, L] with L <= the cache length");
+        specrt::ops::AttentionShape s{B, T, heads_, kv_heads_, D, ks[2], bs[4], bs[3], scale_};
+        const ONNXTensorElementDataType kt = pk.GetTensorTypeAndShapeInfo().GetElementType();
+        if (kt != pv.GetTensorTypeAndShapeInfo().GetElementType()) fail("past k and v must have one element type");
+        if (kt == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) s.cache_type = specrt::ops::CacheType::F16;
+        else if (kt == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16) s.cache_type = specrt::ops::CacheType::BF16;
+        else if (kt != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) fail("past k and v must be float, float16 or bfloat16");
+        if (heads_ / kv_heads_ * specrt::ops::kTokensPerTask > 64) fail("more than 32 query heads per KV head");
+
+        Ort::UnownedValue y = ctx.GetOutput(0, {P, heads_ * D});
+        Ort::UnownedValue present_k = ctx.GetOutput(1, ks), present_v = ctx.GetOutput(2, ks);
+        const size_t cache_bytes = pk.GetTensorTypeAndShapeInfo().GetElementCount() *
+                                   (s.cache_type == specrt::ops::CacheType::F32 ? 4 : 2);
+        void* k = present_k.GetTensorMutableRawData();
+        void* v = present_v.GetTensorMutableRawData();
+        if (k != pk.GetTensorRawData()) std::memcpy(k, pk.GetTensorRawData(), cache_bytes);  // not bound in place
+        if (v != pv.GetTensorRawData()) std::memcpy(v, pv.GetTensorRawData(), cache_bytes);
+        if (P == 0) return;
+        if (s.keys == 0) fail("no keys to attend");
+
+        const int64_t grid = B * T, row = heads_ * D;
+        const int64_t* at = cells.GetTensorData<int64_t>();
+        const int64_t* slot = slots.GetTensorData<int64_t>();
+        std::vector<uint8_t> computed(grid, 0);
+        for (int64_t i = 0; i < P; ++i) {
+            if (at[i] < 0 || at[i] >= grid) fail("cells must index the [B, T] grid of slots");
+            if (computed[at[i]]) fail("cells must not repeat a cell");
+            if (slot[at[i]] < 0 || slot[at[i]] >= s.cache) fail("a slot is outside the cache");
+            computed[at[i]] = 1;
+        }
+        // per calling thread: the [B, T, H, D] grids the row kernel reads and writes (only the computed cells)
+        thread_local std::vector<float> q_grid, out_grid;
+        q_grid.resize(grid * row);
+        out_grid.resize(grid * row);
+        specrt::ops::rope_rows(s, qkv.GetTensorData<float>(), P, at, cos.GetTensorData<float>(),
+                               sin.GetTensorData<float>(), slot, q_grid.data(), k, v);
+        const std::vector<specrt::ops::AttentionTask> tasks = specrt::ops::attention_plan(s, computed.data());
+        Job job{this, &s, &tasks, q_grid.data(), bias.GetTensorData<float>(), k, v, out_grid.data()};
+        ctx.ParallelFor(&PackedAttentionKernel::task, tasks.size(), 0, &job);
+        float* out = y.GetTensorMutableData<float>();
+        for (int64_t i = 0; i < P; ++i) std::memcpy(out + i * row, out_grid.data() + at[i] * row, row * sizeof(float));
+    }
+
+private:
+    struct Job {
+        PackedAttentionKernel* self;
+        const specrt::ops::AttentionShape* s;
+        const std::vector<specrt::ops::AttentionTask>* tasks;
+        const float *q, *bias;
+        const void *k, *v;
+        float* y;
+    };
+    static void task(void* data, size_t t) {
+        const Job& j = *static_cast<Job*>(data);
+        thread_local std::vector<float> scratch;
+        scratch.resize(specrt::ops::attention_scratch(*j.s));
+        const uintptr_t at = reinterpret_cast<uintptr_t>(scratch.data());
+        float* aligned = scratch.data() + ((32 - at % 32) % 32) / sizeof(float);  // 32 bytes: vector loads
+        specrt::ops::attention_run(j.self->isa_, *j.s, j.q, j.k, j.v, j.bias, (*j.tasks)[t], aligned, j.y);
+    }
+
+    float scale_ = 1.0f;
+    int64_t heads_ = 0, kv_heads_ = 0;
+    specrt::ops::Isa isa_ = specrt::ops::Isa::Scalar;
+};
+
+// one registration per cache type (same name, types fixed): ONNX Runtime infers a dynamically typed output from
+// a single dynamically typed input only, and past k and v are two
+template <ONNXTensorElementDataType Cache>
+struct PackedAttentionOp : Ort::CustomOpBase<PackedAttentionOp<Cache>, PackedAttentionKernel> {
+    void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const {
+        return new PackedAttentionKernel(api, info);
+    }
+    const char* GetName() const { return "PackedAttention"; }
+    const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+    size_t GetInputTypeCount() const { return 8; }
+    ONNXTensorElementDataType GetInputType(size_t i) const {
+        if (i == 3 || i == 5) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;  // slots, cells
+        return i >= 6 ? Cache : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    }
+    size_t GetOutputTypeCount() const { return 3; }
+    ONNXTensorElementDataType GetOutputType(size_t i) const { return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : Cache; }
+};
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
@@ -276,6 +397,9 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     static MatMulGGUFOp matmul;
     static GatherGGUFOp gather;
     static CacheAttentionOp attention;
+    static PackedAttentionOp<ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> packed_f32;
+    static PackedAttentionOp<ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> packed_f16;
+    static PackedAttentionOp<ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16> packed_bf16;
     static std::once_flag once;
     static Ort::CustomOpDomain* domain = nullptr;
     try {
@@ -284,6 +408,9 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
             domain->Add(&matmul);
             domain->Add(&gather);
             domain->Add(&attention);
+            domain->Add(&packed_f32);
+            domain->Add(&packed_f16);
+            domain->Add(&packed_bf16);
         });
         Ort::UnownedSessionOptions(options).Add(*domain);
     } catch (const std::exception& e) {

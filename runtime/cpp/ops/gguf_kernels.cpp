@@ -252,6 +252,76 @@ int64_t attention_scratch(const AttentionShape& s) {  // scores, then the scaled
     return rows * ((s.keys + 7) / 8 * 8) + rows * s.head_dim + 8;
 }
 
+namespace {
+
+uint16_t to_f16(float f) {  // IEEE half, rounded to nearest even (F16C's and ONNX Runtime's Cast)
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+    const uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) return sign | 0x7E00u;  // NaN
+    if (ax >= 0x47800000u) return sign | 0x7C00u;  // 65536 and up (and infinity): infinity
+    if (ax < 0x38800000u) {  // below 2^-14: a subnormal half, |f| 2^24 rounded to an integer (exact scaling)
+        float a;
+        std::memcpy(&a, &ax, 4);
+        return sign | static_cast<uint16_t>(std::nearbyint(a * 16777216.0f));
+    }
+    // normal: round the 23-bit mantissa to 10 at bit 13, ties to even; the carry may reach the exponent (or infinity)
+    return sign | static_cast<uint16_t>((ax + 0xFFFu + ((ax >> 13) & 1u) - 0x38000000u) >> 13);
+}
+
+uint16_t to_bf16(float f) {  // bfloat16, rounded to nearest even
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // NaN stays NaN
+    return static_cast<uint16_t>((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+}
+
+void store_row(CacheType type, const float* x, int64_t n, void* dst) {
+    switch (type) {
+        case CacheType::F16:
+            for (int64_t d = 0; d < n; ++d) static_cast<uint16_t*>(dst)[d] = to_f16(x[d]);
+            break;
+        case CacheType::BF16:
+            for (int64_t d = 0; d < n; ++d) static_cast<uint16_t*>(dst)[d] = to_bf16(x[d]);
+            break;
+        default: std::memcpy(dst, x, n * sizeof(float));
+    }
+}
+
+// y = x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1]
+void rope(const float* x, const float* cos, const float* sin, int64_t n, float* y) {
+    const int64_t half = n / 2;
+    for (int64_t d = 0; d < half; ++d) {
+        const float a = x[d] * cos[d], b = -x[d + half] * sin[d];
+        y[d] = a + b;
+    }
+    for (int64_t d = half; d < n; ++d) {
+        const float a = x[d] * cos[d], b = x[d - half] * sin[d];
+        y[d] = a + b;
+    }
+}
+
+}  // namespace
+
+void rope_rows(const AttentionShape& s, const float* qkv, int64_t p, const int64_t* cells, const float* cos,
+               const float* sin, const int64_t* slots, float* q_grid, void* k, void* v) {
+    const int64_t D = s.head_dim, H = s.heads, Hkv = s.kv_heads, width = (H + 2 * Hkv) * D;
+    const int64_t item = s.cache_type == CacheType::F32 ? 4 : 2;
+    float rotated[kMaxHeadDim];
+    for (int64_t i = 0; i < p; ++i) {
+        const int64_t c = cells[i], b = c / s.tokens, slot = slots[c];
+        const float *x = qkv + i * width, *cs = cos + c * D, *sn = sin + c * D;
+        for (int64_t h = 0; h < H; ++h) rope(x + h * D, cs, sn, D, q_grid + (c * H + h) * D);
+        for (int64_t h = 0; h < Hkv; ++h) {
+            const int64_t at = ((b * Hkv + h) * s.cache + slot) * D * item;
+            rope(x + (H + h) * D, cs, sn, D, rotated);
+            store_row(s.cache_type, rotated, D, static_cast<uint8_t*>(k) + at);
+            store_row(s.cache_type, x + (H + Hkv + h) * D, D, static_cast<uint8_t*>(v) + at);
+        }
+    }
+}
+
 void attention_run(Isa isa, const AttentionShape& s, const float* q, const void* k, const void* v,
                    const float* bias, const AttentionTask& task, float* scratch, float* out) {
     switch (isa) {
