@@ -15,6 +15,9 @@ interleaved in one process (this machine's speed drifts, so only same-run differ
     no-pack    the gather of the packed rows after attention bypassed
     no-silu    the MLP's SiLU bypassed
     small      rope, unpack, pack and SiLU all cut
+
+A cut whose nodes the graph does not have (rope, unpacking and packing live inside specrt::PackedAttention in a
+`--kernels specrt` target) leaves it whole; each variant's node count is printed.
 """
 from __future__ import annotations
 
@@ -48,19 +51,25 @@ def cut(model: onnx.ModelProto, parts: set[str]) -> onnx.ModelProto:
     m.CopyFrom(model)
     prefix = m.graph.node[0].name.split("/")[1]
     rename = {}
+    produced = {o for n in m.graph.node for o in n.output}
+
+    def feed(n: onnx.NodeProto, tensor: str) -> None:  # a cut that does not apply to this graph changes nothing
+        if f"/{prefix}/layers.{_layer(n.name)}/{tensor}" in produced:  # (e.g. rope inside PackedAttention)
+            n.input[0] = f"/{prefix}/layers.{_layer(n.name)}/{tensor}"
+
     for n in m.graph.node:
         if "mins" in parts and n.op_type == "Gemm" and n.name.endswith("/mins"):
             rename[n.output[0]] = n.input[2]  # the MatMulNBits output the term was added to
         if "attn" in parts and re.search(r"attn/o_proj(/Reshape)?$", n.name):
-            n.input[0] = f"/{prefix}/layers.{_layer(n.name)}/input_layernorm:0"  # any [N, d] tensor
+            feed(n, "input_layernorm:0")  # any [N, d] tensor
         if "rope" in parts and n.name.endswith("attn/Split_1"):
-            n.input[0] = f"/{prefix}/layers.{_layer(n.name)}/attn/Split:0"
+            feed(n, "attn/Split:0")
         if "unpack" in parts and n.name.endswith("attn/qkv_heads"):
-            n.input[0] = f"/{prefix}/layers.{_layer(n.name)}/attn/qkv_proj:0"
+            feed(n, "attn/qkv_proj:0")
         if "pack" in parts and n.name.endswith("attn/o_proj"):
-            n.input[0] = f"/{prefix}/layers.{_layer(n.name)}/attn/Reshape:0"
+            feed(n, "attn/Reshape:0")
         if "silu" in parts and n.name.endswith("mlp/Mul"):
-            n.input[0] = f"/{prefix}/layers.{_layer(n.name)}/mlp/Split:0"
+            feed(n, "mlp/Split:0")
     for n in m.graph.node:
         for i, x in enumerate(n.input):
             n.input[i] = rename.get(x, x)
@@ -86,7 +95,7 @@ def main() -> None:
     graph_file = manifest.graphs["target"].file
     model = onnx.load(args.art / graph_file, load_external_data=False)
     with tempfile.TemporaryDirectory() as tmp:
-        runners = {}
+        runners, nodes = {}, {}
         for name, parts in VARIANTS.items():
             d = Path(tmp) / name
             d.mkdir()
@@ -96,7 +105,9 @@ def main() -> None:
                         os.link(f, d / f.name)
                     except OSError:
                         shutil.copy(f, d / f.name)
-            onnx.save(cut(model, parts), d / graph_file)
+            variant = cut(model, parts)
+            nodes[name] = len(variant.graph.node)
+            onnx.save(variant, d / graph_file)
             r = load_runner("ort", d, manifest, "target", threads=args.threads)
             r.allocate(1)
             runners[name] = r
@@ -115,7 +126,8 @@ def main() -> None:
         print(f"decode step at position {args.position}, batch 1, {args.threads} threads "
               f"(median of {args.rounds} interleaved rounds of 30 steps)")
         for name, ts in times.items():
-            print(f"  {name:8s} {np.median(ts):6.2f} ms   {full - np.median(ts):+6.2f} ms vs full")
+            print(f"  {name:9s} {np.median(ts):6.2f} ms   {full - np.median(ts):+6.2f} ms vs full   "
+                  f"{nodes[name]} nodes")
 
 
 def _step(r, pos: int) -> None:

@@ -147,6 +147,25 @@ def test_matmul_gguf_paths_agree_and_take_leading_axes(ops_lib):
     np.testing.assert_allclose(y.reshape(6, 64), outs["scalar"], rtol=1e-5, atol=1e-5)
 
 
+def test_packed_weights_in_huge_page_chunks_or_the_heap_give_the_same_bits(ops_lib, monkeypatch):
+    """Repacked weights live in 32 MiB chunks backed by transparent huge pages, or (SPECRT_OPS_HUGEPAGES=0) on the
+    heap: the same products either way; sessions whose weights fill several chunks, made and dropped in turn (chunks
+    given back and carved again, zeroed), keep giving them."""
+    if not _supported(ops_lib, "avx2"):
+        pytest.skip("weights are repacked only for the SIMD kernels, and this CPU runs none")
+    rng = np.random.default_rng(4)
+    raw, _ = _weights("Q8_0", 4096 + 3, 4096, rng)  # 17.8 MB: two fill a chunk; rows past N pad a group with zeros
+    a = rng.normal(size=(3, 4096)).astype(np.float32)
+    monkeypatch.setenv("SPECRT_OPS_HUGEPAGES", "0")
+    want = _session(ops_lib, "Q8_0", 4096, 4096 + 3, "avx2", constant=raw).run(None, {"A": a})[0]
+    monkeypatch.delenv("SPECRT_OPS_HUGEPAGES")
+    for round_ in range(3):
+        sessions = [_session(ops_lib, "Q8_0", 4096, 4096 + 3, "avx2", constant=raw) for _ in range(3)]
+        for s in sessions:
+            np.testing.assert_array_equal(s.run(None, {"A": a})[0], want, err_msg=f"round {round_}")
+        del sessions
+
+
 def test_matmul_gguf_refuses_bad_attributes_and_shapes(ops_lib):
     rng = np.random.default_rng(0)
     raw, _ = _weights("Q8_0", 4, 64, rng)

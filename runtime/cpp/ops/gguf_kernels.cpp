@@ -6,6 +6,10 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <new>
+
+#include <sys/mman.h>
 
 namespace specrt::ops {
 
@@ -179,7 +183,7 @@ void pack(Format f, const uint8_t* w, int64_t n, int64_t blocks, Packed& out) {
     out.n = n;
     out.blocks = blocks;
     out.groups = (n + kGroup - 1) / kGroup;
-    out.data.assign(static_cast<size_t>(out.groups * blocks * record), 0);
+    out.data = WeightBuffer(static_cast<size_t>(out.groups * blocks * record));
     for (int64_t g = 0; g < out.groups; ++g)
         for (int64_t b = 0; b < blocks; ++b) {
             uint8_t* rec = out.data.data() + (g * blocks + b) * record;
@@ -193,6 +197,80 @@ void pack(Format f, const uint8_t* w, int64_t n, int64_t blocks, Packed& out) {
                     std::memcpy(rec + codes_at + 32 * (c / 4) + 4 * j, p + 2 * scales + c, 4);
             }
         }
+}
+
+namespace {
+
+constexpr size_t kHugePage = size_t{2} << 20, kChunk = size_t{32} << 20, kAlign = 64;
+
+struct Chunk {
+    uint8_t* base;
+    size_t size, used = 0;
+    int live = 0;  // buffers carved from it and not yet freed
+};
+
+std::mutex arena_mutex;
+Chunk* arena_current = nullptr;  // the chunk new buffers are carved from
+
+Chunk* map_chunk(size_t size) {  // size: a multiple of 2 MiB; mapped 2 MiB-aligned (the excess unmapped)
+    const size_t span = size + kHugePage;
+    void* p = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::bad_alloc();
+    uint8_t* raw = static_cast<uint8_t*>(p);
+    uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + kHugePage - 1) & ~(kHugePage - 1));
+    if (base > raw) munmap(raw, base - raw);
+    if (raw + span > base + size) munmap(base + size, raw + span - (base + size));
+    madvise(base, size, MADV_HUGEPAGE);  // a request: refused (EINVAL) where the kernel has no THP, harmless
+    return new Chunk{base, size};
+}
+
+bool hugepages_wanted() {
+    const char* env = std::getenv("SPECRT_OPS_HUGEPAGES");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+}
+
+}  // namespace
+
+WeightBuffer::WeightBuffer(size_t bytes) : size_(bytes) {
+    if (bytes == 0) return;
+    if (!hugepages_wanted()) {
+        data_ = static_cast<uint8_t*>(::operator new(bytes, std::align_val_t(kAlign)));
+        std::memset(data_, 0, bytes);
+        return;
+    }
+    std::lock_guard<std::mutex> lock(arena_mutex);
+    const size_t need = (bytes + kAlign - 1) & ~(kAlign - 1);
+    Chunk* c = arena_current;
+    if (c == nullptr || c->size - c->used < need) {
+        c = map_chunk(std::max(kChunk, (need + kHugePage - 1) & ~(kHugePage - 1)));
+        if (arena_current && arena_current->live == 0) {  // nothing lives in the old one: give it back
+            munmap(arena_current->base, arena_current->size);
+            delete arena_current;
+        }
+        arena_current = c;
+    }
+    data_ = c->base + c->used;
+    c->used += need;
+    ++c->live;
+    chunk_ = c;
+    std::memset(data_, 0, bytes);  // a chunk's memory may have held a freed buffer
+}
+
+WeightBuffer::~WeightBuffer() {
+    if (data_ == nullptr) return;
+    if (chunk_ == nullptr) {
+        ::operator delete(data_, std::align_val_t(kAlign));
+        return;
+    }
+    std::lock_guard<std::mutex> lock(arena_mutex);
+    Chunk* c = static_cast<Chunk*>(chunk_);
+    if (--c->live > 0) return;
+    if (c == arena_current) {
+        c->used = 0;  // empty: carve from its start again
+        return;
+    }
+    munmap(c->base, c->size);
+    delete c;
 }
 
 void dequantize_row(Format f, const uint8_t* row, int64_t blocks, float* out) {

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace specrt::ops {
@@ -38,10 +39,41 @@ void quantize(Isa isa, const float* a, int64_t m, int64_t k, Activations& out);
 // 16+4c..; Q8_0: 8 vectors), so that one vector op serves 8 rows and leaves each row's sum in its own lane, in row
 // order. Rows past N are zero. The same bits as the file's blocks: each row's products are computed from exactly
 // its own codes and scales.
+// Zeroed memory for packed weights, carved from 2 MiB-aligned chunks of 32 MiB that the kernel is asked to back with
+// transparent huge pages (madvise MADV_HUGEPAGE, honoured where /sys/kernel/mm/transparent_hugepage/enabled is
+// "madvise" or "always"): streaming a model's weights every step then walks 2 MiB pages, not 4 KiB ones. A chunk is
+// unmapped when the last buffer in it is freed. $SPECRT_OPS_HUGEPAGES=0: plain heap memory instead.
+class WeightBuffer {
+public:
+    WeightBuffer() = default;
+    explicit WeightBuffer(size_t bytes);
+    WeightBuffer(const WeightBuffer&) = delete;
+    WeightBuffer& operator=(const WeightBuffer&) = delete;
+    WeightBuffer(WeightBuffer&& o) noexcept { swap(o); }
+    WeightBuffer& operator=(WeightBuffer&& o) noexcept {
+        WeightBuffer(std::move(o)).swap(*this);
+        return *this;
+    }
+    ~WeightBuffer();
+    uint8_t* data() const { return data_; }
+    size_t size() const { return size_; }
+    bool empty() const { return size_ == 0; }
+
+private:
+    void swap(WeightBuffer& o) noexcept {
+        std::swap(data_, o.data_);
+        std::swap(size_, o.size_);
+        std::swap(chunk_, o.chunk_);
+    }
+    uint8_t* data_ = nullptr;
+    size_t size_ = 0;
+    void* chunk_ = nullptr;  // the arena chunk it was carved from (null: heap memory)
+};
+
 struct Packed {
     Format format = Format::Q4_0;
     int64_t n = 0, groups = 0, blocks = 0;
-    std::vector<uint8_t> data;  // [groups, blocks, record]
+    WeightBuffer data;  // [groups, blocks, record]
 };
 constexpr int kGroup = 8;
 constexpr int packed_record(Format f) {
