@@ -41,6 +41,19 @@ def _supported(lib, isa: str) -> bool:
         del os.environ["SPECRT_OPS_ISA"]
 
 
+def _open(lib, graph, isa: str):
+    """A 2-thread session of `graph` with the library registered and `isa` forced (read when a kernel is made)."""
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("specrt", 1)])
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(lib))
+    so.intra_op_num_threads = 2
+    os.environ["SPECRT_OPS_ISA"] = isa
+    try:
+        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    finally:
+        del os.environ["SPECRT_OPS_ISA"]
+
+
 def _session(lib, fmt: str, k: int, n: int, isa: str, constant: np.ndarray | None = None):
     """A MatMulGGUF session; W is an input fed with each call, or with `constant` an initializer (which the SIMD
     paths repack once, 8 rows at a time)."""
@@ -52,15 +65,7 @@ def _session(lib, fmt: str, k: int, n: int, isa: str, constant: np.ndarray | Non
     inits = [] if constant is None else [numpy_helper.from_array(constant, "W")]
     graph = helper.make_graph([node], "matmul_gguf", inputs,
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("specrt", 1)])
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(str(lib))
-    so.intra_op_num_threads = 2
-    os.environ["SPECRT_OPS_ISA"] = isa  # read when the kernel is created
-    try:
-        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    finally:
-        del os.environ["SPECRT_OPS_ISA"]
+    return _open(lib, graph, isa)
 
 
 def _weights(fmt: str, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
@@ -234,15 +239,7 @@ def _attention_session(lib, isa: str, scale: float, kv: str = "float32", cells: 
     inputs = [f("q"), f("k", KV_TYPES[kv]), f("v", KV_TYPES[kv]), f("bias"), *([f("cells", TensorProto.INT64)]
                                                                               if cells else [])]
     graph = helper.make_graph([node], "attention", inputs, [f("Y")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("specrt", 1)])
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(str(lib))
-    so.intra_op_num_threads = 2
-    os.environ["SPECRT_OPS_ISA"] = isa
-    try:
-        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    finally:
-        del os.environ["SPECRT_OPS_ISA"]
+    return _open(lib, graph, isa)
 
 
 def _stored(x: np.ndarray, kv: str) -> tuple[object, np.ndarray]:
@@ -392,15 +389,7 @@ def _packed_session(lib, isa: str, H: int, Hkv: int, kv: str = "float32"):
     graph = helper.make_graph([node], "packed_attention", [f(n) for n in names],
                               [f("Y"), helper.make_tensor_value_info("present_k", KV_TYPES[kv], None),
                                helper.make_tensor_value_info("present_v", KV_TYPES[kv], None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("specrt", 1)])
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(str(lib))
-    so.intra_op_num_threads = 2
-    os.environ["SPECRT_OPS_ISA"] = isa
-    try:
-        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    finally:
-        del os.environ["SPECRT_OPS_ISA"]
+    return _open(lib, graph, isa)
 
 
 def _bits(x: np.ndarray, kv: str) -> np.ndarray:

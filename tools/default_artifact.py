@@ -19,8 +19,8 @@ def default_artifact(*, progress: bool = True) -> Path:
     """The default model exported with default settings, cached under the specrt cache directory."""
     settings = default_settings()
     heads = preset_heads("smollm2")
-    key = hashlib.sha256(json.dumps([asdict(settings), io.FORMAT_VERSION, io.MANIFEST_REVISION, heads_key(heads)]
-                                    + ([io.GRAPHS_REVISION] if io.GRAPHS_REVISION > 1 else [])).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([asdict(settings), io.FORMAT_VERSION, io.MANIFEST_REVISION, io.GRAPHS_REVISION,
+                                     heads_key(heads)]).encode()).hexdigest()
     art = cache_dir() / "artifacts" / f"smollm2-{key[:10]}"
     if (art / io.MANIFEST).is_file():
         return art

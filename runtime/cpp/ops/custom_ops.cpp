@@ -173,6 +173,39 @@ struct GatherGGUFOp : Ort::CustomOpBase<GatherGGUFOp, GatherGGUFKernel> {
     ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
 
+// The cache's element type as a CacheType; false for any other type.
+bool cache_type_of(ONNXTensorElementDataType t, specrt::ops::CacheType* out) {
+    switch (t) {
+        case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: *out = specrt::ops::CacheType::F32; return true;
+        case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: *out = specrt::ops::CacheType::F16; return true;
+        case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: *out = specrt::ops::CacheType::BF16; return true;
+        default: return false;
+    }
+}
+
+// The attention rows of `tasks` (attention_plan), spread over ONNX Runtime's threads: q and out are [B, T, H, D].
+void attend_rows(Ort::KernelContext& ctx, specrt::ops::Isa isa, const specrt::ops::AttentionShape& s,
+                 const std::vector<specrt::ops::AttentionTask>& tasks, const float* q, const float* bias,
+                 const void* k, const void* v, float* out) {
+    struct Job {
+        specrt::ops::Isa isa;
+        const specrt::ops::AttentionShape* s;
+        const std::vector<specrt::ops::AttentionTask>* tasks;
+        const float *q, *bias;
+        const void *k, *v;
+        float* y;
+    } job{isa, &s, &tasks, q, bias, k, v, out};
+    auto task = [](void* data, size_t t) {
+        const Job& j = *static_cast<Job*>(data);
+        thread_local std::vector<float> scratch;
+        scratch.resize(specrt::ops::attention_scratch(*j.s));
+        const uintptr_t at = reinterpret_cast<uintptr_t>(scratch.data());
+        float* aligned = scratch.data() + ((32 - at % 32) % 32) / sizeof(float);  // 32 bytes: vector loads
+        specrt::ops::attention_run(j.isa, *j.s, j.q, j.k, j.v, j.bias, (*j.tasks)[t], aligned, j.y);
+    };
+    ctx.ParallelFor(task, tasks.size(), 0, &job);
+}
+
 struct CacheAttentionKernel {
     CacheAttentionKernel(const OrtApi&, const OrtKernelInfo* info) {
         scale_ = Ort::ConstKernelInfo(info).GetAttribute<float>("scale");
@@ -194,9 +227,7 @@ struct CacheAttentionKernel {
         specrt::ops::AttentionShape s{qs[0], qs[1], qs[2], ks[1], qs[3], ks[2], bs[4], bs[3], scale_};
         const ONNXTensorElementDataType kt = k.GetTensorTypeAndShapeInfo().GetElementType();
         if (kt != v.GetTensorTypeAndShapeInfo().GetElementType()) fail("k and v must have one element type");
-        if (kt == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) s.cache_type = specrt::ops::CacheType::F16;
-        else if (kt == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16) s.cache_type = specrt::ops::CacheType::BF16;
-        else if (kt != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) fail("k and v must be float, float16 or bfloat16");
+        if (!cache_type_of(kt, &s.cache_type)) fail("k and v must be float, float16 or bfloat16");
         if (ks[0] != s.batch || ks[3] != s.head_dim || s.kv_heads <= 0 || s.heads % s.kv_heads)
             fail("k and v must be [B, Hkv, S, D] with Hkv dividing H");
         if (s.head_dim % 8 || s.head_dim > specrt::ops::kMaxHeadDim) fail("head size must be a multiple of 8, <= 256");
@@ -227,29 +258,11 @@ struct CacheAttentionKernel {
         }
         const std::vector<specrt::ops::AttentionTask> tasks =
             specrt::ops::attention_plan(s, computed.empty() ? nullptr : computed.data());
-        Job job{this, &s, &tasks, q.GetTensorData<float>(), bias.GetTensorData<float>(), k.GetTensorRawData(),
-                v.GetTensorRawData(), out};
-        ctx.ParallelFor(&CacheAttentionKernel::task, tasks.size(), 0, &job);
+        attend_rows(ctx, isa_, s, tasks, q.GetTensorData<float>(), bias.GetTensorData<float>(), k.GetTensorRawData(),
+                    v.GetTensorRawData(), out);
     }
 
 private:
-    struct Job {
-        CacheAttentionKernel* self;
-        const specrt::ops::AttentionShape* s;
-        const std::vector<specrt::ops::AttentionTask>* tasks;
-        const float *q, *bias;
-        const void *k, *v;
-        float* y;
-    };
-    static void task(void* data, size_t t) {
-        const Job& j = *static_cast<Job*>(data);
-        thread_local std::vector<float> scratch;
-        scratch.resize(specrt::ops::attention_scratch(*j.s));
-        const uintptr_t at = reinterpret_cast<uintptr_t>(scratch.data());
-        float* aligned = scratch.data() + ((32 - at % 32) % 32) / sizeof(float);  // 32 bytes: vector loads
-        specrt::ops::attention_run(j.self->isa_, *j.s, j.q, j.k, j.v, j.bias, (*j.tasks)[t], aligned, j.y);
-    }
-
     float scale_ = 1.0f;
     specrt::ops::Isa isa_ = specrt::ops::Isa::Scalar;
 };
@@ -307,9 +320,7 @@ struct PackedAttentionKernel {
         specrt::ops::AttentionShape s{B, T, heads_, kv_heads_, D, ks[2], bs[4], bs[3], scale_};
         const ONNXTensorElementDataType kt = pk.GetTensorTypeAndShapeInfo().GetElementType();
         if (kt != pv.GetTensorTypeAndShapeInfo().GetElementType()) fail("past k and v must have one element type");
-        if (kt == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) s.cache_type = specrt::ops::CacheType::F16;
-        else if (kt == ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16) s.cache_type = specrt::ops::CacheType::BF16;
-        else if (kt != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) fail("past k and v must be float, float16 or bfloat16");
+        if (!cache_type_of(kt, &s.cache_type)) fail("past k and v must be float, float16 or bfloat16");
         if (heads_ / kv_heads_ * specrt::ops::kTokensPerTask > 64) fail("more than 32 query heads per KV head");
 
         Ort::UnownedValue y = ctx.GetOutput(0, {P, heads_ * D});
@@ -340,30 +351,12 @@ struct PackedAttentionKernel {
         specrt::ops::rope_rows(s, qkv.GetTensorData<float>(), P, at, cos.GetTensorData<float>(),
                                sin.GetTensorData<float>(), slot, q_grid.data(), k, v);
         const std::vector<specrt::ops::AttentionTask> tasks = specrt::ops::attention_plan(s, computed.data());
-        Job job{this, &s, &tasks, q_grid.data(), bias.GetTensorData<float>(), k, v, out_grid.data()};
-        ctx.ParallelFor(&PackedAttentionKernel::task, tasks.size(), 0, &job);
+        attend_rows(ctx, isa_, s, tasks, q_grid.data(), bias.GetTensorData<float>(), k, v, out_grid.data());
         float* out = y.GetTensorMutableData<float>();
         for (int64_t i = 0; i < P; ++i) std::memcpy(out + i * row, out_grid.data() + at[i] * row, row * sizeof(float));
     }
 
 private:
-    struct Job {
-        PackedAttentionKernel* self;
-        const specrt::ops::AttentionShape* s;
-        const std::vector<specrt::ops::AttentionTask>* tasks;
-        const float *q, *bias;
-        const void *k, *v;
-        float* y;
-    };
-    static void task(void* data, size_t t) {
-        const Job& j = *static_cast<Job*>(data);
-        thread_local std::vector<float> scratch;
-        scratch.resize(specrt::ops::attention_scratch(*j.s));
-        const uintptr_t at = reinterpret_cast<uintptr_t>(scratch.data());
-        float* aligned = scratch.data() + ((32 - at % 32) % 32) / sizeof(float);  // 32 bytes: vector loads
-        specrt::ops::attention_run(j.self->isa_, *j.s, j.q, j.k, j.v, j.bias, (*j.tasks)[t], aligned, j.y);
-    }
-
     float scale_ = 1.0f;
     int64_t heads_ = 0, kv_heads_ = 0;
     specrt::ops::Isa isa_ = specrt::ops::Isa::Scalar;
