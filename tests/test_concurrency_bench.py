@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from statistics import median
 
 import pytest
 from click.testing import CliRunner
@@ -69,6 +70,31 @@ def test_repeats_interleave_passes(art, tmp_path):
         assert len(passes) == 3 and row["tokens_per_s"] == passes[1] and row["generated_tokens"] == 6 * 8
 
 
+def test_bracket_rates_each_engine_against_the_ar_passes_around_it(art, tmp_path):
+    """--bracket: AR serves before every other engine and after the last, in every pass; an engine's ratio is the
+    median over passes of its tok/s over the best of the mean of those two AR passes and the pass's fixed rows."""
+    r = CliRunner().invoke(main, ["bench", str(art), "--prompts", str(_prompts(tmp_path)), "--max-new-tokens", "8",
+                                  "--methods", "ar,ngram", "--concurrency", "2", "--schedulers", "fixed,sps",
+                                  "--repeats", "2", "--bracket", "--threads", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(next(line for line in r.output.splitlines() if line.startswith("{")))
+    assert report["identical"] and report["bracket"] and len(report["rows"]) == 3
+    ar, fixed, sps = report["rows"]
+    assert (ar["method"], fixed["scheduler"], sps["scheduler"]) == ("ar", "fixed", "sps")
+    runs = ar["passes_tokens_per_s"]
+    assert len(runs) == 2 * 3 and ar["tokens_per_s"] == pytest.approx(median(runs), abs=1e-3)  # AR, X, AR, Y, AR
+    first, second = runs[:3], runs[3:]
+    # pass 1 serves fixed then sps, pass 2 sps then fixed (rotating)
+    around = [round((a + b) / 2, 3) for a, b in ((first[0], first[1]), (first[1], first[2]),
+                                                 (second[0], second[1]), (second[1], second[2]))]
+    assert fixed["ar_around_tokens_per_s"] == [around[0], around[3]]
+    assert sps["ar_around_tokens_per_s"] == [around[1], around[2]]
+    for row in (fixed, sps):
+        ratios = [x / max(a, f) for x, a, f in zip(row["passes_tokens_per_s"], row["ar_around_tokens_per_s"],
+                                                  fixed["passes_tokens_per_s"])]
+        assert row["vs_best_of_ar_and_fixed"] == pytest.approx(sum(ratios) / 2, abs=2e-3)
+
+
 def test_bad_concurrency_requests(art, tmp_path):
     art, prompts = str(art), str(_prompts(tmp_path))
     for extra, message in ((["--concurrency", "8"], "between 1 and the artifact's 4 request slots"),
@@ -76,7 +102,8 @@ def test_bad_concurrency_requests(art, tmp_path):
                            (["--concurrency", "1", "--schedulers", "fixed,nope"], "unknown scheduler nope"),
                            (["--schedulers", "sps"], "--schedulers goes with --concurrency"),
                            (["--concurrency", "1", "--baseline", "hf"], "--baseline runs at batch 1"),
-                           (["--concurrency", "1", "--repeats", "0"], "--repeats must be >= 1")):
+                           (["--concurrency", "1", "--repeats", "0"], "--repeats must be >= 1"),
+                           (["--bracket"], "--bracket goes with --concurrency")):
         r = CliRunner().invoke(main, ["bench", art, "--prompts", prompts, "--methods", "ar,ngram", *extra])
         assert r.exit_code != 0 and message in r.output, (extra, r.output)
         assert "Traceback" not in r.output

@@ -81,7 +81,8 @@ def serve(engine: Engine, prompts: list[list[int]], params: SamplingParams, conc
 
 def run(art: str | Path, prompts: list[list[int]], *, levels: list[int], methods: list[str], schedulers: list[str],
         max_new_tokens: int, gamma: int | None, backend: str, threads: int | None, threshold: float,
-        progress: bool, device: str = "cpu", dtype: str | None = None, repeats: int = 1) -> dict:
+        progress: bool, device: str = "cpu", dtype: str | None = None, repeats: int = 1,
+        bracket: bool = False) -> dict:
     """Every (method, scheduler) at every concurrency level; AR's outputs are the ones the others must equal.
 
     Per level, every engine is opened once and warmed up on the first `level` prompts (untimed: first-use
@@ -89,7 +90,11 @@ def run(art: str | Path, prompts: list[list[int]], *, levels: list[int], methods
     in turn, the order rotating from pass to pass, so that a drift of the machine's speed falls on every engine
     alike. An engine keeps its state across passes, as a server would (its cost table, its head's estimate). A row
     reports the median over passes; `vs_best_of_ar_and_fixed` is the median over passes of the ratio to the best of
-    AR and the fixed rows in the same pass."""
+    AR and the fixed rows in the same pass.
+
+    `bracket`: in every pass AR also serves before each other engine and after the last (AR, X, AR, Y, ..., AR),
+    and an engine's AR in the ratio is the mean of the two AR passes either side of it, minutes apart at most, so a
+    steady drift of the machine's speed between them cancels. The AR row reports the median over all its passes."""
     params = SamplingParams(max_new_tokens=max_new_tokens)
     rows, identical = [], True
     configs = [("ar", "fixed")] + [(m, s) for m in methods if m != "ar" for s in schedulers]
@@ -103,32 +108,56 @@ def run(art: str | Path, prompts: list[list[int]], *, levels: list[int], methods
                 engines.append((method if method == "ar" else f"{method}/{sched}", engine))
             for _, engine in engines:
                 serve(engine, prompts[:c], params, c, progress=False)  # warm-up
-            passes: list[list[dict]] = [[] for _ in engines]  # per engine, its row of every pass
-            outputs: list[list[list[list[int]]]] = [[] for _ in engines]  # per engine, its outputs of every pass
+            passes: list[list[dict]] = [[] for _ in engines]  # per engine, its row of every pass (AR: every run)
+            outputs: list[list[list[list[int]]]] = [[] for _ in engines]  # per engine, its outputs of every run
+            ar_near: list[list[float]] = [[] for _ in engines]  # per engine and pass: AR's tok/s around it
+            ar_pass: list[float] = []  # per pass: AR's tok/s (the mean of its runs in the pass)
+
+            def serve_one(j: int, k: int) -> float:
+                label, engine = engines[j]
+                row, out = serve(engine, prompts, params, c, progress=progress,
+                                 desc=f"c={c} {label}" + (f" pass {k + 1}/{repeats}" if repeats > 1 else ""))
+                passes[j].append(row)
+                outputs[j].append(out)
+                return row["tokens_per_s"]
+
             for k in range(repeats):
-                for j in [(k + i) % len(engines) for i in range(len(engines))]:
-                    label, engine = engines[j]
-                    row, out = serve(engine, prompts, params, c, progress=progress,
-                                     desc=f"c={c} {label}" + (f" pass {k + 1}/{repeats}" if repeats > 1 else ""))
-                    passes[j].append(row)
-                    outputs[j].append(out)
+                if bracket:
+                    others = [1 + (k + i) % (len(engines) - 1) for i in range(len(engines) - 1)]
+                    ar_runs = [serve_one(0, k)]
+                    for j in others:
+                        serve_one(j, k)
+                        ar_runs.append(serve_one(0, k))
+                        ar_near[j].append((ar_runs[-2] + ar_runs[-1]) / 2)
+                    ar_pass.append(sum(ar_runs) / len(ar_runs))
+                else:
+                    for j in [(k + i) % len(engines) for i in range(len(engines))]:
+                        serve_one(j, k)
+                    ar_pass.append(passes[0][-1]["tokens_per_s"])
         finally:
             for _, engine in engines:
                 engine.close()
         reference = outputs[0][0]  # AR's
-        best = [max(runs[k]["tokens_per_s"] for runs, (m, s) in zip(passes, configs) if m == "ar" or s == "fixed")
-                for k in range(repeats)]
-        for runs, outs in zip(passes, outputs):
+        fixed = [j for j, (m, s) in enumerate(configs) if m != "ar" and s == "fixed"]
+        for j, (runs, outs) in enumerate(zip(passes, outputs)):
             row = _median_row(runs)
             row["identical"] = all(out == reference for out in outs)
             identical &= row["identical"]
-            ratios = [r["tokens_per_s"] / b for r, b in zip(runs, best) if b]
+            ratios = []
+            for k in range(repeats):
+                ar = ar_near[j][k] if bracket and j else ar_pass[k]
+                best = max([ar, *(passes[f][k]["tokens_per_s"] for f in fixed)])
+                mine = ar_pass[k] if j == 0 else runs[k]["tokens_per_s"]
+                if best:
+                    ratios.append(mine / best)
             row["vs_best_of_ar_and_fixed"] = round(median(ratios), 3) if ratios else None
-            if repeats > 1:
+            if repeats > 1 or (bracket and j == 0):
                 row["passes_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
+            if bracket and j:
+                row["ar_around_tokens_per_s"] = [round(x, 3) for x in ar_near[j]]
             rows.append(row)
     return {"identical": identical, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "levels": levels,
-            "repeats": repeats, "rows": rows}
+            "repeats": repeats, "bracket": bracket, "rows": rows}
 
 
 def _median_row(runs: list[dict]) -> dict:
@@ -170,7 +199,7 @@ def plot(report: dict, path: str | Path) -> Path:
 
 def bench(artifact: Path, prompt_files, limit, max_new_tokens: int, names: list[str], gamma, scheduler: str,
           schedulers: str | None, threshold: float, concurrency: str, backend: str, threads, *, progress: bool,
-          device: str = "cpu", dtype: str | None = None, repeats: int = 1) -> dict:
+          device: str = "cpu", dtype: str | None = None, repeats: int = 1, bracket: bool = False) -> dict:
     """`specrt bench --concurrency`: every method (with each of `schedulers`, comma-separated) at each concurrency
     level of `concurrency` on the prompt files' prompts; the report of `run`."""
     chosen = [x.strip() for x in (schedulers or scheduler).split(",") if x.strip()]
@@ -184,7 +213,7 @@ def bench(artifact: Path, prompt_files, limit, max_new_tokens: int, names: list[
     prompts = [encode_prompt(tok, t) for p in prompt_files for t in read_prompts_file(p, limit)]
     return run(artifact, prompts, levels=levels, methods=names, schedulers=chosen, max_new_tokens=max_new_tokens,
                gamma=gamma, backend=backend, threads=threads, threshold=threshold, progress=progress,
-               device=device, dtype=dtype, repeats=repeats)
+               device=device, dtype=dtype, repeats=repeats, bracket=bracket)
 
 
 def format_rows(report: dict) -> str:

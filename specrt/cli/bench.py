@@ -45,6 +45,10 @@ from specrt.cli.options import scheduler_for
 @click.option("--repeats", default=1, show_default=True,
               help="Passes over the prompts (each pass interleaves every engine prompt by prompt, rotating; with "
                    "--concurrency, every engine serves all prompts in turn per pass, rotating; medians reported).")
+@click.option("--bracket", is_flag=True,
+              help="With --concurrency: AR also serves before each other engine's pass and after the last, and "
+                   "each engine is rated against the mean of the AR passes either side of it (a drift of the "
+                   "machine's speed between them cancels; more AR passes, longer run).")
 @click.option("--threads", type=int, default=None,
               help="Threads for ONNX Runtime, torch, llama.cpp and OpenVINO (default: all cores).")
 @click.option("--plot", type=click.Path(path_type=Path), default=None,
@@ -53,8 +57,8 @@ from specrt.cli.options import scheduler_for
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens: int, methods: str, gamma,
           scheduler: str, threshold: float, concurrency: str | None, schedulers: str | None, ngram: int,
-          backend: str, device: str, dtype: str | None, baselines: tuple[str, ...], repeats: int, threads,
-          plot: Path | None, as_json: bool) -> None:
+          backend: str, device: str, dtype: str | None, baselines: tuple[str, ...], repeats: int, bracket: bool,
+          threads, plot: Path | None, as_json: bool) -> None:
     """Benchmark methods and baselines on the same prompts, interleaved in one run (greedy, batch 1).
 
     Every engine runs in a process of its own; on each prompt every engine runs in turn (rotating order), over
@@ -86,13 +90,15 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
 
         report = cc.bench(artifact, prompt_files, limit, max_new_tokens, names, gamma, scheduler, schedulers, threshold,
                           concurrency, backend, threads, progress=not as_json, device=device, dtype=dtype,
-                          repeats=repeats)
+                          repeats=repeats, bracket=bracket)
         if plot is not None:
             report["plot"] = str(cc.plot(report, plot))
         click.echo(json.dumps(report) if as_json else cc.format_rows(report))
         if not report["identical"]:
             raise SpecrtError("methods produced different greedy tokens")
         return
+    if bracket:
+        raise SpecrtError("--bracket goes with --concurrency (at batch 1 every engine serves each prompt in turn)")
     if schedulers is not None:
         raise SpecrtError("--schedulers goes with --concurrency; for one scheduler at batch 1 use --scheduler")
     for name in baselines:
