@@ -110,8 +110,8 @@ def run(art: str | Path, prompts: list[list[int]], *, levels: list[int], methods
                 serve(engine, prompts[:c], params, c, progress=False)  # warm-up
             passes: list[list[dict]] = [[] for _ in engines]  # per engine, its row of every pass (AR: every run)
             outputs: list[list[list[list[int]]]] = [[] for _ in engines]  # per engine, its outputs of every run
-            ar_near: list[list[float]] = [[] for _ in engines]  # per engine and pass: AR's tok/s around it
-            ar_pass: list[float] = []  # per pass: AR's tok/s (the mean of its runs in the pass)
+            speed: list[list[float]] = [[] for _ in engines]  # per engine and pass: its tok/s (AR: its runs' mean)
+            ar_ref: list[list[float]] = [[] for _ in engines]  # per engine and pass: the AR tok/s it is rated against
 
             def serve_one(j: int, k: int) -> float:
                 label, engine = engines[j]
@@ -123,17 +123,18 @@ def run(art: str | Path, prompts: list[list[int]], *, levels: list[int], methods
 
             for k in range(repeats):
                 if bracket:
-                    others = [1 + (k + i) % (len(engines) - 1) for i in range(len(engines) - 1)]
                     ar_runs = [serve_one(0, k)]
-                    for j in others:
-                        serve_one(j, k)
+                    for j in [1 + (k + i) % (len(engines) - 1) for i in range(len(engines) - 1)]:
+                        speed[j].append(serve_one(j, k))
                         ar_runs.append(serve_one(0, k))
-                        ar_near[j].append((ar_runs[-2] + ar_runs[-1]) / 2)
-                    ar_pass.append(sum(ar_runs) / len(ar_runs))
+                        ar_ref[j].append((ar_runs[-2] + ar_runs[-1]) / 2)
+                    speed[0].append(sum(ar_runs) / len(ar_runs))
+                    ar_ref[0].append(speed[0][-1])
                 else:
                     for j in [(k + i) % len(engines) for i in range(len(engines))]:
-                        serve_one(j, k)
-                    ar_pass.append(passes[0][-1]["tokens_per_s"])
+                        speed[j].append(serve_one(j, k))
+                    for refs in ar_ref:
+                        refs.append(speed[0][-1])
         finally:
             for _, engine in engines:
                 engine.close()
@@ -143,18 +144,13 @@ def run(art: str | Path, prompts: list[list[int]], *, levels: list[int], methods
             row = _median_row(runs)
             row["identical"] = all(out == reference for out in outs)
             identical &= row["identical"]
-            ratios = []
-            for k in range(repeats):
-                ar = ar_near[j][k] if bracket and j else ar_pass[k]
-                best = max([ar, *(passes[f][k]["tokens_per_s"] for f in fixed)])
-                mine = ar_pass[k] if j == 0 else runs[k]["tokens_per_s"]
-                if best:
-                    ratios.append(mine / best)
+            bests = [max([ar_ref[j][k], *(speed[f][k] for f in fixed)]) for k in range(repeats)]
+            ratios = [x / b for x, b in zip(speed[j], bests) if b]
             row["vs_best_of_ar_and_fixed"] = round(median(ratios), 3) if ratios else None
             if repeats > 1 or (bracket and j == 0):
                 row["passes_tokens_per_s"] = [r["tokens_per_s"] for r in runs]
             if bracket and j:
-                row["ar_around_tokens_per_s"] = [round(x, 3) for x in ar_near[j]]
+                row["ar_around_tokens_per_s"] = [round(x, 3) for x in ar_ref[j]]
             rows.append(row)
     return {"identical": identical, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "levels": levels,
             "repeats": repeats, "bracket": bracket, "rows": rows}
