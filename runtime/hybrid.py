@@ -147,13 +147,14 @@ class HybridDrafter:
         self._fold()
         n = len(slots)
         active = sum(s is not None for s in slots)
-        if self.lookups:
-            found = self.lookup.propose(slots)
+        found = self.lookup.propose(slots) if self.lookups else None
+        if found is not None and found.counts.any():
             a_lookup = steps.survive(np.broadcast_to(self.history[LOOKUP].survival().astype(np.float32),
                                                      (n, self.steps)), found.counts)
             _, without = admission(a_lookup, np.array([s is not None for s in slots]), 0.0, self.costs)
         else:  # no drafts without the head: the round is a decoding step of the active slots (admission's rate)
-            found, a_lookup = self._nothing(n)
+            nothing, a_lookup = self._nothing(n)
+            found = nothing if found is None else found
             without = active / self.costs.verify_ms(n, active)
         wins = without < self.head_rate(n, active)
         if wins:  # back off while explorations do not win the head back; reset when it wins
@@ -168,8 +169,8 @@ class HybridDrafter:
         return found, a_lookup, head
 
     def _nothing(self, n: int) -> tuple[Proposal, np.ndarray]:
-        """A gated head's proposal without the head, and its survivals, for n slots: no drafts (kept per n, never
-        written: a round without drafts is a plain decoding step, which reads neither)."""
+        """A proposal without drafts and its survivals, for n slots (a gated head not called, lookups that found
+        nothing; kept per n, never written: a round without drafts is a plain decoding step, which reads neither)."""
         if n not in self._empty:
             self._empty[n] = (Proposal(tokens=np.zeros((n, self.steps), np.int64), counts=np.zeros(n, np.int64),
                                        probs=None), np.zeros((n, self.steps), np.float32))

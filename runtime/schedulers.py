@@ -65,15 +65,22 @@ class AcceptanceHistory:
         self.hits = np.full(gamma, 2.0 * later)
         self.hits[0] = 1.0
         self.tries = np.full(gamma, 2.0)
+        self._survival: np.ndarray | None = None  # kept until the next round that verified something
 
     def observe(self, verified: int, accepted: int) -> None:
+        if verified <= 0:
+            return  # nothing tried
         reached = np.arange(min(verified, accepted + 1))  # positions tried with all earlier ones accepted
         self.tries[reached] += 1
         self.hits[reached[reached < accepted]] += 1
+        self._survival = None
 
     def survival(self) -> np.ndarray:
-        """[gamma]: P(the first k+1 drafts are all accepted)."""
-        return np.cumprod(self.hits / self.tries)
+        """[gamma] (read-only): P(the first k+1 drafts are all accepted)."""
+        if self._survival is None:
+            self._survival = np.cumprod(self.hits / self.tries)
+            self._survival.flags.writeable = False
+        return self._survival
 
 
 def prefix_survival(proposal: Proposal, temperatures: np.ndarray, history: AcceptanceHistory, gamma: int

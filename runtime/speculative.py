@@ -84,16 +84,24 @@ class Speculator:
         if not proposal.counts.any():  # nothing drafted (a gated head not called, no lookup found)
             return self.decode(slots, proposal, draft_s=t1 - t0)
         lengths = self.schedule(slots, proposal, load)
+        if not lengths.any():  # drafts, none admitted (most rounds under load): a decoding step, observed as a round
+            done = self.decode(slots, proposal, draft_s=t1 - t0)
+            self.observe(done.outcomes)
+            return done
         ts = time.perf_counter()
         call = self.verify(slots, proposal, lengths)
         t2 = time.perf_counter()
         verified = sum(int(lengths[i]) + 1 for i, s in enumerate(slots) if s is not None)
         outcomes = self.accept(slots, proposal, lengths, call)
+        self.observe(outcomes)
+        return Round(proposal, outcomes, draft_s=t1 - t0, verify_s=t2 - t1, verified=verified, call_s=t2 - ts)
+
+    def observe(self, outcomes: list[Outcome | None]) -> None:
+        """Each slot's verify length and acceptance, to the scheduler and the drafter."""
         for i, o in enumerate(outcomes):
             if o is not None:
                 self.scheduler.observe(o.verify_len, o.verdict.accepted)
                 self.drafter.observe(i, o.verify_len, o.verdict.accepted)
-        return Round(proposal, outcomes, draft_s=t1 - t0, verify_s=t2 - t1, verified=verified, call_s=t2 - ts)
 
     def decode(self, slots: list[SlotState | None], proposal: Proposal, *, draft_s: float) -> Round:
         """A round without drafts as the plain decoding step it is: the decode bucket, each slot's row of logits

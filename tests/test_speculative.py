@@ -146,6 +146,37 @@ def test_greedy_speculative_equals_autoregressive(tiny_arts, kind, method):
         assert max(a for _, a, _ in stats.rounds) >= 2
 
 
+def test_a_round_that_admits_no_draft_is_a_decoding_step(tiny_arts):
+    """Lookups found, none admitted (sps on a table where a verify costs far more than a step): the round makes
+    the decoding step's call, not a verify's, and the drafter still observes it; the output stays AR's."""
+    art = tiny_arts("llama")
+    verify = {b: {p: 1.0 if p == b else 1e6 for p in range(b, 5 * b + 1)} for b in (1, 2, 4)}
+    profile = Profile(backend="ort", threads=1, position=16, machine="test", created="", verify=verify, draft={})
+    prompts = [[5, 9, 14, 5, 9, 14, 5, 9, 14, 5, 9], [7, 3, 7, 3, 7, 3, 7]]  # lookups find a match at once
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ar, _ = _generate(art, "ar", prompts, params)
+    engine = Engine(art, method="ngram", scheduler="sps", threads=1, profile=profile)
+    calls = {"verify": 0, "decode": 0, "observe": 0, "drafted": 0}
+    spec = engine.spec
+
+    def spy(name, f):
+        def wrapped(*args, **kw):
+            calls[name] += 1
+            if name == "decode":
+                calls["drafted"] += int(args[1].counts.any())
+            return f(*args, **kw)
+        return wrapped
+
+    spec.verify, spec.decode = spy("verify", spec.verify), spy("decode", spec.decode)
+    spec.drafter.observe = spy("observe", spec.drafter.observe)
+    outs, stats = engine.generate([Request(prompt_ids=p, params=params, id=i) for i, p in enumerate(prompts)])
+    assert [o.output_ids for o in outs] == ar
+    assert calls["drafted"] > 0, calls  # rounds with drafts took the decode path
+    assert calls["verify"] + calls["decode"] == stats.steps, calls
+    assert calls["verify"] < calls["decode"], calls  # only the cost table's explorations verify
+    assert calls["observe"] >= calls["drafted"], calls
+
+
 @pytest.mark.parametrize("method", ["ngram", "mtp", "dspark"])
 def test_runtime_gamma_below_the_exported_one(tiny_arts, method):
     art = tiny_arts("llama")
