@@ -237,7 +237,8 @@ def make_drafter(method: Method, art_dir: Path, manifest: io.Manifest, *, gamma:
     """The drafter of a speculative method: n-gram lookups, a head ("mtp", "dspark"), or a head with lookups
     ("dspark+ngram", "mtp+ngram": runtime/hybrid.py, which needs the cost profile `costs`). `gated`: a head alone is
     called only on the rounds where it promises more committed tokens per ms than a plain decoding step (the hybrid's
-    choice without lookups; the engine asks for it under sps and sps-async). `where`: load_runner's device, dtype."""
+    choice without lookups; the engine asks for it under sps and sps-async), and a hybrid looks up only on the rounds
+    where a lookup could be admitted or the head is called. `where`: load_runner's device, dtype."""
     if method.head is None:
         return NGramDrafter(gamma, max_n=ngram)
     name = method.head
@@ -254,5 +255,5 @@ def make_drafter(method: Method, art_dir: Path, manifest: io.Manifest, *, gamma:
     # the buffer holds EXPLORE rounds
     device = backend == "torch"
     return HybridDrafter(head, costs, max_n=ngram, temperatures=manifest.heads[name].temperatures,
-                         lookups=method.hybrid, defer_prefill=not device,
+                         lookups=method.hybrid, lazy=gated, defer_prefill=not device,
                          explore_max=EXPLORE if device else EXPLORE_MAX)

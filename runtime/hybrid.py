@@ -1,6 +1,9 @@
 """A drafter that combines n-gram lookups with a draft head: per round, whichever promises more.
 
-    lookup    every active slot looks its history up (free: no graph call)
+    lookup    every active slot looks its history up (no graph call). Under a cost-aware scheduler (`lazy`), not on
+              a round where no lookup could be admitted (the lookups' first-position acceptance does not beat a
+              plain step at this batch's costs) unless the head is called: on chat text under load most rounds
+              are such, and a lookup, its survivals and their admission cost host time a decoding step does not
     decide    Algorithm 1's expected rate (committed tokens per ms on the cost profile; runtime/schedulers.py
               `admission`) of the lookups alone, against the rate the rounds that called the head have realized
               lately: the head's value shows only after its call (the confidences that choose what to verify), so
@@ -36,7 +39,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime import steps
 from specrt.runtime.arrays import Array, namespace
 from specrt.runtime.drafters import Context, NGramDrafter, Proposal, SlotView, GraphDrafter
-from specrt.runtime.schedulers import AcceptanceHistory, Costs, admission, prefix_survival
+from specrt.runtime.schedulers import AcceptanceHistory, Costs, admission, prefix_survival, verify_curve
 
 LOOKUP, HEAD = 0, 1
 LOOKUP_LATER = 0.8  # prior conditional acceptance of a lookup's drafts after its first
@@ -75,12 +78,16 @@ class HybridDrafter:
     calls = None  # it chooses between lookups and its head on the host each round
 
     def __init__(self, head: GraphDrafter, costs: Costs | None, *, max_n: int = 3, temperatures=(),
-                 lookups: bool = True, defer_prefill: bool = False, explore_max: int = EXPLORE_MAX) -> None:
+                 lookups: bool = True, lazy: bool = False, defer_prefill: bool = False,
+                 explore_max: int = EXPLORE_MAX) -> None:
         if costs is None:
             raise SpecrtError(f"--method {head.head.name}+ngram needs a cost profile (run `specrt profile ART`)")
         self.head, self.costs = head, costs
         # False: a gated head (`make_drafter`'s `gated`), no lookups: a round without the head is a plain decode step
         self.lookups = lookups
+        # True (a cost-aware scheduler, which admits only drafts that pay): no lookup on a round where none could be
+        # admitted, unless the head is called (its slots may keep their lookups' drafts)
+        self.lazy = lazy
         # True: a prompt's rows wait in the backlog like a skipped round's, written by the head's first call (a
         # request the head never drafts for never costs its prefill); the host loop only
         self.defer_prefill = defer_prefill
@@ -147,14 +154,11 @@ class HybridDrafter:
         self._fold()
         n = len(slots)
         active = sum(s is not None for s in slots)
-        found = self.lookup.propose(slots) if self.lookups else None
-        if found is not None and found.counts.any():
-            a_lookup = steps.survive(np.broadcast_to(self.history[LOOKUP].survival().astype(np.float32),
-                                                     (n, self.steps)), found.counts)
+        looked = self.lookups and (not self.lazy or self._lookups_may_pay(n, active))
+        found, a_lookup = self._look(slots) if looked else self._nothing(n)
+        if found.counts.any():
             _, without = admission(a_lookup, np.array([s is not None for s in slots]), 0.0, self.costs)
         else:  # no drafts without the head: the round is a decoding step of the active slots (admission's rate)
-            nothing, a_lookup = self._nothing(n)
-            found = nothing if found is None else found
             without = active / self.costs.verify_ms(n, active)
         wins = without < self.head_rate(n, active)
         if wins:  # back off while explorations do not win the head back; reset when it wins
@@ -166,7 +170,27 @@ class HybridDrafter:
         self._last_head = head
         self.rounds[HEAD if head else LOOKUP] += 1
         self.since_head = 0 if head else self.since_head + 1
+        if head and self.lookups and not looked:  # the head's slots may still prefer their lookups (`pick`)
+            found, a_lookup = self._look(slots)
         return found, a_lookup, head
+
+    def _look(self, slots: list[SlotView | None]) -> tuple[Proposal, np.ndarray]:
+        """Every slot's lookup and its survivals [n, steps] on the lookups' acceptance history."""
+        found = self.lookup.propose(slots)
+        if not found.counts.any():
+            return self._nothing(len(slots))
+        a = np.broadcast_to(self.history[LOOKUP].survival().astype(np.float32), (len(slots), self.steps))
+        return found, steps.survive(a, found.counts)
+
+    def _lookups_may_pay(self, n: int, active: int) -> bool:
+        """Whether a lookup could be admitted this round: Algorithm 1's first pair (survival at most the history's
+        first position, whatever is found) improves a decoding step's rate, as `schedulers.admission` decides it."""
+        if not active:
+            return False
+        v = np.float64(np.float32(self.history[LOOKUP].survival()[0]))
+        curve = verify_curve(self.costs, n, n * (self.steps + 1))
+        last = len(curve) - 1
+        return bool((active + v) / curve[min(active + 1, last)] > active / curve[min(active, last)])
 
     def _nothing(self, n: int) -> tuple[Proposal, np.ndarray]:
         """A proposal without drafts and its survivals, for n slots (a gated head not called, lookups that found

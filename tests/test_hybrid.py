@@ -236,3 +236,39 @@ def test_a_head_alone_is_gated_under_the_cost_aware_schedulers(tiny_arts, schedu
     assert drafted[500.0] <= 2 / EXPLORE and drafted[0.01] > 0.5, drafted
     with Engine(art, method="dspark", scheduler="fixed", threads=1) as engine:
         assert isinstance(engine.drafter, GraphDrafter)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_lazy_lookups_skip_the_rounds_where_none_could_be_admitted(tiny_arts, lazy):
+    """Under a cost-aware scheduler (`lazy`) a slot looks up only on the rounds where a lookup could be admitted
+    (its first-position acceptance beats a plain step at these costs) or the head is called; the lookups that
+    are made and the head's calls are those of a drafter that always looks up."""
+    art = tiny_arts("llama")
+    manifest = io.load_manifest(art)
+    costs = _Costs()
+    costs.draft = 1e9  # the head cannot pay: called on its explorations only
+    hybrid = HybridDrafter(GraphDrafter(art, manifest, "dspark", threads=1), costs, lazy=lazy)
+    hybrid.allocate(1)
+    made = []
+    propose = hybrid.lookup.propose
+    hybrid.lookup.propose = lambda slots: made.append(1) or propose(slots)
+    feats = np.zeros((1, max(h.feature_offset + h.feature_dim for h in manifest.heads.values())), np.float32)
+    history = [7, 8, 9, 4, 7, 8]  # "7 8" occurred before: the lookup proposes 9, 4, ...
+    for _ in range(40):  # a lookup was verified 40 times, never accepted: 1 / 42 < 10.5 / 11 - 1 (_Costs)
+        hybrid.history[LOOKUP].observe(1, 0)
+    heads, drafted = [], []
+    for i in range(2 * EXPLORE):
+        p = hybrid.propose([_View(Context(i, feats, np.asarray([8])), 8, history)])
+        heads.append(p.head == "dspark")
+        drafted.append(int(p.counts[0]))
+    assert heads == [i == EXPLORE for i in range(2 * EXPLORE)]  # its first exploration, either way
+    if lazy:
+        assert len(made) == sum(heads), made  # looked up only for the head's rounds
+        assert all(d == 0 for d, h in zip(drafted, heads) if not h), drafted  # the rest decode
+    else:
+        assert len(made) == 2 * EXPLORE and all(d > 0 for d, h in zip(drafted, heads) if not h), drafted
+    for _ in range(200):  # lookups that now are accepted: looked up again on every round
+        hybrid.history[LOOKUP].observe(1, 1)
+    made.clear()
+    p = hybrid.propose([_View(Context(2 * EXPLORE, feats, np.asarray([8])), 8, history)])
+    assert len(made) == 1 and p.counts[0] > 0
