@@ -39,7 +39,8 @@ from specrt.errors import SpecrtError
 from specrt.runtime import steps
 from specrt.runtime.arrays import Array, namespace
 from specrt.runtime.drafters import Context, NGramDrafter, Proposal, SlotView, GraphDrafter
-from specrt.runtime.schedulers import AcceptanceHistory, Costs, admission, prefix_survival, verify_curve
+from specrt.runtime.schedulers import (AcceptanceHistory, Costs, admission, first_pair, prefix_survival,
+                                      verify_curve)
 
 LOOKUP, HEAD = 0, 1
 LOOKUP_LATER = 0.8  # prior conditional acceptance of a lookup's drafts after its first
@@ -189,8 +190,7 @@ class HybridDrafter:
             return False
         v = np.float64(np.float32(self.history[LOOKUP].survival()[0]))
         curve = verify_curve(self.costs, n, n * (self.steps + 1))
-        last = len(curve) - 1
-        return bool((active + v) / curve[min(active + 1, last)] > active / curve[min(active, last)])
+        return bool(v > 0) and first_pair(v, np.float64(active), 0.0, curve)[1]
 
     def _nothing(self, n: int) -> tuple[Proposal, np.ndarray]:
         """A proposal without drafts and its survivals, for n slots (a gated head not called, lookups that found

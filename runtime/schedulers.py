@@ -173,13 +173,18 @@ def _admits_nothing(a: np.ndarray, active: np.ndarray, fixed_ms: float, curve: n
     j = int(np.argmax(flat))  # the first pair admitted: the highest survival, ties to the lowest k-major index
     v = np.float64(flat[j])
     base = np.float64(np.count_nonzero(active))
-    start = int(base)
-    last = len(curve) - 1
-    rate0 = base / (fixed_ms + curve[min(start, last)])
-    if v > 0 and ((base + v) / (fixed_ms + curve[min(start + 1, last)]) > rate0
-                  or (cells is not None and cells[min(start + 1, len(cells) - 1)])):
+    rate0, pays = first_pair(v, base, fixed_ms, curve)
+    if v > 0 and (pays or (cells is not None and cells[min(int(base) + 1, len(cells) - 1)])):
         return None
     return float(rate0)
+
+
+def first_pair(v: np.float64, base: np.float64, fixed_ms: float, curve: np.ndarray) -> tuple[np.float64, bool]:
+    """Algorithm 1's first test for a round of `base` active slots: the rate of a plain step, and whether a first pair
+    of survival v improves it (float64, as steps.admission computes it)."""
+    start, last = int(base), len(curve) - 1
+    rate0 = base / (fixed_ms + curve[min(start, last)])
+    return rate0, bool((base + v) / (fixed_ms + curve[min(start + 1, last)]) > rate0)
 
 
 class SPSScheduler(_Base):
