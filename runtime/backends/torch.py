@@ -138,8 +138,9 @@ class _TargetFamily:
         out = {io.LOGITS: self.model.lm_head(h.flatten(0, 1)[cells][x[io.LOGIT_ROWS]])}
         if self.features:
             f = torch.cat([captured[f] for f in self.features], dim=-1)
+            # index_fill_, not `computed[cells] = True`: that copies a host scalar, which a CUDA graph cannot capture
             computed = torch.zeros(f.shape[0] * f.shape[1], dtype=torch.bool, device=f.device)
-            computed[cells] = True
+            computed.index_fill_(0, cells, True)
             out[io.FEATURES] = f.masked_fill(~computed.view(*f.shape[:2], 1), 0)  # zero, as the graph's
         return out
 
