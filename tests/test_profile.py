@@ -39,6 +39,15 @@ def test_measure_covers_every_bucket(art):
     assert s["verify_steps"][1] == 1.0 and s["draft_steps"]["dspark"] > 0
 
 
+def test_measure_on_the_torch_backend_in_another_precision(art):
+    """The GPU check measures its table this way (device="cuda" there); ONNX Runtime takes no device or dtype."""
+    p = measure(art, backend="torch", device="cpu", dtype="bfloat16", threads=1, position=20, repeats=1, calls=1,
+                progress=False)
+    assert p.backend == "torch" and sorted(p.verify[2]) == [2, 4, 6] and p.draft_ms("dspark", 1) > 0
+    with pytest.raises(SpecrtError, match="torch backend's"):
+        measure(art, device="cpu", dtype="bfloat16", threads=1, position=20, repeats=1, calls=1, progress=False)
+
+
 def test_saved_per_backend_and_threads(art):
     p = measure(art, threads=1, position=20, repeats=1, calls=1, progress=False)
     save_profile(art, p)

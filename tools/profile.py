@@ -42,6 +42,12 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
+def _gpu(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device))
+
+
 def _fill_target(feeds: dict[str, np.ndarray], position: int, token: int) -> None:
     """A verify (or decode) call of every slot at `position`, its first P cells computed (costs do not depend on
     token values or on which cells)."""
@@ -68,8 +74,10 @@ def verify_tokens(spec: io.GraphSpec, batch: int) -> list[int]:
 
 
 def measure(art: str | Path, *, backend: str = "ort", threads: int | None = None, position: int = 128,
-            repeats: int = 5, calls: int = 4, progress: bool = True) -> Profile:
-    """Time every configuration `calls` times per repetition, interleaved over `repeats` repetitions."""
+            repeats: int = 5, calls: int = 4, progress: bool = True, device: str = "cpu",
+            dtype: str | None = None) -> Profile:
+    """Time every configuration `calls` times per repetition, interleaved over `repeats` repetitions. `device`,
+    `dtype`: the torch backend's (on CUDA each call is a graph replay and its outputs' copy back, as an engine's)."""
     art = Path(art)
     manifest = io.load_manifest(art)
     threads = threads or default_threads()
@@ -77,8 +85,10 @@ def measure(art: str | Path, *, backend: str = "ort", threads: int | None = None
     if not s.verify_len < position < s.max_seq - s.verify_len:
         raise SpecrtError(f"--position must be between {s.verify_len + 1} and {s.max_seq - s.verify_len - 1}, "
                           f"got {position}")
-    target = load_runner(backend, art, manifest, io.TARGET, threads=threads, spin=True)
-    heads = {name: load_runner(backend, art, manifest, name, threads=threads, spin=False) for name in manifest.heads}
+    where = dict(device=device, dtype=dtype)
+    target = load_runner(backend, art, manifest, io.TARGET, threads=threads, spin=True, **where)
+    heads = {name: load_runner(backend, art, manifest, name, threads=threads, spin=False, **where)
+             for name in manifest.heads}
     batches = io.batch_sizes(s.batch)
     token = min(100, manifest.model.vocab_size - 1)  # any token: costs do not depend on values
     target.allocate(max(batches))
@@ -127,7 +137,8 @@ def measure(art: str | Path, *, backend: str = "ort", threads: int | None = None
         for b in batches:
             draft.setdefault(name, {})[b] = round(float(np.mean([ms for k, ms in med.items()
                                                                   if k[:3] == ("draft", name, b)])), 3)
-    return Profile(backend=backend, threads=threads, position=position, machine=_cpu(),
+    machine = _cpu() if device == "cpu" else _gpu(device)
+    return Profile(backend=backend, threads=threads, position=position, machine=machine,
                    created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), verify=verify, draft=draft)
 
 
