@@ -65,9 +65,9 @@ class EngineConfig:
     `gamma`: drafts verified per round at most (default: the artifact's); `slots`: request slots allocated up
     front (a server), else sized to the queue whenever the engine is idle; `ngram`: the longest suffix n-gram
     lookups match; `threshold`: the threshold scheduler's survival cut; `device`, `dtype`, `cuda_graphs`: the
-    torch backend's (and TensorRT's graphs); `gate_head`: under sps and sps-async the host loop calls a head alone
-    (`dspark`, `mtp`) only on rounds where it promises more than a decoding step (runtime/hybrid.py; the device
-    rounds of the torch backend draft every round)."""
+    torch backend's (and TensorRT's graphs); `gate_head`: under sps and sps-async a head alone (`dspark`, `mtp`) is
+    called only on rounds where it promises more than a decoding step (runtime/hybrid.py; the host decides, on the
+    torch backend's device rounds too)."""
 
     method: str = "ar"
     scheduler: str = "fixed"

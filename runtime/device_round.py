@@ -2,7 +2,7 @@
 sampling setting.
 
     plan      (host) what only the host knows, in one small copy down: which slots are active, n-gram lookups and
-              the hybrid's choice to call the head or not (runtime/hybrid.py `choose`), survivals that come from
+              the hybrid's (or a gated head's) choice to call the head or not (runtime/hybrid.py `choose`), survivals that come from
               acceptance measured so far (heads without a confidence head, lookups), the cost curve the sps
               schedulers plan on, and each sampled slot's uniforms (drawn from its rng in the host loop's order)
     draft     the head's modules on context rows the previous rounds left on the device (AR: no drafts); a hybrid
@@ -11,7 +11,9 @@ sampling setting.
               (Algorithm 1 on the cost curve) or sps-async (the previous round's capacity, the best pairs of this
               one); capped by each slot's remaining token budget
     verify    the target over [anchor, d_1..d_γ] at positions L..L+γ of every slot (the whole grid: the torch
-              modules compute it anyway, and on a GPU a short verify costs about what a long one does)
+              modules compute it anyway, and on a GPU a short verify costs about what a long one does); a round in
+              which no slot has drafts (a gated head not called, no lookup found: the host knows) runs the target's
+              decoding bucket instead, one token per slot, and its own graph
     accept    greedy slots: the longest prefix of drafts equal to the target's argmax (runtime/steps.py); sampled
               slots: rejection sampling (runtime/acceptance.py `accept_rows`)
     commit    L += a + 1, anchor = bonus, budget -= a + 1; the verified rows' features become the head's next
@@ -22,11 +24,12 @@ sampling setting.
 
 The steps, the call contracts, the schedulers' rules and the acceptance rules are the host loop's own
 (runtime/steps.py, runtime/calls, runtime/acceptance.py, runtime/hybrid.py `pick`), run here on torch tensors. On
-CUDA the whole round is one CUDA graph per (slot bucket, sampling variant, head called or not), captured after a
-warm-up whose state changes are undone. The cost table is read as it stands: the rounds are single graphs whose
-calls are not timed apart, so the device path neither refines it online nor explores (runtime/costs.py). A
-hybrid's backlog longer than one propose call takes is written through the head's prefill bucket before the
-round, outside its graph (the host knows every backlog's length without asking the device).
+CUDA the whole round is one CUDA graph per (slot bucket, sampling variant, head called or not, drafts or none),
+captured after a warm-up whose state changes are undone. The cost table is read as it stands: the rounds are single
+graphs whose calls are not timed apart, so the device path neither refines it online nor explores its cells
+(runtime/costs.py; a gated head's explorations, which are the hybrid's, happen on both paths). A hybrid's backlog
+longer than one propose call takes is written through the head's prefill bucket before the round, outside its graph
+(the host knows every backlog's length without asking the device).
 """
 from __future__ import annotations
 
@@ -196,9 +199,11 @@ class DeviceRounds:
             x.copy_(self._in_host[key], non_blocking=True)
         if with_head:
             self._catch_up(n)
-        key = (b, sampled, *filters, with_head)
+        # no drafts at all (a gated head not called, no lookup found): the round is a decoding step
+        drafting = bool(self.gamma) and (with_head or bool(self.ngram and host["counts"][:n].any()))
+        key = (b, sampled, *filters, with_head, drafting)
         if key not in self._rounds:
-            self._rounds[key] = self._graphed(b, sampled, tuple(filters), with_head)
+            self._rounds[key] = self._graphed(b, sampled, tuple(filters), with_head, drafting)
         with torch.inference_mode():
             self._rounds[key]()
         if self.device.type == "cuda":
@@ -236,8 +241,9 @@ class DeviceRounds:
             self.pending[i] = 1
             self.caught_up += 1
 
-    def _graphed(self, b: int, sampled: bool, filters: tuple[bool, bool], with_head: bool) -> GraphedCall:
-        fn = self._round_fn(b, sampled, filters, with_head)
+    def _graphed(self, b: int, sampled: bool, filters: tuple[bool, bool], with_head: bool, drafting: bool
+                 ) -> GraphedCall:
+        fn = self._round_fn(b, sampled, filters, with_head, drafting)
         if not self.capture:
             return GraphedCall(fn, capture=False, stats=self.graph_stats)
         state = [self.length, self.anchor, self.budget, self.ctx_pos, self.ctx_rows, self.ctx_features,
@@ -267,16 +273,18 @@ class DeviceRounds:
             return steps.admit(torch.where(active[:, None], a, 0.0), budget)
         return counts
 
-    def _round_fn(self, b: int, sampled: bool, filters: tuple[bool, bool], with_head: bool):
+    def _round_fn(self, b: int, sampled: bool, filters: tuple[bool, bool], with_head: bool, drafting: bool = True):
         """The round over slots [0, b) as a function of static tensors only (what a CUDA graph captures): the
         host loop's steps (runtime/steps.py), call contracts (runtime/calls) and acceptance rules, on the device.
         `sampled`: some slot samples (its rejection sampling runs beside the greedy match); `filters`: whether any
-        uses top-k / top-p; `with_head`: the head drafts (else the host's lookups are the proposal)."""
+        uses top-k / top-p; `with_head`: the head drafts (else the host's lookups are the proposal); `drafting`:
+        some slot has drafts (else the target runs its decoding step's bucket, one token per slot, as AR does)."""
         g, t = self.gamma, self.gamma + 1
+        tt = t if g and drafting else 1  # the target's tokens per slot this round
         target, head = self.target, self.head if with_head else None
-        tb = target.spec.bucket("verify", B=b, T=t, P=b * t) if g else target.spec.bucket("decode", B=b)
+        tb = target.spec.bucket("verify", B=b, T=t, P=b * t) if tt > 1 else target.spec.bucket("decode", B=b)
         tin = target.module_inputs(0, tb)
-        rows = torch.arange(b * t, device=self.device)  # the dense grid: the torch modules compute all of it
+        rows = torch.arange(b * tt, device=self.device)  # the dense grid: the torch modules compute all of it
         length, anchor, budget = self.length[:b], self.anchor[:b], self.budget[:b]
         x = {key: v if key in ("curve", "draft_ms") else v[:b] for key, v in self._in.items()}  # per slot, or not
         active = x["active"]
@@ -291,7 +299,7 @@ class DeviceRounds:
             ctx = calls.ContextRows(ctx_features[:, :t], ctx_next[:, :t], ctx_pos, ctx_rows)
             fill = self.graph_drafter.calls.propose
         append = self.hybrid and head is None  # a round without the head: its rows join the backlog
-        slot_rows = torch.arange(t, device=self.device)[None, :]
+        slot_rows = torch.arange(tt, device=self.device)[None, :]
 
         def fn() -> dict[str, Tensor]:
             q = onehot = None
@@ -326,17 +334,21 @@ class DeviceRounds:
                 proposed = x["drafts"][:, :0]
                 counts = torch.zeros_like(length)
                 a = x["survival"][:, :0]
-            drafts = proposed[:, :g]
-            lengths = steps.cap(self._lengths(steps.survive(a, counts), counts, active, x), counts, budget, active, g)
+            drafts = proposed[:, :tt - 1]
+            if tt > 1:
+                lengths = steps.cap(self._lengths(steps.survive(a, counts), counts, active, x), counts, budget, active,
+                                    g)
+            else:  # never scheduled (sps-async's plan waits for a round with drafts, as Speculator.schedule's)
+                lengths = torch.zeros_like(counts)
             calls.target.grid(tin, anchor, torch.where(active, length, 0), drafts, rows)
             v = target.forward(0, tb, graphed=False)
             logits = v[io.LOGITS]
-            accepted, tokens = steps.accept(drafts, steps.best(logits, rows, b, t), lengths)
+            accepted, tokens = steps.accept(drafts, steps.best(logits, rows, b, tt), lengths)
             if sampled:
                 greedy = temperature <= 0
-                p = warp(logits.view(b, t, -1), torch.where(greedy, 1.0, temperature)[:, None].expand(b, t),
-                         top_k[:, None].expand(b, t), top_p[:, None].expand(b, t), filters=filters)
-                a_s, tokens_s = accept_rows(drafts, p, q, onehot, lengths, x["u"][:, :g], x["v"])
+                p = warp(logits.view(b, tt, -1), torch.where(greedy, 1.0, temperature)[:, None].expand(b, tt),
+                         top_k[:, None].expand(b, tt), top_p[:, None].expand(b, tt), filters=filters)
+                a_s, tokens_s = accept_rows(drafts, p, q, onehot, lengths, x["u"][:, :tt - 1], x["v"])
                 accepted = torch.where(greedy, accepted, a_s)
                 tokens = torch.where(greedy[:, None], tokens, tokens_s)
             bonus = tokens.gather(1, accepted[:, None])[:, 0]
@@ -355,7 +367,7 @@ class DeviceRounds:
                     ctx_next[:, :t].copy_(tokens)
             steps.advance(length, budget, anchor, accepted, bonus, active)
             out["accepted"].copy_(accepted)
-            out["tokens"].copy_(tokens)
+            out["tokens"][:, :tt].copy_(tokens)
             out["lengths"].copy_(lengths)
             out["drafts"][:, :proposed.shape[1]].copy_(proposed)
             out["counts"].copy_(counts)

@@ -166,8 +166,8 @@ class Engine:
                                   f"got {c.gamma}")
             costs = self._costs(c.backend, c.threads, profile) if c.plans_on_costs else None
             self.costs = costs
-            # under a cost-aware scheduler the host loop calls a head only when it promises more than decoding
-            gated = c.gate_head and c.scheduler in ("sps", "sps-async") and c.backend == "ort"
+            # under a cost-aware scheduler a head is called only when it promises more than decoding (both paths)
+            gated = c.gate_head and c.scheduler in ("sps", "sps-async")
             self.drafter = make_drafter(method, self.art_dir, self.manifest, gamma=c.gamma or exported,
                                         backend=c.backend, threads=c.threads, ngram=c.ngram, costs=costs,
                                         gated=gated, **where)

@@ -18,6 +18,7 @@ from specrt.exporter.loaders.deepspec import random_dspark_checkpoint
 from specrt.exporter.loaders.mtp import random_mtp_checkpoint
 from specrt.runtime.costs import CostTable
 from specrt.runtime.engine import Engine, Request
+from specrt.runtime import hybrid
 from specrt.runtime.hybrid import HEAD, LOOKUP
 from specrt.runtime.profile import Profile
 from specrt.runtime.sampling import SamplingParams
@@ -132,8 +133,8 @@ def test_mixed_batches_stay_on_the_device(art, method, scheduler, monkeypatch):
     mixed = [greedy[0], sampled[0], greedy[1], sampled[1], greedy[2], sampled[2], greedy[3]]
     ref, _ = _generate(art, greedy, method="ar", backend="ort")
     kw = dict(method=method, scheduler=scheduler)
-    # the host loop as the device rounds run it: a head alone drafts every round (no gating, EngineConfig.gate_head)
-    host, _ = _generate(art, mixed, backend="ort", profile=replace(_profile(2.0), backend="ort"), gate_head=False, **kw)
+    # both gate a head alone under sps / sps-async (EngineConfig.gate_head) on the same held table
+    host, _ = _generate(art, mixed, backend="ort", profile=replace(_profile(2.0), backend="ort"), **kw)
     dev, engine = _generate(art, mixed, backend="torch", profile=_profile(2.0), **kw)
     assert [dev[i] for i in (0, 2, 4, 6)] == ref
     assert dev == host  # the sampled requests too: same draws, same rng streams
@@ -166,6 +167,22 @@ def _profile(draft_ms: float) -> Profile:
                    draft={"dspark": {1: draft_ms}, "mtp": {1: draft_ms}})
 
 
+def test_a_gated_head_not_called_is_a_decoding_step_on_the_device(art):
+    """Under sps a head alone is gated on the device too (EngineConfig.gate_head): on a table where its draft call
+    costs 1e6 ms it is called only to explore, and a round without drafts runs the target's decoding step (its decode
+    bucket, one token per slot), not a verify grid; the output is AR's."""
+    requests = [replace(r, params=replace(r.params, max_new_tokens=50)) for r in _requests(256, 3, seed=6)]
+    ref, _ = _generate(art, requests, method="ar", backend="ort")
+    dev, engine = _generate(art, requests, method="dspark", scheduler="sps", backend="torch", profile=_profile(1e6))
+    assert dev == ref
+    gate = engine.drafter
+    assert 0 < gate.rounds[HEAD] < gate.rounds[LOOKUP], gate.rounds  # explorations only
+    drafting = {key[-1] for key in engine.device_rounds._rounds}  # (bucket, sampled, filters, head, drafting)
+    assert drafting == {True, False}
+    decode = engine.target.spec.bucket("decode", B=engine.device_rounds.slots)
+    assert any(dict(key[1:]) == dict(decode) for key in engine.target._calls)  # (slot, *bucket items)
+
+
 @pytest.mark.parametrize("method,scheduler", [("dspark", "sps"), ("dspark", "sps-async"), ("mtp", "sps"),
                                               ("ngram", "sps-async"), ("dspark+ngram", "sps"),
                                               ("mtp+ngram", "fixed"), ("dspark+ngram", "threshold")])
@@ -178,12 +195,14 @@ def test_every_scheduler_and_hybrid_on_the_device(art, method, scheduler, monkey
     backlogs included), lengths and acceptance."""
     for name in ("observe_verify", "observe_draft"):  # the host loop's table stays the profile; it never explores
         monkeypatch.setattr(CostTable, name, lambda *a, **k: None)
+    # a gated head's explorations wait at most as long on the host as the device's backlog buffer allows
+    monkeypatch.setattr(hybrid, "EXPLORE_MAX", hybrid.EXPLORE)
     requests = [replace(r, params=replace(r.params, max_new_tokens=40)) for r in _requests(256, 6, seed=5)]
     ref, _ = _generate(art, requests, method="ar", backend="ort")
     records, host_records = Records(), Records()
     kw = dict(method=method, scheduler=scheduler, threshold=0.2)
     host, _ = _generate(art, requests, backend="ort", profile=replace(_profile(2.0), backend="ort"),
-                        observers=[host_records], gate_head=False, **kw)  # as the device rounds: no gated head
+                        observers=[host_records], **kw)
     dev, engine = _generate(art, requests, backend="torch", profile=_profile(2.0), observers=[records], **kw)
     rounds = engine.device_rounds
     assert dev == host == ref
