@@ -267,7 +267,25 @@ def triton_kernel(device: str) -> None:
         f"{torch.cuda.get_device_name()}")
 
 
-def speed(art: Path, gguf_source: Path, device: str, batch: int, max_new: int, n_prompts: int, dtype: str) -> None:
+def gpu_profile(art: Path, device: str, dtype: str) -> Profile | None:
+    """The cost table the sps rows plan on, measured here (`specrt profile`'s measure on the torch backend)."""
+    from specrt.tools.profile import measure
+
+    @guarded("speed", "profile")
+    def one() -> Profile:
+        t0 = time.perf_counter()
+        prof = measure(art, backend="torch", device=device, dtype=dtype, repeats=3, calls=3, progress=False)
+        at = {b: (prof.step_ms(b), max(prof.verify[b].items())) for b in (1, 16) if b in prof.verify}
+        row("speed", "profile", None, f"{time.perf_counter() - t0:.0f} s; " + "; ".join(
+            f"B={b}: a step {ms:.2f} ms, verifying {p} tokens {v / ms:.2f} steps" for b, (ms, (p, v)) in at.items())
+            + "; draft calls at B=1 " + ", ".join(f"{h} {prof.draft_ms(h, 1) / prof.step_ms(1):.2f}"
+                                                  for h in prof.draft) + " steps", profile=prof.to_dict())
+        return prof
+    return one()
+
+
+def speed(art: Path, gguf_source: Path, device: str, batch: int, max_new: int, n_prompts: int, dtype: str,
+          prof: Profile | None) -> None:
     """tokens/s (generated tokens over wall time, prefill included, after a warm-up) per configuration."""
     m = load_manifest(art)
     prompts = prompts_of(art, n_prompts, m.model.vocab_size)
@@ -275,6 +293,9 @@ def speed(art: Path, gguf_source: Path, device: str, batch: int, max_new: int, n
                ("specrt ar cuda graphs", dict(method="ar"))]
     configs += [(f"specrt {h} cuda graphs", dict(method=h)) for h in ("ngram", "mtp", "dspark")
                 if h == "ngram" or h in m.heads]
+    if prof is not None:  # the cost-aware scheduler on a table measured on this GPU
+        configs += [(f"specrt {h} sps", dict(method=h, scheduler="sps"))
+                    for h in ("mtp", "dspark", "dspark+ngram") if h.split("+")[0] in m.heads]
     results = {}
     for label, kw in configs:
         @guarded("speed", f"b{batch} {label}")
@@ -283,7 +304,9 @@ def speed(art: Path, gguf_source: Path, device: str, batch: int, max_new: int, n
                 tokens, wall = hf_generate(gguf_source, prompts, max_new, device, dtype, batch)
                 tau = None
             else:
-                engine = Engine(art, backend="torch", device=device, dtype=dtype, scheduler="fixed", slots=batch, **kw)
+                how = {"scheduler": "fixed", **kw}
+                engine = Engine(art, backend="torch", device=device, dtype=dtype, slots=batch,
+                                profile=prof if how["scheduler"] != "fixed" else None, **how)
                 generate(engine, prompts[:batch], 8)  # warm-up: graph captures, the allocator
                 outs, engine, wall = generate(engine, prompts, max_new)
                 tokens = sum(len(o) for o in outs)
@@ -347,8 +370,9 @@ def tensorrt_checks(arts: dict[str, Path], max_new: int) -> None:
                 f"captures {engine.target.graph_stats.captures}, failed {engine.target.graph_stats.failed}")
 
 
-def smollm2_part(tmp: Path, args: argparse.Namespace) -> None:
-    """The shipped heads on the default model: identity against ORT, syncs, speed at batch 1 and 16."""
+def smollm2_part(tmp: Path, args: argparse.Namespace, speed_only: bool = False) -> None:
+    """The shipped heads on the default model: identity against ORT, syncs (unless `speed_only`), speed at batch 1
+    and 16."""
     from specrt.configs.fetch import MODEL_FILENAME, cache_dir
 
     try:
@@ -360,12 +384,14 @@ def smollm2_part(tmp: Path, args: argparse.Namespace) -> None:
         row("speed", "smollm2", None, "SmolLM2 GGUF not found (--smollm2 or $SPECRT_CACHE): skipped")
         return
     source = cache_dir() / "models" / MODEL_FILENAME
-    identity("smollm2", art, args.device, 16 if args.quick else 32)
-    for method in ("ar", "dspark"):
-        syncs("smollm2", art, args.device, method, 32)
+    if not speed_only:
+        identity("smollm2", art, args.device, 16 if args.quick else 32)
+        for method in ("ar", "dspark"):
+            syncs("smollm2", art, args.device, method, 32)
+    prof = gpu_profile(art, args.device, args.dtype)
     for batch in (1, 16):
         speed(art, source, args.device, batch, 16 if args.quick else 128,
-              2 if args.quick else (8 if batch == 1 else 32), args.dtype)
+              2 if args.quick else (8 if batch == 1 else 32), args.dtype, prof)
 
 
 def main() -> int:
@@ -377,7 +403,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", help="Precision of the speed rows (identity rows are fp32).")
     ap.add_argument("--parts", default="tiny,smollm2,tensorrt",
                     help="Which parts to run (comma-separated): tiny (the tiny models, DeepSpec's fixture, the Triton "
-                         "kernel), smollm2, tensorrt.")
+                         "kernel), smollm2, smollm2-speed (its speed rows alone), tensorrt.")
     args = ap.parse_args()
     t0 = time.time()
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "none (dry run)"
@@ -392,8 +418,8 @@ def main() -> int:
             syncs(name, art, args.device, "dspark", 24)
         if "tiny" in parts:
             triton_kernel(args.device)
-        if "smollm2" in parts:
-            smollm2_part(tmp, args)
+        if parts & {"smollm2", "smollm2-speed"}:
+            smollm2_part(tmp, args, speed_only="smollm2" not in parts)
         if "tensorrt" in parts:
             tensorrt_checks(arts, 16)
     print(f"\n| check | case | ok | result |\n|---|---|---|---|")
