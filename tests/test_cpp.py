@@ -227,6 +227,26 @@ def test_every_method_and_scheduler_is_token_identical_to_python(specrt_cpp, hea
     assert accepted_somewhere > 0
 
 
+def test_a_head_alone_is_gated_under_sps(specrt_cpp, head_arts, tmp_path):
+    """Under sps a head alone drafts only on rounds where it promises more than a plain decoding step, as in Python
+    (runtime/hybrid.py without lookups): on a profile where its draft call costs 1e6 ms it is called only to explore
+    (the 32nd round without it), under fixed on every round; both give plain decoding's tokens."""
+    art = tmp_path / "art"
+    shutil.copytree(head_arts["tiny"], art)
+    verify = {b: {p: 10.0 + 1.0 * max(0, p - b) for p in range(b, 8 * b + 1)} for b in (1, 2, 4)}
+    save_profile(art, Profile(backend="ort", threads=1, position=16, machine="test", created="", verify=verify,
+                              draft={"dspark": {1: 1e6, 2: 1e6, 4: 1e6}, "mtp": {1: 1e6, 2: 1e6, 4: 1e6}}))
+    vocab = json.loads((art / "manifest.json").read_text())["model"]["vocab_size"]
+    prompt = _prompts(vocab, 1, seed=12)[0]
+    want, _, _ = _python_run(art, [prompt], 80, method="ar")
+    for method in ("dspark", "mtp"):
+        fixed = _outputs(_cpp(specrt_cpp, art, prompt, 80, "--ignore-eos", "--method", method, "--scheduler", "fixed"))
+        sps = _outputs(_cpp(specrt_cpp, art, prompt, 80, "--ignore-eos", "--method", method, "--scheduler", "sps"))
+        assert fixed["outputs"] == sps["outputs"] == want, method
+        assert fixed["head_calls"] == fixed["rounds"] > 0, method
+        assert 1 <= sps["head_calls"] <= 2 < sps["rounds"], (method, sps["head_calls"], sps["rounds"])
+
+
 def _exact_triples(model_dir: Path, prompt: list[int], params: SamplingParams) -> dict[tuple[int, int, int], float]:
     """The exact probability of every first three tokens under `params`, from transformers' model of the target."""
     import torch

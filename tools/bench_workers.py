@@ -200,7 +200,8 @@ def _cpp(spec: EngineSpec):
 
     class Stats(C.Structure):
         _fields_ = [("rounds", C.c_size_t), ("accepted", C.c_size_t), ("generated", C.c_size_t),
-                    ("decode_seconds", C.c_double), ("prefill_seconds", C.c_double)]
+                    ("decode_seconds", C.c_double), ("prefill_seconds", C.c_double),
+                    ("head_calls", C.c_size_t)]
 
     lib.specrt_last_error.restype = C.c_char_p
     lib.specrt_get_stats.restype = Stats

@@ -120,10 +120,12 @@ SPECRT_API specrt_status specrt_generate(specrt_engine* engine, const int64_t* p
 SPECRT_API int64_t specrt_vocab_size(const specrt_engine* engine);
 SPECRT_API int specrt_gamma(const specrt_engine* engine);
 /* Counters since open (or the last specrt_generate, which resets them): slot rounds (decode steps for ar), drafts
- * accepted, seconds in decode steps and rounds (prefill excluded), tokens generated. */
+ * accepted, seconds in decode steps and rounds (prefill excluded), tokens generated, rounds that called a draft head
+ * (under sps / sps-async a head is called only on rounds where it promises more than decoding, and to explore). */
 typedef struct specrt_stats {
     size_t rounds, accepted, generated;
     double decode_seconds, prefill_seconds;
+    size_t head_calls;
 } specrt_stats;
 SPECRT_API specrt_stats specrt_get_stats(const specrt_engine* engine);
 

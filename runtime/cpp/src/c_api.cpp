@@ -196,7 +196,7 @@ int64_t specrt_vocab_size(const specrt_engine* engine) { return engine ? engine-
 int specrt_gamma(const specrt_engine* engine) { return engine ? static_cast<int>(engine->engine.gamma()) : 0; }
 
 specrt_stats specrt_get_stats(const specrt_engine* engine) {
-    specrt_stats s{0, 0, 0, 0.0, 0.0};
+    specrt_stats s{0, 0, 0, 0.0, 0.0, 0};
     if (!engine) return s;
     const specrt::Stats& x = engine->engine.stats();
     s.rounds = static_cast<size_t>(x.rounds);
@@ -204,6 +204,7 @@ specrt_stats specrt_get_stats(const specrt_engine* engine) {
     s.generated = static_cast<size_t>(x.generated);
     s.decode_seconds = x.decode_s;
     s.prefill_seconds = x.prefill_s;
+    s.head_calls = static_cast<size_t>(x.head_calls);
     return s;
 }
 

@@ -68,8 +68,11 @@ Engine::Engine(const fs::path& dir, const Options& options) : options_(options) 
             feature_dim_ = h->second.feature_dim;
             temperatures = h->second.temperatures;
             auto graph = std::make_unique<GraphDrafter>(dir, manifest_, h->second, options.threads);
-            if (hybrid) drafter_ = std::make_unique<HybridDrafter>(std::move(graph), *costs_, options.ngram);
-            else drafter_ = std::move(graph);
+            // under sps / sps-async a head alone is gated: called only when it promises more than decoding
+            if (hybrid || costs_)
+                drafter_ = std::make_unique<HybridDrafter>(std::move(graph), *costs_, options.ngram, /*lookups=*/hybrid);
+            else
+                drafter_ = std::move(graph);
         }
         gamma_ = std::min(gamma, drafter_->steps);
         scheduler_ = make_scheduler(options.scheduler, gamma_, temperatures, options.threshold, costs_.get());
@@ -324,6 +327,7 @@ void Engine::round(std::map<int64_t, Event>& events) {
         costs_->observe_verify(n, count, call_ms);
         if (!p.head.empty()) costs_->observe_draft(p.head, n, draft_ms);
     }
+    if (!p.head.empty()) ++stats_.head_calls;
     // accept and commit, slot by slot (the logits of slot i's cells start at row `first`)
     int64_t first = 0;
     for (int64_t i = 0; i < n; ++i) {

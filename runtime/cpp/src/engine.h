@@ -59,7 +59,7 @@ struct Event {
 };
 
 struct Stats {
-    int64_t rounds = 0, accepted = 0, drafted_by_head = 0, generated = 0;
+    int64_t rounds = 0, accepted = 0, head_calls = 0, generated = 0;
     double prefill_s = 0.0, decode_s = 0.0;
 };
 

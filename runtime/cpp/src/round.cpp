@@ -111,12 +111,18 @@ NGramDrafter::NGramDrafter(int64_t steps, int64_t max_n) : max_n_(max_n) {
     this->steps = steps;
 }
 
-Proposal NGramDrafter::propose(const Views& views) {
+// A proposal of n rows without drafts (a gated head not called, lookups that found nothing).
+static Proposal nothing(int64_t n, int64_t width) {
     Proposal p;
-    p.n = static_cast<int64_t>(views.slots.size());
-    p.width = steps;
-    p.tokens.assign(p.n * steps, 0);
-    p.counts.assign(p.n, 0);
+    p.n = n;
+    p.width = width;
+    p.tokens.assign(n * width, 0);
+    p.counts.assign(n, 0);
+    return p;
+}
+
+Proposal NGramDrafter::propose(const Views& views) {
+    Proposal p = nothing(static_cast<int64_t>(views.slots.size()), steps);
     for (int64_t i = 0; i < p.n; ++i) {
         if (!views.slots[i]) continue;
         std::vector<int64_t> follow = lookup(views.slots[i]->history, static_cast<size_t>(max_n_), static_cast<size_t>(steps));
@@ -251,10 +257,10 @@ Proposal GraphDrafter::propose(const Views& views) {
 
 // -- a head with lookups --------------------------------------------------------------------------------------------
 
-HybridDrafter::HybridDrafter(std::unique_ptr<GraphDrafter> head, CostTable& costs, int64_t max_n)
+HybridDrafter::HybridDrafter(std::unique_ptr<GraphDrafter> head, CostTable& costs, int64_t max_n, bool lookups)
     : head_(std::move(head)), costs_(costs), lookup_(head_->steps, max_n),
       history_{AcceptanceHistory(head_->steps, kLookupLater), AcceptanceHistory(head_->steps)},
-      explore_every_(kExplore) {
+      explore_every_(kExplore), lookups_(lookups) {
     steps = head_->steps;
 }
 
@@ -307,7 +313,7 @@ Proposal HybridDrafter::propose(const Views& views) {
     std::vector<char> active(n);
     int64_t live = 0;
     for (int64_t i = 0; i < n; ++i) live += active[i] = views.slots[i] != nullptr;
-    Proposal found = lookup_.propose(views);
+    Proposal found = lookups_ ? lookup_.propose(views) : nothing(n, steps);
     std::vector<float> a_lookup = broadcast(history_[LOOKUP].survival(), n, steps);
     survive(a_lookup, steps, found.counts);
     const double without = admission(a_lookup, n, steps, active, 0.0, costs_, false).rate;

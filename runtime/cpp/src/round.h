@@ -81,9 +81,12 @@ private:
     int64_t max_rows_ = 1;
 };
 
+// Lookups and a head, per round whichever promises more (runtime/hybrid.py). Without lookups (`lookups` false) the
+// same choice gates a head alone under sps / sps-async: the head is called only on rounds where its realized rate
+// beats a plain decoding step's, and on explorations.
 class HybridDrafter : public Drafter {
 public:
-    HybridDrafter(std::unique_ptr<GraphDrafter> head, CostTable& costs, int64_t max_n);
+    HybridDrafter(std::unique_ptr<GraphDrafter> head, CostTable& costs, int64_t max_n, bool lookups = true);
     void allocate(int64_t slots) override;
     std::optional<Context> prefill(int64_t slot, Context ctx) override;
     Proposal propose(const Views& views) override;
@@ -104,7 +107,7 @@ private:
     int64_t explore_every_;  // rounds without the head before it is explored (doubles while explorations lose)
     // the head rounds' active slot rounds and their tokens committed and verified (decayed sums, per head round)
     double slot_rounds_ = 0.0, committed_ = 0.0, verified_ = 0.0;
-    bool last_head_ = false, explored_ = false;
+    bool lookups_, last_head_ = false, explored_ = false;
     std::vector<std::pair<int64_t, int64_t>> last_;
 };
 

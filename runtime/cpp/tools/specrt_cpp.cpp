@@ -181,8 +181,9 @@ int main(int argc, char** argv) {
     const double tps = s.decode_seconds > 0 ? tokens / s.decode_seconds : 0.0;
     if (as_json)
         std::printf("{\"outputs\": [%s], \"texts\": [%s], \"decode_tokens_per_s\": %.3f, \"decode_seconds\": %.6f, "
-                    "\"rounds\": %zu, \"accepted\": %zu, \"gamma\": %d}\n",
-                    all.c_str(), all_texts.c_str(), tps, s.decode_seconds, s.rounds, s.accepted, specrt_gamma(engine));
+                    "\"rounds\": %zu, \"accepted\": %zu, \"head_calls\": %zu, \"gamma\": %d}\n",
+                    all.c_str(), all_texts.c_str(), tps, s.decode_seconds, s.rounds, s.accepted, s.head_calls,
+                    specrt_gamma(engine));
     else
         std::fprintf(stderr, "-- %zu requests, %zu tokens, decode %.1f tok/s, %zu rounds, %zu drafts accepted\n",
                      outputs.size(), s.generated, tps, s.rounds, s.accepted);
