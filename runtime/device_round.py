@@ -2,9 +2,10 @@
 sampling setting.
 
     plan      (host) what only the host knows, in one small copy down: which slots are active, n-gram lookups and
-              the hybrid's (or a gated head's) choice to call the head or not (runtime/hybrid.py `choose`), survivals that come from
-              acceptance measured so far (heads without a confidence head, lookups), the cost curve the sps
-              schedulers plan on, and each sampled slot's uniforms (drawn from its rng in the host loop's order)
+              the hybrid's (or a gated head's) choice to call the head or not (runtime/hybrid.py `choose`),
+              survivals that come from acceptance measured so far (heads without a confidence head, lookups), the
+              cost curve the sps schedulers plan on, and each sampled slot's uniforms (drawn from its rng in the
+              host loop's order)
     draft     the head's modules on context rows the previous rounds left on the device (AR: no drafts); a hybrid
               keeps, per slot, the lookups or the head's block, whichever survives better (`pick`)
     schedule  the scheduler's lengths from the proposal's survivals (runtime/steps.py): fixed, threshold, sps

@@ -28,7 +28,7 @@ from specrt.runtime import calls
 from specrt.runtime.backends import load_runner
 from specrt.runtime.config import EngineConfig
 from specrt.runtime.costs import CostTable
-from specrt.runtime.profile import Profile, load_profile
+from specrt.runtime.profile import Profile, load_profile, placement, profile_options
 from specrt.runtime.drafters import Context, Proposal, make_drafter
 from specrt.runtime.observers import RoundObserver, RoundRecord, TraceWriter
 from specrt.runtime.sampling import SamplingParams, next_token
@@ -164,7 +164,8 @@ class Engine:
             if c.gamma is not None and not 1 <= c.gamma <= exported:
                 raise SpecrtError(f"--gamma must be between 1 and {exported} (the artifact's verify length - 1), "
                                   f"got {c.gamma}")
-            costs = self._costs(c.backend, c.threads, profile) if c.plans_on_costs else None
+            where_costs = placement(c.backend, c.device, c.dtype)  # a GPU's costs are not a CPU's
+            costs = self._costs(where_costs, c.threads, profile) if c.plans_on_costs else None
             self.costs = costs
             # under a cost-aware scheduler a head is called only when it promises more than decoding (both paths)
             gated = c.gate_head and c.scheduler in ("sps", "sps-async")
@@ -201,15 +202,15 @@ class Engine:
             self._allocate(min(c.slots, self.max_batch))
 
     def _costs(self, backend: str, threads: int | None, profile: Profile | None) -> CostTable:
-        """The artifact's stored profile for this backend, or the one given; either is refined online by the rounds
-        this engine times (runtime/costs.py)."""
+        """The artifact's stored profile for this backend (its `placement`), or the one given; either is refined
+        online by the rounds this engine times (runtime/costs.py)."""
         stored = load_profile(self.art_dir, backend=backend, threads=threads)
         if stored is not None:
             return CostTable(stored, f"artifact profile {stored.backend}/{stored.threads}")
         if profile is None:
             raise SpecrtError(f"--scheduler {self.scheduler_name} / --method {self.method} plan on a cost profile and "
-                              f"{self.art_dir} has none for {backend}: run `specrt profile {self.art_dir}` once "
-                              "(or pass Engine(..., profile=...))")
+                              f"{self.art_dir} has none for {backend}: run `specrt profile {self.art_dir}"
+                              f"{profile_options(backend)}` once (or pass Engine(..., profile=...))")
         return CostTable(profile, f"profile measured {profile.created}")
 
     # -- the online API ---------------------------------------------------------------------------

@@ -78,6 +78,14 @@ def _key(backend: str, threads: int) -> str:
     return f"{backend}/{threads}"
 
 
+def placement(backend: str, device: str = "cpu", dtype: str | None = None) -> str:
+    """The name a profile is measured and stored under: the backend, and for the torch backend on another device or
+    in another precision than the graphs', where it runs ("torch@cuda:bfloat16"): a GPU's costs are not a CPU's."""
+    if device == "cpu" and dtype is None:
+        return backend
+    return f"{backend}@{device}" + (f":{dtype}" if dtype else "")
+
+
 def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
@@ -125,8 +133,18 @@ def _entry(d: object, path: Path, key: str) -> Profile:
     return prof
 
 
+def profile_options(label: str) -> str:
+    """The `specrt profile` options that measure the profile a `placement` names
+    (" --backend torch --device cuda")."""
+    backend, _, rest = label.partition("@")
+    device, _, dtype = rest.partition(":")
+    return ((f" --backend {backend}" if backend != "ort" else "") + (f" --device {device}" if device else "")
+            + (f" --dtype {dtype}" if dtype else ""))
+
+
 def load_profile(art: str | Path, *, backend: str = "ort", threads: int | None = None) -> Profile | None:
-    """The stored profile for this backend and thread count (or, failing that, for this backend), if any."""
+    """The stored profile for this backend and thread count (or, failing that, for this backend), if any. `backend`:
+    a backend's name, or its `placement`."""
     entries = _read(Path(art) / PROFILE_FILE)
     threads = threads or default_threads()
     key = _key(backend, threads) if _key(backend, threads) in entries else \

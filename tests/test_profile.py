@@ -11,7 +11,9 @@ from specrt.artifact import ExportSettings
 from specrt.cli import main
 from specrt.errors import SpecrtError
 from specrt.exporter.export import export_artifact
-from specrt.runtime.profile import PROFILE_FILE, load_profile, save_profile, Profile
+from specrt.runtime.engine import Engine
+from specrt.runtime.profile import (PROFILE_FILE, Profile, load_profile, placement, profile_options,
+                                    save_profile)
 from specrt.tools.profile import measure
 
 FIXTURE = Path(__file__).parent / "fixtures" / "deepspec_dspark_tiny"
@@ -43,9 +45,20 @@ def test_measure_on_the_torch_backend_in_another_precision(art):
     """The GPU check measures its table this way (device="cuda" there); ONNX Runtime takes no device or dtype."""
     p = measure(art, backend="torch", device="cpu", dtype="bfloat16", threads=1, position=20, repeats=1, calls=1,
                 progress=False)
-    assert p.backend == "torch" and sorted(p.verify[2]) == [2, 4, 6] and p.draft_ms("dspark", 1) > 0
+    assert p.backend == "torch@cpu:bfloat16" and sorted(p.verify[2]) == [2, 4, 6] and p.draft_ms("dspark", 1) > 0
     with pytest.raises(SpecrtError, match="torch backend's"):
         measure(art, device="cpu", dtype="bfloat16", threads=1, position=20, repeats=1, calls=1, progress=False)
+    # stored apart from the CPU's float32 table, and what an engine in that precision plans on
+    save_profile(art, p)
+    assert load_profile(art, backend="torch@cpu:bfloat16", threads=1) == p
+    assert load_profile(art, backend="torch", threads=1) is None
+    assert placement("torch", "cuda", "bfloat16") == "torch@cuda:bfloat16" and placement("ort") == "ort"
+    assert profile_options("torch@cuda:bfloat16") == " --backend torch --device cuda --dtype bfloat16"
+    with Engine(art, method="dspark", scheduler="sps", backend="torch", dtype="bfloat16", threads=1) as engine:
+        assert engine.costs.profile == p
+    with pytest.raises(SpecrtError, match="--backend torch --device cpu --dtype float16"):
+        Engine(art, method="dspark", scheduler="sps", backend="torch", dtype="float16", threads=1)
+    (art / PROFILE_FILE).unlink()
 
 
 def test_saved_per_backend_and_threads(art):

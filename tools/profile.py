@@ -27,7 +27,7 @@ from specrt.runtime import calls as contract
 from specrt.runtime.backends import load_runner
 from specrt.runtime.config import EngineConfig
 from specrt.runtime.engine import Engine
-from specrt.runtime.profile import Profile, default_threads, load_profile
+from specrt.runtime.profile import Profile, default_threads, load_profile, placement, profile_options
 
 _QUICK: dict[tuple, Profile] = {}  # quick profiles measured in this process, for artifacts without one
 
@@ -105,7 +105,8 @@ def measure(art: str | Path, *, backend: str = "ort", threads: int | None = None
     def draft_call(name: str, b: int, rows: int):
         r = heads[name]
         bucket = r.spec.bucket("propose", B=b, C=rows)
-        _fill_draft(contract.for_head(manifest.heads[name].kind), r.inputs(0, bucket, greedy=True), position, rows, token)
+        _fill_draft(contract.for_head(manifest.heads[name].kind), r.inputs(0, bucket, greedy=True), position, rows,
+                    token)
         return lambda: r.run(0, bucket, greedy=True)
 
     for b in batches:
@@ -138,29 +139,32 @@ def measure(art: str | Path, *, backend: str = "ort", threads: int | None = None
             draft.setdefault(name, {})[b] = round(float(np.mean([ms for k, ms in med.items()
                                                                   if k[:3] == ("draft", name, b)])), 3)
     machine = _cpu() if device == "cpu" else _gpu(device)
-    return Profile(backend=backend, threads=threads, position=position, machine=machine,
+    return Profile(backend=placement(backend, device, dtype), threads=threads, position=position, machine=machine,
                    created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), verify=verify, draft=draft)
 
 
-def profile_for(art: str | Path, *, backend: str, threads: int | None) -> Profile:
-    """The artifact's stored profile for this backend, or (with a warning, once per process) a quick one measured
-    now, for the cost-aware schedulers and the hybrids of an artifact nobody profiled (`specrt profile` stores a
-    careful one)."""
-    prof = load_profile(art, backend=backend, threads=threads)
+def profile_for(art: str | Path, *, backend: str, threads: int | None, device: str = "cpu",
+                dtype: str | None = None) -> Profile:
+    """The artifact's stored profile for this backend (on this device, in this precision), or (with a warning, once
+    per process) a quick one measured now, for the cost-aware schedulers and the hybrids of an artifact nobody
+    profiled (`specrt profile` stores a careful one)."""
+    label = placement(backend, device, dtype)
+    prof = load_profile(art, backend=label, threads=threads)
     if prof is not None:
         return prof
-    key = (str(Path(art).resolve()), backend, threads)
+    key = (str(Path(art).resolve()), label, threads)
     if key not in _QUICK:
-        print(f"specrt: warning: {art} has no {backend} cost profile; measuring a quick one "
-              f"(run `specrt profile {art}` once to store a careful one)", file=sys.stderr)
+        print(f"specrt: warning: {art} has no {label} cost profile; measuring a quick one "
+              f"(run `specrt profile {art}{profile_options(label)}` once to store a careful one)", file=sys.stderr)
         max_seq = io.load_manifest(Path(art)).export.max_seq
         _QUICK[key] = measure(art, backend=backend, threads=threads, repeats=1, calls=2, progress=False,
-                              position=min(128, max_seq // 2))
+                              position=min(128, max_seq // 2), device=device, dtype=dtype)
     return _QUICK[key]
 
 
 def open_engine(art: str | Path, config: EngineConfig, **kw) -> Engine:
     """An Engine for `config`; where its rounds plan on a cost profile and the artifact stores none, a quick one is
     measured first (`profile_for`). `kw`: the Engine's trace, observers."""
-    profile = profile_for(art, backend=config.backend, threads=config.threads) if config.plans_on_costs else None
+    profile = profile_for(art, backend=config.backend, threads=config.threads, device=config.device,
+                          dtype=config.dtype) if config.plans_on_costs else None
     return Engine(art, config, profile=profile, **kw)

@@ -127,14 +127,19 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
 @click.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--backend", type=click.Choice(BACKENDS), default="ort", help="Runtime backend.")
+@click.option("--device", default="cpu", show_default=True,
+              help="--backend torch: cpu or cuda[:N] (each call a CUDA graph's replay, as an engine makes it); the "
+                   "profile is stored for that device and precision.")
+@click.option("--dtype", type=click.Choice(DTYPES), default=None,
+              help="--backend torch: the modules' precision [default: the artifact's].")
 @click.option("--threads", type=int, default=None, help="Threads (default: all cores).")
 @click.option("--position", default=128, show_default=True, help="Cache position every call runs at.")
 @click.option("--repeats", default=5, show_default=True, help="Interleaved repetitions (medians are reported).")
 @click.option("--plot", type=click.Path(path_type=Path), default=None,
               help="Write a PNG: verify cost against verified tokens, draft calls against a decoding step.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def profile(artifact: Path, backend: str, threads: int | None, position: int, repeats: int, plot: Path | None,
-            as_json: bool) -> None:
+def profile(artifact: Path, backend: str, device: str, dtype: str | None, threads: int | None, position: int,
+            repeats: int, plot: Path | None, as_json: bool) -> None:
     """Measure the draft call and the verify call (against verified tokens) on this machine; store the table in
     ARTIFACT (profile.json) for the schedulers."""
     from specrt.tools.profile import measure
@@ -146,7 +151,7 @@ def profile(artifact: Path, backend: str, threads: int | None, position: int, re
     if repeats < 1 or (threads is not None and threads < 1):
         raise SpecrtError("--repeats and --threads must be >= 1")
     prof = measure(artifact, backend=backend, threads=threads, position=position, repeats=repeats,
-                   progress=not as_json)
+                   progress=not as_json, device=device, dtype=dtype)
     path = save_profile(artifact, prof)
     report = {**prof.to_dict(), "in_steps": prof.summary(), "file": str(path)}
     if plot is not None:
