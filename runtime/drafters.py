@@ -213,10 +213,15 @@ def lookup(history: np.ndarray, max_n: int, steps: int) -> np.ndarray:
     An occurrence ends at some j <= size - 2 (a token follows it), so the candidates are the earlier positions of
     the last token; each one's match is grown backwards over the suffix, latest candidate first, stopping at the
     first full-length match. This runs for every slot every round: one vectorized pass, then the few candidates."""
+    return lookup_match(history, max_n, steps)[0]
+
+
+def lookup_match(history: np.ndarray, max_n: int, steps: int) -> tuple[np.ndarray, int]:
+    """`lookup`'s tokens and the length of the suffix they follow (0: none found)."""
     size = len(history)
     ends = np.flatnonzero(history[:size - 1] == history[size - 1]) if size > 1 else ()
     if not len(ends):
-        return history[:0]
+        return history[:0], 0
     top = min(max_n, size - 1)
     suffix = history[size - top:].tolist()[::-1]  # the last token first
     best, best_n = int(ends[-1]), 1
@@ -228,7 +233,7 @@ def lookup(history: np.ndarray, max_n: int, steps: int) -> np.ndarray:
             best, best_n = j, n
             if n == top:
                 break
-    return history[best + 1:best + 1 + steps]
+    return history[best + 1:best + 1 + steps], best_n
 
 
 def make_drafter(method: Method, art_dir: Path, manifest: io.Manifest, *, gamma: int, backend: str = "ort",

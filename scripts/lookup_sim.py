@@ -9,6 +9,11 @@ equal to the greedy text is accepted, one bonus token follows. A round costs the
 verify of 1 + drafts tokens at batch 1, in decoding steps. Greedy output does not depend on the drafts, so this is
 exactly the τ a fixed-length lookup would reach; the cost is the profile's, not a timing. `speedup` is tokens per
 modelled step (ar: 1). The bench's `sps` picks its lengths per round and can do better than any fixed cap.
+
+`--by-match` adds, per set at the first n: each draft position's acceptance by the length of the suffix the lookup
+matched, and the modelled speed of a policy that verifies the k drafts maximizing (1 + survivals) / cost, with one
+survival curve for all lookups (as the hybrid's acceptance history) or one per match length (in-sample curves: an
+upper bound on what conditioning on the match could give).
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from specrt import artifact as io
-from specrt.runtime.drafters import lookup
+from specrt.runtime.drafters import lookup, lookup_match
 from specrt.runtime.engine import Engine, Request
 from specrt.runtime.profile import ceil_key, load_profile
 from specrt.runtime.prompts import encode_prompt, read_prompts_file
@@ -44,6 +49,48 @@ def replay(prompt: list[int], out: list[int], max_n: int, cap: int, steps_of: di
     return rounds, cost
 
 
+def by_match(texts: list[tuple[list[int], list[int]]], max_n: int, cap: int, steps_of: dict[int, float]) -> dict:
+    """Acceptance by match length, and the modelled speed of admission on one survival curve or one per length."""
+    def rounds(policy):
+        for prompt, out in texts:
+            seq = np.asarray(prompt + out, np.int64)
+            pos, end = len(prompt) + 1, len(prompt) + len(out)
+            while pos < end:
+                drafts, m = lookup_match(seq[:pos], max_n, cap)
+                full = 0
+                while full < len(drafts) and pos + full < end and drafts[full] == seq[pos + full]:
+                    full += 1
+                k = policy(m, len(drafts))
+                yield m, len(drafts), full, k
+                pos += min(full, k) + 1
+
+    seen: dict[int, list[tuple[int, int]]] = {}
+    for m, offered, full, _ in rounds(lambda m, offered: offered):
+        if offered:
+            seen.setdefault(m, []).append((offered, full))
+
+    def curve(obs):
+        return np.array([np.mean([f > i for o, f in obs if o > i]) if any(o > i for o, _ in obs) else 0.0
+                         for i in range(cap)])
+    curves = {m: curve(obs) for m, obs in seen.items()}
+    overall = curve([x for obs in seen.values() for x in obs])
+
+    def admit(a: np.ndarray, offered: int) -> int:
+        rates = [(1 + a[:k].sum()) / steps_of[k + 1] for k in range(offered + 1)]
+        return int(np.argmax(rates))
+
+    out = {"acceptance_by_match": {m: {"rounds": len(seen[m]), "survival": [round(x, 3) for x in curves[m][:4]]}
+                                   for m in sorted(seen)}}
+    policies = {"one_curve": lambda m, offered: admit(overall, offered),
+                "per_match": lambda m, offered: admit(curves.get(m, overall), offered)}
+    for name, pick in policies.items():
+        tokens = cost = n = 0
+        for _, _, full, k in rounds(pick):
+            tokens, cost, n = tokens + min(full, k) + 1, cost + steps_of[k + 1], n + 1
+        out[name] = {"tau": round(tokens / n, 3), "speedup": round(tokens / cost, 3)}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("art", type=Path)
@@ -52,6 +99,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--ngram", default="1,2,3,4,6")
     ap.add_argument("--cap", default="2,4,7")
+    ap.add_argument("--by-match", action="store_true", help="Acceptance by match length and two admission policies.")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     profile = load_profile(args.art)
@@ -80,6 +128,12 @@ def main() -> int:
                         r = results[-1]
                         print(f"{r['set']:10s} n {n} cap {cap}: τ {r['tau']:.3f}  steps/token "
                               f"{r['steps_per_token']:.3f}  speedup {r['speedup']:.3f}", flush=True)
+            if args.by_match:
+                n = int(args.ngram.split(",")[0])
+                m = by_match([(p, list(o.output_ids)) for p, o in zip(prompts, outs)], n, max(caps), steps_of)
+                results.append({"set": path.stem, "ngram": n, "cap": max(caps), "by_match": m})
+                if not args.json:
+                    print(f"{path.stem:10s} n {n} by match length: {json.dumps(m)}", flush=True)
     if args.json:
         print(json.dumps({"art": str(args.art), "verify_steps": steps_of, "rows": results}, indent=1))
     return 0

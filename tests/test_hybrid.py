@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specrt import artifact as io
-from specrt.runtime.drafters import Context, GraphDrafter
+from specrt.runtime.drafters import Context, GraphDrafter, lookup, lookup_match
 from specrt.runtime.engine import Engine, Request
 from specrt.runtime.hybrid import EXPLORE, HEAD, LOOKUP, HybridDrafter
 from specrt.runtime.profile import Profile, save_profile
@@ -33,6 +33,18 @@ def _repetitive(vocab: int, n: int, seed: int) -> list[list[int]]:
         span = [int(t) for t in rng.integers(3, vocab, 6)]
         out.append([*span, *rng.integers(3, vocab, 3).tolist(), *span, *span[:3]])
     return out
+
+
+def test_lookup_follows_the_latest_longest_suffix_match():
+    """The n-gram lookup: what followed the latest earlier occurrence of the longest suffix (up to max_n), and that
+    suffix's length (scripts/lookup_sim.py --by-match reads it)."""
+    assert lookup_match(np.array([7, 8, 9, 4, 7, 8]), 3, 3)[1] == 2
+    assert lookup(np.array([7, 8, 9, 4, 7, 8]), 3, 3).tolist() == [9, 4, 7]
+    tokens, n = lookup_match(np.array([1, 2, 3, 9, 5, 3, 6, 2, 3]), 3, 2)  # "2 3" beats the later lone "3"
+    assert (tokens.tolist(), n) == ([9, 5], 2)
+    tokens, n = lookup_match(np.array([1, 2, 3, 9, 8, 3, 6, 4, 3]), 3, 2)
+    assert (tokens.tolist(), n) == ([6, 4], 1)  # only the last token matches: its latest occurrence
+    assert lookup_match(np.array([1, 2, 3]), 3, 2)[1] == 0 and lookup(np.array([1, 2, 3]), 3, 2).size == 0
 
 
 # -- greedy variants -------------------------------------------------------------------------------------
