@@ -47,6 +47,38 @@ def test_lookup_follows_the_latest_longest_suffix_match():
     assert lookup_match(np.array([1, 2, 3]), 3, 2)[1] == 0 and lookup(np.array([1, 2, 3]), 3, 2).size == 0
 
 
+def test_lookup_survivals_are_kept_per_match_length(tiny_arts):
+    """An n-gram lookup's drafts survive as lookups of the same match length have been accepted: a round's outcome
+    updates its own length's history only, and an engine's rounds feed them (sps then plans on them)."""
+    from specrt.runtime.drafters import NGramDrafter
+
+    class View:
+        def __init__(self, tokens):
+            self.tokens = np.asarray(tokens, np.int64)
+
+        def history(self):
+            return self.tokens
+
+    d = NGramDrafter(3, max_n=3)
+    d.allocate(2)
+    slots = [View([1, 2, 3, 9, 5, 1, 2, 3]), View([7, 4, 6, 7])]  # a 3-token match, a 1-token one
+    p = d.propose(slots)
+    assert d.match.tolist() == [3, 1] and p.counts.tolist() == [3, 3]
+    assert np.allclose(p.survival[0], p.survival[1])  # no outcome yet: both at the prior
+    for _ in range(6):
+        d.observe(0, 3, 3)  # the 3-token match's drafts all accepted
+        d.observe(1, 3, 0)  # the 1-token match's first draft refused
+    p = d.propose(slots)
+    assert p.survival[0, 0] > 0.8 > 0.3 > p.survival[1, 0]
+    art = tiny_arts("llama")
+    with Engine(art, method="ngram", scheduler="fixed", threads=1) as engine:
+        engine.generate([Request(q, SamplingParams(max_new_tokens=24, ignore_eos=True), id=i)
+                         for i, q in enumerate(_repetitive(engine.manifest.model.vocab_size, 3, seed=4))])
+        prior = NGramDrafter(engine.drafter.steps).histories[0].tries.sum()
+        assert sum(h.tries.sum() - prior for h in engine.drafter.histories[1:]) > 0  # outcomes observed
+        assert engine.drafter.histories[0].tries.sum() == prior  # no match, no drafts, nothing tried
+
+
 # -- greedy variants -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("head", ["dspark", "mtp"])

@@ -91,13 +91,15 @@ std::vector<float> AcceptanceHistory::survival() const {
 
 // -- n-gram lookups -------------------------------------------------------------------------------------------------
 
-std::vector<int64_t> lookup(const std::vector<int64_t>& history, size_t max_n, size_t steps) {
+std::vector<int64_t> lookup(const std::vector<int64_t>& history, size_t max_n, size_t steps, size_t* matched) {
     const size_t size = history.size();
+    if (matched) *matched = 0;
     for (size_t n = std::min(max_n, size - 1); n >= 1; --n) {
         // windows start at 0..size-1-n: strictly before the suffix itself, each followed by >= 1 token
         for (size_t start = size - n; start-- > 0;) {
             if (std::equal(history.end() - n, history.end(), history.begin() + start)) {
                 size_t from = start + n, to = std::min(size, from + steps);
+                if (matched) *matched = n;
                 return std::vector<int64_t>(history.begin() + from, history.begin() + to);
             }
         }
@@ -109,6 +111,7 @@ NGramDrafter::NGramDrafter(int64_t steps, int64_t max_n) : max_n_(max_n) {
     if (steps < 1 || max_n < 1)
         throw Error(SPECRT_ERROR_REQUEST, "n-gram drafting needs gamma >= 1 and n >= 1");
     this->steps = steps;
+    histories_.assign(max_n + 1, AcceptanceHistory(steps));
 }
 
 // A proposal of n rows without drafts (a gated head not called, lookups that found nothing).
@@ -123,11 +126,21 @@ static Proposal nothing(int64_t n, int64_t width) {
 
 Proposal NGramDrafter::propose(const Views& views) {
     Proposal p = nothing(static_cast<int64_t>(views.slots.size()), steps);
+    p.survival.assign(p.n * steps, 0.0f);
+    if (static_cast<int64_t>(match_.size()) < p.n) match_.resize(p.n, 0);
     for (int64_t i = 0; i < p.n; ++i) {
+        match_[i] = 0;
         if (!views.slots[i]) continue;
-        std::vector<int64_t> follow = lookup(views.slots[i]->history, static_cast<size_t>(max_n_), static_cast<size_t>(steps));
+        size_t matched = 0;
+        std::vector<int64_t> follow =
+            lookup(views.slots[i]->history, static_cast<size_t>(max_n_), static_cast<size_t>(steps), &matched);
+        match_[i] = static_cast<int64_t>(matched);
         p.counts[i] = static_cast<int64_t>(follow.size());
         std::copy(follow.begin(), follow.end(), p.tokens.begin() + i * steps);
+        if (!follow.empty()) {
+            const std::vector<float> a = histories_[matched].survival();
+            std::copy(a.begin(), a.end(), p.survival.begin() + i * steps);
+        }
     }
     return p;
 }

@@ -48,17 +48,26 @@ private:
     std::vector<double> hits_, tries_;
 };
 
-std::vector<int64_t> lookup(const std::vector<int64_t>& history, size_t max_n, size_t steps);
+// Up to `steps` tokens after the latest earlier occurrence of the longest suffix (n <= max_n); `matched`: that n
+// (0: none).
+std::vector<int64_t> lookup(const std::vector<int64_t>& history, size_t max_n, size_t steps, size_t* matched = nullptr);
 
+// Prompt lookup (runtime/drafters.py NGramDrafter): its drafts' survivals come from the acceptance measured so far
+// for lookups of the same match length.
 class NGramDrafter : public Drafter {
 public:
     NGramDrafter(int64_t steps, int64_t max_n);
-    void allocate(int64_t) override {}
+    void allocate(int64_t slots) override { match_.assign(slots, 0); }
     std::optional<Context> prefill(int64_t, Context) override { return std::nullopt; }
     Proposal propose(const Views& views) override;
+    void observe(int64_t slot, int64_t verified, int64_t accepted) override {
+        histories_[match_[slot]].observe(verified, accepted);
+    }
 
 private:
     int64_t max_n_;
+    std::vector<AcceptanceHistory> histories_;  // per match length (0: none)
+    std::vector<int64_t> match_;  // each slot's last lookup's match length
 };
 
 class GraphDrafter : public Drafter {
