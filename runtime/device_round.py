@@ -179,7 +179,7 @@ class DeviceRounds:
             host["drafts"][:], host["counts"][:] = 0, 0
             host["drafts"][:n, :lookups.tokens.shape[1]], host["counts"][:n] = lookups.tokens, lookups.counts
         if with_head and not self.confident and (self.hybrid or self.policy in SURVIVALS):
-            history = self.drafter.history[HEAD] if self.hybrid else self.scheduler.history
+            history = self.drafter.head_history if self.hybrid else self.scheduler.history
             host["head_survival"][:] = history.survival()[:self.gamma]
         if self.policy in ("sps", "sps-async"):
             host["curve"][:] = verify_curve(self.costs, n, len(host["curve"]) - 1)

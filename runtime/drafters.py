@@ -182,13 +182,14 @@ class NGramDrafter:
     needs_features = False
     calls = None
 
-    def __init__(self, steps: int, *, max_n: int = 3) -> None:
+    def __init__(self, steps: int, *, max_n: int = 3, later: float = 0.5) -> None:
         from specrt.runtime.schedulers import AcceptanceHistory  # (schedulers imports this module)
 
         if steps < 1 or max_n < 1:
             raise SpecrtError(f"n-gram drafting needs gamma >= 1 and n >= 1, got gamma {steps}, n {max_n}")
         self.steps, self.max_n = steps, max_n
-        self.histories = [AcceptanceHistory(steps) for _ in range(max_n + 1)]  # per match length (0: none)
+        # per match length (0: none); `later`: the prior acceptance of the drafts after a lookup's first
+        self.histories = [AcceptanceHistory(steps, later=later) for _ in range(max_n + 1)]
         self._tokens = np.zeros((0, steps), np.int64)
         self._counts = np.zeros(0, np.int64)
         self._survival = np.zeros((0, steps), np.float32)

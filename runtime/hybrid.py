@@ -95,10 +95,11 @@ class HybridDrafter:
         # the longest wait between explorations: the device round's backlog buffer holds explore_max + 1 rounds
         self.explore_max = max(explore_max, EXPLORE)
         self.steps = head.steps
-        self.lookup = NGramDrafter(self.steps, max_n=max_n)  # blocks as wide as the head's
+        # blocks as wide as the head's; its drafts survive as lookups of the same match length have been accepted. A
+        # lookup that starts right tends to go on (it copies a span): optimistic about untried later positions
+        self.lookup = NGramDrafter(self.steps, max_n=max_n, later=LOOKUP_LATER)
         self.temperatures = np.asarray(temperatures, np.float32)
-        # a lookup that starts right tends to go on (it copies a span): optimistic about untried later positions
-        self.history = {LOOKUP: AcceptanceHistory(self.steps, later=LOOKUP_LATER), HEAD: AcceptanceHistory(self.steps)}
+        self.head_history = AcceptanceHistory(self.steps)
         self.backlog: list[list[Context]] = []  # per slot: the rows of rounds without the head, in order
         self.source = np.zeros(0, np.int64)  # per slot: who drafted its row of the last proposal
         self.rounds = {LOOKUP: 0, HEAD: 0}  # rounds drafted without and with the head
@@ -125,7 +126,10 @@ class HybridDrafter:
         return self.head.prefill(slot, ctx)
 
     def observe(self, slot: int, verified: int, accepted: int) -> None:
-        self.history[int(self.source[slot])].observe(verified, accepted)
+        if self.source[slot] == LOOKUP:
+            self.lookup.observe(slot, verified, accepted)  # into its match length's history
+        else:
+            self.head_history.observe(verified, accepted)
         self._last.append((verified, accepted))
 
     def head_rate(self, n: int, active: int) -> float:
@@ -176,19 +180,19 @@ class HybridDrafter:
         return found, a_lookup, head
 
     def _look(self, slots: list[SlotView | None]) -> tuple[Proposal, np.ndarray]:
-        """Every slot's lookup and its survivals [n, steps] on the lookups' acceptance history."""
+        """Every slot's lookup and its survivals [n, steps], each on the history of its match length."""
         found = self.lookup.propose(slots)
         if not found.counts.any():
             return self._nothing(len(slots))
-        a = np.broadcast_to(self.history[LOOKUP].survival().astype(np.float32), (len(slots), self.steps))
-        return found, steps.survive(a, found.counts)
+        return found, steps.survive(found.survival, found.counts)
 
     def _lookups_may_pay(self, n: int, active: int) -> bool:
-        """Whether a lookup could be admitted this round: Algorithm 1's first pair (survival at most the history's
-        first position, whatever is found) improves a decoding step's rate, as `schedulers.admission` decides it."""
+        """Whether a lookup could be admitted this round: Algorithm 1's first pair (survival at most the best first
+        position of any match length, whatever is found) improves a decoding step's rate, as
+        `schedulers.admission` decides it."""
         if not active:
             return False
-        v = np.float64(np.float32(self.history[LOOKUP].survival()[0]))
+        v = np.float64(np.float32(max(h.survival()[0] for h in self.lookup.histories[1:])))
         curve = verify_curve(self.costs, n, n * (self.steps + 1))
         return bool(v > 0) and first_pair(v, np.float64(active), 0.0, curve)[1]
 
@@ -226,7 +230,7 @@ class HybridDrafter:
                 ctx = self.head.prefill(i, ctx)  # writes all but the last row
             caught.append(_Caught(s, ctx))
         p = self.head.propose(caught)
-        a_head = prefix_survival(p, self.temperatures, self.history[HEAD], self.steps)
+        a_head = prefix_survival(p, self.temperatures, self.head_history, self.steps)
         use = pick(a_lookup, a_head, found.counts)
         self.source[:len(slots)] = np.where(use, LOOKUP, HEAD)
         out = p.tokens.copy()

@@ -282,6 +282,35 @@ def test_a_head_alone_is_gated_under_the_cost_aware_schedulers(tiny_arts, schedu
         assert isinstance(engine.drafter, GraphDrafter)
 
 
+def test_a_hybrid_s_lookups_survive_by_match_length(tiny_arts):
+    """A hybrid's lookup drafts survive as its lookups of the same match length have been accepted (not one curve
+    for all): a lookup round's outcome feeds that length's history only, a head round's the head's."""
+    art = tiny_arts("llama")
+    manifest = io.load_manifest(art)
+    costs = _Costs()
+    costs.draft = 1e9  # the head cannot pay: lookups on every round but its explorations
+    hybrid = HybridDrafter(GraphDrafter(art, manifest, "dspark", threads=1), costs)
+    hybrid.allocate(2)
+    feats = np.zeros((1, max(h.feature_offset + h.feature_dim for h in manifest.heads.values())), np.float32)
+    views = [_View(Context(0, feats, np.asarray([3])), 3, [1, 2, 3, 9, 5, 1, 2, 3]),  # a 3-token match
+             _View(Context(0, feats, np.asarray([7])), 7, [7, 4, 6, 7])]  # a 1-token one
+    p = hybrid.propose(views)
+    assert not p.head and hybrid.lookup.match.tolist() == [3, 1] and p.counts.tolist() == [4, 3]
+    assert np.allclose(p.survival[0, :3], p.survival[1, :3])  # no outcome yet: both at the prior
+    head_tries = hybrid.head_history.tries.sum()
+    for _ in range(6):
+        hybrid.observe(0, 3, 3)  # the 3-token match's drafts all accepted
+        hybrid.observe(1, 3, 0)  # the 1-token match's first draft refused
+    assert hybrid.head_history.tries.sum() == head_tries  # lookup rounds: not the head's record
+    p = hybrid.propose(views)
+    assert p.survival[0, 0] > 0.8 > 0.3 > p.survival[1, 0]
+    assert p.survival[0, 1] == pytest.approx(p.survival[0, 0] * (2 * 0.8 + 6) / 8)  # LOOKUP_LATER's prior after
+    hybrid.source[:] = HEAD
+    hybrid.observe(0, 3, 1)
+    assert hybrid.head_history.tries.sum() > head_tries
+    assert hybrid.lookup.histories[3].tries[0] == 2 + 6  # unchanged by the head's round
+
+
 @pytest.mark.parametrize("lazy", [False, True])
 def test_lazy_lookups_skip_the_rounds_where_none_could_be_admitted(tiny_arts, lazy):
     """Under a cost-aware scheduler (`lazy`) a slot looks up only on the rounds where a lookup could be admitted
@@ -298,8 +327,9 @@ def test_lazy_lookups_skip_the_rounds_where_none_could_be_admitted(tiny_arts, la
     hybrid.lookup.propose = lambda slots: made.append(1) or propose(slots)
     feats = np.zeros((1, max(h.feature_offset + h.feature_dim for h in manifest.heads.values())), np.float32)
     history = [7, 8, 9, 4, 7, 8]  # "7 8" occurred before: the lookup proposes 9, 4, ...
-    for _ in range(40):  # a lookup was verified 40 times, never accepted: 1 / 42 < 10.5 / 11 - 1 (_Costs)
-        hybrid.history[LOOKUP].observe(1, 0)
+    for _ in range(40):  # lookups of every match length were verified 40 times, never accepted: 1 / 42 < 10.5 / 11 - 1
+        for h in hybrid.lookup.histories:  # (_Costs)
+            h.observe(1, 0)
     heads, drafted = [], []
     for i in range(2 * EXPLORE):
         p = hybrid.propose([_View(Context(i, feats, np.asarray([8])), 8, history)])
@@ -311,8 +341,8 @@ def test_lazy_lookups_skip_the_rounds_where_none_could_be_admitted(tiny_arts, la
         assert all(d == 0 for d, h in zip(drafted, heads) if not h), drafted  # the rest decode
     else:
         assert len(made) == 2 * EXPLORE and all(d > 0 for d, h in zip(drafted, heads) if not h), drafted
-    for _ in range(200):  # lookups that now are accepted: looked up again on every round
-        hybrid.history[LOOKUP].observe(1, 1)
+    for _ in range(200):  # lookups of one match length that now are accepted: looked up again on every round
+        hybrid.lookup.histories[3].observe(1, 1)
     made.clear()
     p = hybrid.propose([_View(Context(2 * EXPLORE, feats, np.asarray([8])), 8, history)])
     assert len(made) == 1 and p.counts[0] > 0

@@ -107,11 +107,11 @@ std::vector<int64_t> lookup(const std::vector<int64_t>& history, size_t max_n, s
     return {};
 }
 
-NGramDrafter::NGramDrafter(int64_t steps, int64_t max_n) : max_n_(max_n) {
+NGramDrafter::NGramDrafter(int64_t steps, int64_t max_n, double later) : max_n_(max_n) {
     if (steps < 1 || max_n < 1)
         throw Error(SPECRT_ERROR_REQUEST, "n-gram drafting needs gamma >= 1 and n >= 1");
     this->steps = steps;
-    histories_.assign(max_n + 1, AcceptanceHistory(steps));
+    histories_.assign(max_n + 1, AcceptanceHistory(steps, later));
 }
 
 // A proposal of n rows without drafts (a gated head not called, lookups that found nothing).
@@ -271,14 +271,14 @@ Proposal GraphDrafter::propose(const Views& views) {
 // -- a head with lookups --------------------------------------------------------------------------------------------
 
 HybridDrafter::HybridDrafter(std::unique_ptr<GraphDrafter> head, CostTable& costs, int64_t max_n, bool lookups)
-    : head_(std::move(head)), costs_(costs), lookup_(head_->steps, max_n),
-      history_{AcceptanceHistory(head_->steps, kLookupLater), AcceptanceHistory(head_->steps)},
+    : head_(std::move(head)), costs_(costs), lookup_(head_->steps, max_n, kLookupLater), head_history_(head_->steps),
       explore_every_(kExplore), lookups_(lookups) {
     steps = head_->steps;
 }
 
 void HybridDrafter::allocate(int64_t slots) {
     head_->allocate(slots);
+    lookup_.allocate(slots);
     backlog_.assign(slots, std::nullopt);
     source_.assign(slots, LOOKUP);
 }
@@ -289,7 +289,10 @@ std::optional<Context> HybridDrafter::prefill(int64_t slot, Context ctx) {
 }
 
 void HybridDrafter::observe(int64_t slot, int64_t verified, int64_t accepted) {
-    history_[source_[slot]].observe(verified, accepted);
+    if (source_[slot] == LOOKUP)
+        lookup_.observe(slot, verified, accepted);  // into its match length's history
+    else
+        head_history_.observe(verified, accepted);
     last_.emplace_back(verified, accepted);
 }
 
@@ -327,7 +330,7 @@ Proposal HybridDrafter::propose(const Views& views) {
     int64_t live = 0;
     for (int64_t i = 0; i < n; ++i) live += active[i] = views.slots[i] != nullptr;
     Proposal found = lookups_ ? lookup_.propose(views) : nothing(n, steps);
-    std::vector<float> a_lookup = broadcast(history_[LOOKUP].survival(), n, steps);
+    std::vector<float> a_lookup = lookups_ ? std::move(found.survival) : std::vector<float>(n * steps, 0.0f);
     survive(a_lookup, steps, found.counts);
     const double without = admission(a_lookup, n, steps, active, 0.0, costs_, false).rate;
     const bool wins = without < head_rate(n, live);
@@ -357,7 +360,7 @@ Proposal HybridDrafter::propose(const Views& views) {
         with.ctx[i] = caught[i] ? &*caught[i] : nullptr;
     }
     Proposal p = head_->propose(with);
-    std::vector<float> a_head = prefix_survival(p, head_->head().temperatures, history_[HEAD], steps);
+    std::vector<float> a_head = prefix_survival(p, head_->head().temperatures, head_history_, steps);
     p.onehot.assign(n, 0);
     std::vector<float> survival(n * steps);
     for (int64_t i = 0; i < n; ++i) {

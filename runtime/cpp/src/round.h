@@ -56,7 +56,8 @@ std::vector<int64_t> lookup(const std::vector<int64_t>& history, size_t max_n, s
 // for lookups of the same match length.
 class NGramDrafter : public Drafter {
 public:
-    NGramDrafter(int64_t steps, int64_t max_n);
+    // `later`: the prior acceptance of the drafts after a lookup's first
+    NGramDrafter(int64_t steps, int64_t max_n, double later = 0.5);
     void allocate(int64_t slots) override { match_.assign(slots, 0); }
     std::optional<Context> prefill(int64_t, Context) override { return std::nullopt; }
     Proposal propose(const Views& views) override;
@@ -108,8 +109,8 @@ private:
 
     std::unique_ptr<GraphDrafter> head_;
     CostTable& costs_;
-    NGramDrafter lookup_;
-    AcceptanceHistory history_[2];
+    NGramDrafter lookup_;  // its drafts survive as lookups of the same match length have been accepted
+    AcceptanceHistory head_history_;
     std::vector<std::optional<Context>> backlog_;
     std::vector<int64_t> source_;
     int64_t rounds_[2] = {0, 0}, since_head_ = 0;
