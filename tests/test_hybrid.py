@@ -346,3 +346,39 @@ def test_lazy_lookups_skip_the_rounds_where_none_could_be_admitted(tiny_arts, la
     made.clear()
     p = hybrid.propose([_View(Context(2 * EXPLORE, feats, np.asarray([8])), 8, history)])
     assert len(made) == 1 and p.counts[0] > 0
+
+
+def test_a_shared_thread_pool_opt_in_gives_the_same_tokens(tiny_arts):
+    """SPECRT_ORT_SHARED_POOL=1 (in a process of its own: ONNX Runtime's global pool is process-wide) puts every
+    session on one pool sized by the first, an engine asking for another thread count included, and the
+    tokens are those of per-session pools."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    art = tiny_arts("llama")
+    prompts = _repetitive(io.load_manifest(art).model.vocab_size, 3, seed=5)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    with Engine(art, method="ar", threads=1) as engine:
+        want = [r.output_ids for r in engine.generate([Request(q, params, id=i) for i, q in enumerate(prompts)])[0]]
+    script = f"""
+import json, sys
+from specrt.runtime.backends import ort as bo
+from specrt.runtime.engine import Engine, Request
+from specrt.runtime.sampling import SamplingParams
+out = {{}}
+for method, threads in (("dspark", 2), ("mtp", 1)):
+    with Engine({str(art)!r}, method=method, scheduler="fixed", threads=threads) as engine:
+        got = engine.generate([Request(q, SamplingParams(max_new_tokens=20, ignore_eos=True), id=i)
+                               for i, q in enumerate({prompts!r})])[0]
+        out[method] = [r.output_ids for r in got]
+out["pool"] = bo._shared_pool
+print(json.dumps(out))
+"""
+    env = {**os.environ, "SPECRT_ORT_SHARED_POOL": "1"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["pool"] == 2  # sized by the first engine's sessions
+    assert got["dspark"] == want and got["mtp"] == want

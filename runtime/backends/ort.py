@@ -41,14 +41,31 @@ def _ortvalue(buf: np.ndarray, dtype: str) -> "ort.OrtValue":
     return ort.OrtValue.ortvalue_from_numpy(buf)
 
 
+_shared_pool: int | None = None  # the process's shared intra-op pool's size, once created (SPECRT_ORT_SHARED_POOL=1)
+
+
 def session_options(threads: int | None = None, *, spin: bool = True) -> "ort.SessionOptions":
-    """Options for every specrt session; `spin=False` when another session runs in turn with this one
-    (idle spinning threads would steal the cores the other session needs next)."""
+    """Options for every specrt session: each its own intra-op pool; `spin=False` when another session runs in turn
+    with this one (idle spinning threads would steal the cores the other session needs next).
+
+    SPECRT_ORT_SHARED_POOL=1 (opt-in) puts every session of the process on one pool instead, sized by the first
+    (ONNX Runtime's global thread pool, as the C++ runtime always does): a draft call then runs on the threads the
+    target's call left spinning (a DSpark draft call ~0.19 decoding steps instead of 0.22-0.29 here). Not the
+    default: once ONNX Runtime's Python environment has a global pool it refuses every session that asks for its
+    own, so a service that opens its own sessions beside specrt's would break."""
+    global _shared_pool
+    threads = threads or max(1, len(os.sched_getaffinity(0)))
     so = ort.SessionOptions()
-    so.intra_op_num_threads = threads or max(1, len(os.sched_getaffinity(0)))
-    so.inter_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
+    if os.environ.get("SPECRT_ORT_SHARED_POOL") == "1" or _shared_pool is not None:
+        if _shared_pool is None:
+            ort.capi._pybind_state.set_global_thread_pool_sizes(threads, 1)
+            _shared_pool = threads
+        so.use_per_session_threads = False  # the pool's threads, whatever this session asked for
+        return so
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
     if not spin:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return so
