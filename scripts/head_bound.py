@@ -80,7 +80,8 @@ def main() -> int:
               "tau_fixed": round(sum(a + 1 for a in accepted) / len(accepted), 3),
               "first_acceptance": round(sum(a >= 1 for a in accepted) / len(accepted), 3),
               "verify_steps": {t: round(v, 3) for t, v in verify.items()}, "draft_steps": round(draft, 3),
-              "profiled_draft": speeds(accepted, gamma, verify, draft), "free_draft": speeds(accepted, gamma, verify, 0.0)}
+              "profiled_draft": speeds(accepted, gamma, verify, draft),
+              "free_draft": speeds(accepted, gamma, verify, 0.0)}
     if args.json:
         print(json.dumps(report))
         return 0

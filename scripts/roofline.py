@@ -10,7 +10,8 @@ tile so; gguf_kernels.h), and does M rows of integer dot products over them. So 
                    larger than the caches, --threads threads, best of 7), and
     kernel floor   the sum over the graph's MatMulGGUF nodes of one node's time at M rows, each distinct shape timed
                    alone and called again and again so that its weights stay in the cache as far as they fit (all
-                   but the LM head's fit in L2 or L3), less an empty call's time (the lowest of 3 medians of --calls calls each),
+                   but the LM head's fit in L2 or L3), less an empty call's time (the lowest of 3 medians of
+                   --calls calls each),
 
 and the larger of the two is the bound. The target's attention, norms and other nodes come on top. Beside them:
 the call as `specrt profile` times it, in the same run (the decoding step at batch 1 and the verify of M
@@ -37,6 +38,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 from specrt.blocks import BLOCK, BLOCK_BYTES
 from specrt.runtime.backends.ort import ops_library
+
 
 def read_bandwidth(threads: int, mib: int = 512) -> float:
     """Bytes per second that `threads` threads read from memory (the best of 7 passes over `mib` MiB)."""
@@ -156,8 +158,8 @@ def main() -> int:
         print(f"  {c:3d} x {f} {n}x{k}  us per node, weights cached: {cells}")
     print(f"{'M':>3s} {'memory floor':>13s} {'kernel floor':>13s} {'bound':>8s} {'profiled':>9s} "
           f"{'bound/step':>11s} {'profiled/step':>14s}")
+    fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
     for r in table:
-        fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
         print(f"{r['M']:3d} {r['memory_floor_ms']:10.2f} ms {r['kernel_floor_ms']:10.2f} ms {r['bound_ms']:5.2f} ms "
               f"{fmt(r['profiled_ms'], '6.2f'):>6s} ms {fmt(r['bound_steps'], '11.2f'):>11s} "
               f"{fmt(r['profiled_steps'], '14.2f'):>14s}")
