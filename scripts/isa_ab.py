@@ -8,7 +8,8 @@ session makes them: "best" leaves them the best this CPU runs, see gguf_kernels.
 each number of tokens (1: the decoding step; more: a packed verify) on every session in turn, the order reversed
 every repetition, 5 calls a turn. Neither session's threads spin after a call (each would take the cores the other
 needs next), so absolute times are above an engine's; the ratios are what the instruction set changes. Prints each
-session's median call and its cost in its own decoding steps, then each set's paired median ratio to the first.
+session's median calls, each as a multiple of its call over the first --tokens count (a decoding step by default),
+then each set's paired median ratio to the first set's.
 Run it on a quiet machine.
 """
 from __future__ import annotations
@@ -76,7 +77,7 @@ def main() -> int:
     for isa in isas:
         m = ms[isa]
         print(f"{isa:10s} " + "  ".join(f"{p} tok {m[p]:6.2f} ms" for p in tokens)
-              + "   in decoding steps: " + " ".join(f"{m[p] / m[tokens[0]]:.2f}" for p in tokens))
+              + f"   in calls of {tokens[0]} token: " + " ".join(f"{m[p] / m[tokens[0]]:.2f}" for p in tokens))
     for isa, r in ratio.items():
         print(f"{isa} / {isas[0]} (paired medians): " + "  ".join(f"{p} tok {r[p]:.3f}" for p in tokens))
     return 0
