@@ -94,10 +94,10 @@ void rows_vnni(Format f, const uint8_t* w, const int8_t* q, const float* d, cons
                int64_t blocks, int64_t n0, int64_t n1, int64_t n_total, float* y);
 void quantize_avx2(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, int32_t* s);
 void quantize_vnni(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, int32_t* s);
-void packed_avx2(const Packed& w, const int8_t* q, const float* d, const float* ds, int64_t m, int64_t g0,
-                 int64_t g1, int64_t n_total, float* y);
-void packed_vnni(const Packed& w, const int8_t* q, const float* d, const float* ds, int64_t m, int64_t g0,
-                 int64_t g1, int64_t n_total, float* y);
+void packed_avx2(const Packed& w, const int8_t* q, const float* d, const int32_t* s, const float* ds, int64_t m,
+                 int64_t g0, int64_t g1, int64_t n_total, float* y);
+void packed_vnni(const Packed& w, const int8_t* q, const float* d, const int32_t* s, const float* ds, int64_t m,
+                 int64_t g0, int64_t g1, int64_t n_total, float* y);
 void attention_avx2(const AttentionShape& s, const float* q, const void* k, const void* v, const float* bias,
                     const AttentionTask& task, float* scratch, float* out);
 void attention_avx512(const AttentionShape& s, const float* q, const void* k, const void* v, const float* bias,
@@ -297,8 +297,8 @@ void dequantize_row(Format f, const uint8_t* row, int64_t blocks, float* out) {
 }
 
 void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, int64_t g1, int64_t n_total, float* y) {
-    if (isa == Isa::Avx512Vnni) packed_vnni(w, a.q.data(), a.d.data(), a.ds.data(), a.m, g0, g1, n_total, y);
-    else packed_avx2(w, a.q.data(), a.d.data(), a.ds.data(), a.m, g0, g1, n_total, y);
+    if (isa == Isa::Avx512Vnni) packed_vnni(w, a.q.data(), a.d.data(), a.s.data(), a.ds.data(), a.m, g0, g1, n_total, y);
+    else packed_avx2(w, a.q.data(), a.d.data(), a.s.data(), a.ds.data(), a.m, g0, g1, n_total, y);
 }
 
 std::vector<AttentionTask> attention_plan(const AttentionShape& s, const uint8_t* computed) {
