@@ -131,6 +131,28 @@ def test_matmul_gguf_every_row_count_and_odd_shapes(ops_lib, fmt, isa):
                 _check(y, a, raw, deq, fmt, f"{fmt} {isa} K={k} N={n} M={m} W {how}")
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_matmul_gguf_q8_0_codes_over_the_whole_int8_range(ops_lib, isa):
+    """Q8_0 codes a file may hold but gguf's quantizer never writes (-128) and extreme activations: the VNNI kernel
+    multiplies w + 128 and subtracts 128 times the activations' code sum, which must give w x exactly."""
+    if not _supported(ops_lib, isa):
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    rng = np.random.default_rng(11)
+    n, k = 37, 192
+    codes = rng.integers(-128, 128, size=(n, k // 32, 32), dtype=np.int8)
+    codes[0] = -128  # a row of the code no quantizer writes
+    codes[1] = 127
+    scales = rng.uniform(0.001, 0.01, size=(n, k // 32, 1)).astype(np.float16)
+    raw = np.concatenate([scales.view(np.uint8), codes.view(np.uint8)], axis=-1).reshape(n, -1)
+    deq = (codes.astype(np.float32) * scales.astype(np.float32)).reshape(n, k)
+    fed, packed = _session(ops_lib, "Q8_0", k, n, isa), _session(ops_lib, "Q8_0", k, n, isa, constant=raw)
+    for m in (1, 3, 8, 11):
+        a = rng.normal(size=(m, k)).astype(np.float32)
+        a[0] = np.where(np.arange(k) % 2, 4.0, -4.0)  # every code at +-127
+        for how, y in (("fed", fed.run(None, {"A": a, "W": raw})[0]), ("initializer", packed.run(None, {"A": a})[0])):
+            _check(y, a, raw, deq, "Q8_0", f"Q8_0 {isa} M={m} W {how}")
+
+
 def test_matmul_gguf_paths_agree_and_take_leading_axes(ops_lib):
     """Every path the CPU runs gives the same products (to float rounding); a [2, 3, K] input is 6 rows."""
     rng = np.random.default_rng(3)
