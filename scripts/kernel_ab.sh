@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Two builds of specrt's GGUF matrix kernels paired in one process: a git revision's runtime/cpp/ops (default HEAD)
+# against the working tree's, on SmolLM2's weight shapes at M = 1, 2, 4, 8, 16 activation rows, one thread, the best
+# instruction set this CPU runs ($SPECRT_OPS_ISA=avx2 or scalar asks for a lower one, in both builds).
+#
+#     scripts/kernel_ab.sh [REV] [PAIRS]
+#
+# Per shape and M: the median over PAIRS (default 21) runs of this tree's time / the base's, each run timing both
+# in turn (a machine whose speed drifts moves both), this tree's GMAC/s, and "same" when both builds' outputs are
+# the same bits ("DIFF": the change alters results, which a pure speed change must not). Compiled with the flags
+# runtime/cpp/CMakeLists.txt gives libspecrt_ops; needs g++ and a CPU with AVX2. Run it on a quiet machine.
+set -euo pipefail
+rev=${1:-HEAD}
+pairs=${2:-21}
+root=$(cd "$(dirname "$0")/.." && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/base"
+git -C "$root" archive "$rev" runtime/cpp/ops | tar -x -C "$work/base" --strip-components=3
+flags=(-O3 -std=c++17 -ffp-contract=off)
+avx2=(-mavx2 -mfma -mf16c)
+avx512=(-mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512vnni)
+build() {  # build TREE PREFIX [DEFINES...]: the kernels' three translation units
+    local tree=$1 prefix=$2
+    shift 2
+    g++ "${flags[@]}" "$@" -I"$tree" -c "$tree/gguf_kernels.cpp" -o "$work/$prefix-kernels.o"
+    g++ "${flags[@]}" "${avx2[@]}" "$@" -I"$tree" -c "$tree/gguf_avx2.cpp" -o "$work/$prefix-avx2.o"
+    g++ "${flags[@]}" "${avx512[@]}" "$@" -I"$tree" -c "$tree/gguf_avx512.cpp" -o "$work/$prefix-avx512.o"
+}
+build "$work/base" base -Dspecrt=specrt_base
+build "$root/runtime/cpp/ops" ours
+g++ "${flags[@]}" -I"$root/runtime/cpp/ops" -I"$work" "$root/runtime/cpp/tools/kernel_ab.cpp" "$work"/*.o \
+    -o "$work/kernel_ab"
+echo "base: $rev ($(git -C "$root" rev-parse --short "$rev")); this tree: $root"
+"$work/kernel_ab" "$pairs"
