@@ -297,8 +297,8 @@ void dequantize_row(Format f, const uint8_t* row, int64_t blocks, float* out) {
 }
 
 void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, int64_t g1, int64_t n_total, float* y) {
-    if (isa == Isa::Avx512Vnni) packed_vnni(w, a.q.data(), a.d.data(), a.s.data(), a.ds.data(), a.m, g0, g1, n_total, y);
-    else packed_avx2(w, a.q.data(), a.d.data(), a.s.data(), a.ds.data(), a.m, g0, g1, n_total, y);
+    auto kernel = isa == Isa::Avx512Vnni ? packed_vnni : packed_avx2;
+    kernel(w, a.q.data(), a.d.data(), a.s.data(), a.ds.data(), a.m, g0, g1, n_total, y);
 }
 
 std::vector<AttentionTask> attention_plan(const AttentionShape& s, const uint8_t* computed) {
