@@ -9,6 +9,11 @@ import torch
 
 TINY_FAMILIES = ("llama", "qwen2", "qwen3", "llama3_scaled", "mistral", "llama_bias")
 
+# A pool per ONNX Runtime session in the test process and the processes it starts: tests open sessions of their own,
+# which ONNX Runtime refuses once a process has the global pool the `specrt` command defaults to (the command run
+# in-process by CliRunner would give it one). The default is tested in processes of its own (test_hybrid.py).
+os.environ["SPECRT_ORT_SHARED_POOL"] = "0"
+
 
 def build_tiny_hf_model(out_dir: Path, kind: str, *, tie: bool | None = None, seed: int = 0,
                         vocab_size: int = 256, num_layers: int = 2) -> Path:

@@ -382,3 +382,36 @@ print(json.dumps(out))
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["pool"] == 2  # sized by the first engine's sessions
     assert got["dspark"] == want and got["mtp"] == want
+
+
+def test_the_command_line_puts_its_sessions_on_one_pool_unless_told_not_to(tiny_arts):
+    """`specrt` owns its process, so its sessions share one pool by default (own_process_defaults); with
+    SPECRT_ORT_SHARED_POOL=0 each keeps its own. Both give the tokens of `ar`."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    art = tiny_arts("llama")
+    prompt = _repetitive(io.load_manifest(art).model.vocab_size, 1, seed=7)[0]
+    with Engine(art, method="ar", threads=1) as engine:
+        want = engine.generate([Request(prompt, SamplingParams(max_new_tokens=16, ignore_eos=True))])[0][0].output_ids
+    script = f"""
+import contextlib, io, json
+from specrt.cli import main
+from specrt.runtime.backends import ort as bo
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    main(["run", {str(art)!r}, "--input-ids", {",".join(map(str, prompt))!r}, "--method", "dspark", "--scheduler",
+          "fixed", "--max-new-tokens", "16", "--ignore-eos", "--threads", "2", "--json"], standalone_mode=False)
+print(json.dumps({{"ids": json.loads(out.getvalue())["requests"][0]["output_ids"], "pool": bo._shared_pool}}))
+"""
+    for setting, pool in ((None, 2), ("0", None)):
+        env = {k: v for k, v in os.environ.items() if k != "SPECRT_ORT_SHARED_POOL"}
+        if setting is not None:
+            env["SPECRT_ORT_SHARED_POOL"] = setting
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        assert got["pool"] == pool, setting
+        assert got["ids"] == want, setting

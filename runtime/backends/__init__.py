@@ -1,6 +1,7 @@
 """Backends: each serves a graph family of an artifact behind `base.Runner` (allocate / inputs / run)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from specrt import artifact as io
@@ -8,7 +9,15 @@ from specrt.errors import SpecrtError
 from specrt.runtime.backends.base import Runner, bucket_of, infer
 from specrt.runtime.config import BACKENDS  # the registry; load_runner implements each name
 
-__all__ = ["BACKENDS", "Runner", "bucket_of", "infer", "load_runner"]
+__all__ = ["BACKENDS", "SHARED_POOL_ENV", "Runner", "bucket_of", "infer", "load_runner", "own_process_defaults"]
+
+SHARED_POOL_ENV = "SPECRT_ORT_SHARED_POOL"  # "1": every ONNX Runtime session of the process on one pool (ort.py)
+
+
+def own_process_defaults() -> None:
+    """Where specrt owns the process (its command line, the Triton model): one ONNX Runtime thread pool for every
+    session, unless $SPECRT_ORT_SHARED_POOL is set (ort.session_options says why, and why not elsewhere)."""
+    os.environ.setdefault(SHARED_POOL_ENV, "1")
 
 
 def load_runner(backend: str, art_dir: str | Path, manifest: io.Manifest, family: str, *,

@@ -21,6 +21,7 @@ import onnx
 from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.ops_library import ops_library, uses_kernels
+from specrt.runtime.backends import SHARED_POOL_ENV
 
 try:
     import onnxruntime as ort
@@ -45,20 +46,26 @@ _shared_pool: int | None = None  # the process's shared intra-op pool's size, on
 
 
 def session_options(threads: int | None = None, *, spin: bool = True) -> "ort.SessionOptions":
-    """Options for every specrt session: each its own intra-op pool; `spin=False` when another session runs in turn
-    with this one (idle spinning threads would steal the cores the other session needs next).
+    """Options for every specrt session: each its own intra-op pool, `spin=False` when another session runs in turn
+    with this one (idle spinning threads would steal the cores the other session needs next); or, with
+    $SPECRT_ORT_SHARED_POOL=1, every session of the process on one pool sized by the first (ONNX Runtime's global
+    thread pool, as the C++ runtime always does).
 
-    SPECRT_ORT_SHARED_POOL=1 (opt-in) puts every session of the process on one pool instead, sized by the first
-    (ONNX Runtime's global thread pool, as the C++ runtime always does): a draft call then runs on the threads the
-    target's call left spinning (a DSpark draft call ~0.19 decoding steps instead of 0.22-0.29 here). Not the
-    default: once ONNX Runtime's Python environment has a global pool it refuses every session that asks for its
-    own, so a service that opens its own sessions beside specrt's would break."""
+    The shared pool is the default where specrt owns the process: the `specrt` command (every subcommand, `serve`
+    and the engines `bench` starts included) and the Triton model set the variable to 1 unless it is set
+    (`specrt.runtime.backends.own_process_defaults`). There a draft call runs on the threads the target's call just used, and the target's
+    next call finds them awake: with a pool per session the same DSpark round (fixed, 2 drafts, code prompts) spent
+    6.0 ms in its verify of 3 tokens and 1.4 ms in its draft call, against 4.6 and 0.9 ms on one pool
+    (docs/benchmarks.md). A library caller opts in with the variable: once ONNX Runtime's Python environment has a
+    global pool it refuses, process-wide, every session that asks for threads of its own, so a service that opens its
+    own ONNX Runtime sessions beside specrt's would break; $SPECRT_ORT_SHARED_POOL=0 keeps a pool per session in
+    specrt's own processes too."""
     global _shared_pool
     threads = threads or max(1, len(os.sched_getaffinity(0)))
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3
-    if os.environ.get("SPECRT_ORT_SHARED_POOL") == "1" or _shared_pool is not None:
+    if os.environ.get(SHARED_POOL_ENV) == "1" or _shared_pool is not None:
         if _shared_pool is None:
             ort.capi._pybind_state.set_global_thread_pool_sizes(threads, 1)
             _shared_pool = threads

@@ -48,6 +48,7 @@ import numpy as np  # noqa: E402  (after the environment is in place)
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from specrt.errors import SpecrtError
+from specrt.runtime.backends import own_process_defaults
 from specrt.tools.profile import open_engine
 from specrt.runtime.prompts import encode_prompt
 from specrt.serve.loop import EngineLoop, Event
@@ -83,6 +84,7 @@ class TritonPythonModel:
             torch.cuda.set_device(int(args.get("model_instance_device_id") or 0))
         self.max_tokens = s["max_tokens"]
         self.metrics = _Metrics(args.get("model_name", "specrt"), args.get("model_instance_name", ""))
+        own_process_defaults()  # Triton's Python backend gives each model instance a process of its own
         self.engine = open_engine(art, s["engine"])
         self.loop = EngineLoop(self.engine)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
