@@ -53,13 +53,13 @@ def session_options(threads: int | None = None, *, spin: bool = True) -> "ort.Se
 
     The shared pool is the default where specrt owns the process: the `specrt` command (every subcommand, `serve`
     and the engines `bench` starts included) and the Triton model set the variable to 1 unless it is set
-    (`specrt.runtime.backends.own_process_defaults`). There a draft call runs on the threads the target's call just used, and the target's
-    next call finds them awake: with a pool per session the same DSpark round (fixed, 2 drafts, code prompts) spent
-    6.0 ms in its verify of 3 tokens and 1.4 ms in its draft call, against 4.6 and 0.9 ms on one pool
-    (docs/benchmarks.md). A library caller opts in with the variable: once ONNX Runtime's Python environment has a
-    global pool it refuses, process-wide, every session that asks for threads of its own, so a service that opens its
-    own ONNX Runtime sessions beside specrt's would break; $SPECRT_ORT_SHARED_POOL=0 keeps a pool per session in
-    specrt's own processes too."""
+    (`specrt.runtime.backends.own_process_defaults`). There a draft call runs on the threads the target's call just
+    used, and the target's next call finds them awake: with a pool per session the same DSpark round (fixed, 2
+    drafts, code prompts) spent 6.0 ms in its verify of 3 tokens and 1.4 ms in its draft call, against 4.6 and 0.9 ms
+    on one pool (docs/benchmarks.md). A library caller opts in with the variable: once ONNX Runtime's Python
+    environment has a global pool it refuses, process-wide, every session that asks for threads of its own, so a
+    service that opens its own ONNX Runtime sessions beside specrt's would break; $SPECRT_ORT_SHARED_POOL=0 keeps a
+    pool per session in specrt's own processes too."""
     global _shared_pool
     threads = threads or max(1, len(os.sched_getaffinity(0)))
     so = ort.SessionOptions()
