@@ -41,6 +41,39 @@ def test_measure_covers_every_bucket(art):
     assert s["verify_steps"][1] == 1.0 and s["draft_steps"]["dspark"] > 0
 
 
+def test_draft_calls_are_timed_after_a_target_step(art, monkeypatch):
+    """As in a round, a draft call follows the target's (whose weights have just evicted the head's from the caches):
+    timed back to back the head measured ~30% cheaper than an engine sees it. Every draft call after the warm-up is
+    preceded by a decoding step of the same batch."""
+    import specrt.tools.profile as tools_profile
+
+    calls = []  # (graph, bucket) in call order
+    real = tools_profile.load_runner
+
+    def recording(backend, art_dir, manifest, name, **kw):
+        r = real(backend, art_dir, manifest, name, **kw)
+        run = r.run
+
+        def logged(slot, bucket, **k):
+            calls.append((name, dict(bucket)))
+            return run(slot, bucket, **k)
+
+        r.run = logged
+        return r
+
+    monkeypatch.setattr(tools_profile, "load_runner", recording)
+    measure(art, threads=1, position=20, repeats=2, calls=2, progress=False)
+    warm_up = 3 + 3 + 2 * 2  # every configuration once: verify budgets of batch 1 and 2, drafts of 1 and 2 rows
+    assert [name for name, _ in calls[:warm_up]].count("dspark") == 4
+    timed = calls[warm_up:]
+    drafts = [i for i, (name, _) in enumerate(timed) if name == "dspark"]
+    assert len(drafts) == 2 * 2 * 2 * 2  # repeats x calls x batches x rows
+    for i in drafts:
+        name, bucket = timed[i - 1]
+        assert i > 0 and name == "target" and bucket["T"] == 1 and bucket["B"] == timed[i][1]["B"]
+    assert len(timed) == 2 * 2 * (6 + 4 * 2)  # the verify calls, and each draft call with its step
+
+
 def test_measure_on_the_torch_backend_in_another_precision(art):
     """The GPU check measures its table this way (device="cuda" there); ONNX Runtime takes no device or dtype."""
     p = measure(art, backend="torch", device="cpu", dtype="bfloat16", threads=1, position=20, repeats=1, calls=1,
