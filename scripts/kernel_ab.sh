@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Two builds of specrt's GGUF matrix kernels paired in one process: a git revision's runtime/cpp/ops (default HEAD)
-# against the working tree's, on SmolLM2's weight shapes at M = 1, 2, 4, 8, 16 activation rows, one thread, the best
+# Two builds of specrt's kernels paired in one process: a git revision's runtime/cpp/ops (default HEAD) against the
+# working tree's, on SmolLM2's weight shapes at M = 1, 2, 4, 8, 16 activation rows, then its attention (T = 1, 2, 3, 4,
+# 8 query tokens over L = 136, 320, 900 keys, every task of a call as attention_plan cuts it), one thread, the best
 # instruction set this CPU runs ($SPECRT_OPS_ISA=avx2 or scalar asks for a lower one, in both builds).
 #
 #     scripts/kernel_ab.sh [REV] [PAIRS]
 #
 # Per shape and M: the median over PAIRS (default 21) runs of this tree's time / the base's, each run timing both
-# in turn (a machine whose speed drifts moves both), this tree's GMAC/s, and "same" when both builds' outputs are
-# the same bits ("DIFF": the change alters results, which a pure speed change must not). Compiled with the flags
+# in turn (a machine whose speed drifts moves both), this tree's GMAC/s (attention: ns per query head and key), and
+# "same" when both builds' outputs are the same bits ("DIFF": the change alters results, which a pure speed change
+# must not). Compiled with the flags
 # runtime/cpp/CMakeLists.txt gives libspecrt_ops; needs g++ and a CPU with AVX2. Run it on a quiet machine.
 set -euo pipefail
 rev=${1:-HEAD}

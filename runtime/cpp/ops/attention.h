@@ -29,7 +29,8 @@ struct AttentionShape {
 
 // The rows a task computes: query heads [g0, g1) of KV head `kv_head`'s G, tokens [t0, t1), batch row b. Rows of one
 // KV head share each key and value read. Tasks are the G heads of up to kTokensPerTask tokens, or (when that gives
-// fewer than kMinTasks tasks, e.g. one decoded token) single rows: a row's bits are the same in any task.
+// fewer than kMinTasks tasks) of one token, or (still fewer, e.g. one decoded token) pairs of heads of one token: a
+// row's bits are the same in any task.
 struct AttentionTask {
     int64_t b, kv_head, t0, t1, g0, g1;
 };

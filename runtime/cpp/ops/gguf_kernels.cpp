@@ -318,11 +318,16 @@ std::vector<AttentionTask> attention_plan(const AttentionShape& s, const uint8_t
                 t = t1;
             }
     if (static_cast<int64_t>(tasks.size()) >= kMinTasks) return tasks;
-    std::vector<AttentionTask> rows;  // too few for the threads: one task per query row
+    // Too few for the threads: one token per task, then, if still too few, the G heads in pairs. A task's rows share
+    // each key and value read from L2 (a row alone reads all of them: at 1-2 tokens attention was bound by that)
+    std::vector<AttentionTask> split;
     for (const AttentionTask& task : tasks)
-        for (int64_t t = task.t0; t < task.t1; ++t)
-            for (int64_t g = 0; g < G; ++g) rows.push_back({task.b, task.kv_head, t, t + 1, g, g + 1});
-    return rows;
+        for (int64_t t = task.t0; t < task.t1; ++t) split.push_back({task.b, task.kv_head, t, t + 1, 0, G});
+    if (static_cast<int64_t>(split.size()) >= kMinTasks) return split;
+    std::vector<AttentionTask> pairs;
+    for (const AttentionTask& task : split)
+        for (int64_t g = 0; g < G; g += 2) pairs.push_back({task.b, task.kv_head, task.t0, task.t1, g, std::min(G, g + 2)});
+    return pairs;
 }
 
 int64_t attention_scratch(const AttentionShape& s) {  // scores, then the scaled queries (32-byte aligned)
