@@ -326,7 +326,8 @@ std::vector<AttentionTask> attention_plan(const AttentionShape& s, const uint8_t
     if (static_cast<int64_t>(split.size()) >= kMinTasks) return split;
     std::vector<AttentionTask> pairs;
     for (const AttentionTask& task : split)
-        for (int64_t g = 0; g < G; g += 2) pairs.push_back({task.b, task.kv_head, task.t0, task.t1, g, std::min(G, g + 2)});
+        for (int64_t g = 0; g < G; g += 2)
+            pairs.push_back({task.b, task.kv_head, task.t0, task.t1, g, std::min(G, g + 2)});
     return pairs;
 }
 

@@ -26,6 +26,25 @@ double seconds(F f, int calls) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / calls;
 }
 
+struct Paired {
+    double ratio;  // median over the pairs of ours / base
+    double best;   // our fastest call, seconds
+};
+
+// `pairs` runs of `calls` calls each of ours then the base's (a machine whose speed drifts moves both alike)
+template <class Ours, class Base>
+Paired paired(Ours ours, Base base, int pairs, int calls) {
+    std::vector<double> ratio;
+    double best = 1e9;
+    for (int p = 0; p < pairs; ++p) {
+        const double t = seconds(ours, calls), t0 = seconds(base, calls);
+        ratio.push_back(t / t0);
+        best = std::min(best, t);
+    }
+    std::sort(ratio.begin(), ratio.end());
+    return {ratio[ratio.size() / 2], best};
+}
+
 // 32-byte aligned scratch for one task (attention_scratch floats), as the custom op gives each thread
 struct Scratch {
     explicit Scratch(int64_t floats) : buf(floats + 8) {}
@@ -69,16 +88,9 @@ void attention(int pairs, B::Isa isa, A::Isa base_isa) {
             base();
             const bool same = std::memcmp(y.data(), base_y.data(), y.size() * sizeof(float)) == 0;
             const int calls = static_cast<int>(std::max<int64_t>(3, 20000000 / (T * H * keys * D)));
-            std::vector<double> ratio;
-            double best = 1e9;
-            for (int p = 0; p < pairs; ++p) {
-                const double t = seconds(ours, calls), t0 = seconds(base, calls);
-                ratio.push_back(t / t0);
-                best = std::min(best, t);
-            }
-            std::sort(ratio.begin(), ratio.end());
-            std::printf("  T=%ld %.3f %5.2f %s", static_cast<long>(T), ratio[ratio.size() / 2],
-                        best * 1e9 / (T * H * keys), same ? "same" : "DIFF");
+            const Paired r = paired(ours, base, pairs, calls);
+            std::printf("  T=%ld %.3f %5.2f %s", static_cast<long>(T), r.ratio, r.best * 1e9 / (T * H * keys),
+                        same ? "same" : "DIFF");
         }
         std::printf("\n");
     }
@@ -131,16 +143,8 @@ int main(int argc, char** argv) {
             base();
             const bool same = std::memcmp(y.data(), base_y.data(), y.size() * sizeof(float)) == 0;
             const int calls = static_cast<int>(std::max<int64_t>(2, 30000000 / (s.n * s.k * m)));
-            std::vector<double> ratio;
-            double best = 1e9;
-            for (int p = 0; p < pairs; ++p) {
-                const double t = seconds(ours, calls), t0 = seconds(base, calls);
-                ratio.push_back(t / t0);
-                best = std::min(best, t);
-            }
-            std::sort(ratio.begin(), ratio.end());
-            std::printf("  M=%-2d %.3f %4.0f %s", m, ratio[ratio.size() / 2], s.n * s.k * m / best / 1e9,
-                        same ? "same" : "DIFF");
+            const Paired r = paired(ours, base, pairs, calls);
+            std::printf("  M=%-2d %.3f %4.0f %s", m, r.ratio, s.n * s.k * m / r.best / 1e9, same ? "same" : "DIFF");
         }
         std::printf("\n");
     }
