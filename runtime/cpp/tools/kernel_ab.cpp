@@ -68,8 +68,8 @@ void attention(int pairs, B::Isa isa, A::Isa base_isa) {
             const A::AttentionShape sa{1, T, H, Hkv, D, S, keys, T, 0.125f};
             std::vector<float> q(T * H * D), k(Hkv * S * D), v(Hkv * S * D), bias(T * keys), y(T * H * D),
                 base_y(T * H * D);
-            for (float* x : {q.data(), k.data(), v.data()})
-                for (size_t i = 0, n = x == q.data() ? q.size() : k.size(); i < n; ++i) x[i] = normal(rng);
+            for (std::vector<float>* x : {&q, &k, &v})
+                for (float& e : *x) e = normal(rng);
             for (int64_t t = 0; t < T; ++t)
                 for (int64_t l = 0; l < keys; ++l) bias[t * keys + l] = l <= keys - T + t ? 0.0f : -INFINITY;
             const std::vector<B::AttentionTask> tasks = B::attention_plan(s);
