@@ -136,8 +136,9 @@ class GraphDrafter:
             if x is not None:
                 r = rows[i] = len(x.next_tokens)
                 start[i] = x.pos
-                feats[i, :r] = x.features[:, self.offset:self.offset + self.width]
-                nxt[i, :r] = x.next_tokens
+                if r:
+                    feats[i, :r] = x.features[:, self.offset:self.offset + self.width]
+                    nxt[i, :r] = x.next_tokens
         return calls.ContextRows(feats, nxt, start, rows)
 
     def propose(self, slots: list[SlotView | None]) -> Proposal:
@@ -279,4 +280,4 @@ def make_drafter(method: Method, art_dir: Path, manifest: io.Manifest, *, gamma:
     device = backend == "torch"
     return HybridDrafter(head, costs, max_n=ngram, temperatures=manifest.heads[name].temperatures,
                          lookups=method.hybrid, lazy=gated, defer_prefill=not device,
-                         explore_max=EXPLORE if device else EXPLORE_MAX)
+                         explore_max=EXPLORE if device else EXPLORE_MAX, hold=not device)

@@ -80,7 +80,7 @@ class HybridDrafter:
 
     def __init__(self, head: GraphDrafter, costs: Costs | None, *, max_n: int = 3, temperatures=(),
                  lookups: bool = True, lazy: bool = False, defer_prefill: bool = False,
-                 explore_max: int = EXPLORE_MAX) -> None:
+                 explore_max: int = EXPLORE_MAX, hold: bool = True) -> None:
         if costs is None:
             raise SpecrtError(f"--method {head.head.name}+ngram needs a cost profile (run `specrt profile ART`)")
         self.head, self.costs = head, costs
@@ -94,6 +94,8 @@ class HybridDrafter:
         self.defer_prefill = defer_prefill
         # the longest wait between explorations: the device round's backlog buffer holds explore_max + 1 rounds
         self.explore_max = max(explore_max, EXPLORE)
+        # True: an exploration drafts for one slot (`_held`); the device round drafts for all (its backlogs are there)
+        self.hold = hold
         self.steps = head.steps
         # blocks as wide as the head's; its drafts survive as lookups of the same match length have been accepted. A
         # lookup that starts right tends to go on (it copies a span): optimistic about untried later positions
@@ -102,6 +104,7 @@ class HybridDrafter:
         self.head_history = AcceptanceHistory(self.steps)
         self.backlog: list[list[Context]] = []  # per slot: the rows of rounds without the head, in order
         self.source = np.zeros(0, np.int64)  # per slot: who drafted its row of the last proposal
+        self.held = np.zeros(0, bool)  # per slot: left out of the last proposal's head call (an exploration's)
         self.rounds = {LOOKUP: 0, HEAD: 0}  # rounds drafted without and with the head
         # the head rounds' active slot rounds and their tokens committed and verified (decayed sums, per head round)
         self.slot_rounds = self.committed = self.verified = 0.0
@@ -117,6 +120,7 @@ class HybridDrafter:
         self.lookup.allocate(slots)
         self.backlog = [[] for _ in range(slots)]
         self.source = np.zeros(slots, np.int64)
+        self.held = np.zeros(slots, bool)
 
     def prefill(self, slot: int, ctx: Context) -> Context | None:
         if self.defer_prefill:
@@ -130,7 +134,8 @@ class HybridDrafter:
             self.lookup.observe(slot, verified, accepted)  # into its match length's history
         else:
             self.head_history.observe(verified, accepted)
-        self._last.append((verified, accepted))
+        if not self.held[slot]:  # a slot the head did not draft for is not one of its rounds
+            self._last.append((verified, accepted))
 
     def head_rate(self, n: int, active: int) -> float:
         """Committed tokens per ms a head round for n slots, `active` of them with a request, promises: the tokens a
@@ -158,6 +163,7 @@ class HybridDrafter:
         """This round's lookups, their survivals [n, steps], and whether the head is called (counted as chosen)."""
         self._fold()
         n = len(slots)
+        self.held[:n] = False
         active = sum(s is not None for s in slots)
         looked = self.lookups and (not self.lazy or self._lookups_may_pay(n, active))
         found, a_lookup = self._look(slots) if looked else self._nothing(n)
@@ -178,6 +184,18 @@ class HybridDrafter:
         if head and self.lookups and not looked:  # the head's slots may still prefer their lookups (`pick`)
             found, a_lookup = self._look(slots)
         return found, a_lookup, head
+
+    def _held(self, slots: list[SlotView | None]) -> np.ndarray:
+        """[n] bool: the slots an exploration leaves out, all active slots but the one with the fewest pending rows.
+        An exploration measures what a slot's head round commits and verifies, which one slot does; each slot it
+        drafts for first writes that slot's backlog (every row since the head's last call, through its prefill
+        bucket), which under load is most of the exploration's cost."""
+        pending = [sum(len(c.next_tokens) for c in self.backlog[i]) + (len(s.ctx.next_tokens) if s.ctx else 0)
+                   if s is not None else -1 for i, s in enumerate(slots)]
+        held = np.array([p > 0 for p in pending])  # a slot with no pending row costs no catch-up: drafted for
+        if held.any() and not (np.array(pending) == 0).any():
+            held[int(np.argmin(np.where(held, pending, np.iinfo(np.int64).max)))] = False
+        return held
 
     def _look(self, slots: list[SlotView | None]) -> tuple[Proposal, np.ndarray]:
         """Every slot's lookup and its survivals [n, steps], each on the history of its match length."""
@@ -217,11 +235,18 @@ class HybridDrafter:
         return Proposal(tokens=found.tokens, counts=found.counts, probs=None, survival=a_lookup)
 
     def _with_head(self, slots: list[SlotView | None], found: Proposal, a_lookup: np.ndarray) -> Proposal:
+        held = self._held(slots) if self._explored and self.hold else np.zeros(len(slots), bool)
+        self.held[:len(slots)] = held
         caught: list[SlotView | None] = []
         catch_up = False  # some slot's backlog is written first
         for i, s in enumerate(slots):
             if s is None:
                 caught.append(None)
+                continue
+            if held[i]:  # its rows wait in the backlog; the call writes nothing it will read (`_Held`)
+                if s.ctx is not None:
+                    self.backlog[i].append(s.ctx)
+                caught.append(_Held(s, self.backlog[i][0].pos))
                 continue
             catch_up = catch_up or bool(self.backlog[i])
             ctx = merge(self.backlog[i] + ([s.ctx] if s.ctx is not None else []))
@@ -231,7 +256,7 @@ class HybridDrafter:
             caught.append(_Caught(s, ctx))
         p = self.head.propose(caught)
         a_head = prefix_survival(p, self.temperatures, self.head_history, self.steps)
-        use = pick(a_lookup, a_head, found.counts)
+        use = pick(a_lookup, a_head, found.counts) | held  # a held slot keeps its lookup, or drafts nothing
         self.source[:len(slots)] = np.where(use, LOOKUP, HEAD)
         out = p.tokens.copy()
         out[use] = found.tokens[use]
@@ -239,6 +264,25 @@ class HybridDrafter:
                         confidence_logits=p.confidence_logits, vocab_ids=p.vocab_ids,
                         survival=np.where(use[:, None], a_lookup, a_head).astype(np.float32), head=p.head,
                         onehot=use, catch_up=catch_up)
+
+
+@dataclass
+class _Held:
+    """A slot an exploration leaves out, as the head's call sees it: no context rows, its cache written from `pos`
+    (its first pending row's position, past everything the head attends to for it) and rewritten when its backlog
+    is; drafted greedily (its rng untouched), the drafts discarded."""
+
+    view: SlotView
+    pos: int
+    temperature = 0.0
+
+    @property
+    def ctx(self) -> Context:
+        return Context(self.pos, np.zeros((0, 0), np.float32), np.zeros(0, np.int64))
+
+    @property
+    def pending(self) -> int:
+        return self.view.pending
 
 
 def pick(a_lookup: Array, a_head: Array, lookup_counts: Array) -> Array:

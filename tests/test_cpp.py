@@ -245,6 +245,14 @@ def test_a_head_alone_is_gated_under_sps(specrt_cpp, head_arts, tmp_path):
         assert fixed["outputs"] == sps["outputs"] == want, method
         assert fixed["head_calls"] == fixed["rounds"] > 0, method
         assert 1 <= sps["head_calls"] <= 2 < sps["rounds"], (method, sps["head_calls"], sps["rounds"])
+    # three requests in flight: an exploration drafts for the slot with the fewest pending rows, the other two keep
+    # their rows for the head's next call (runtime/hybrid.py `_held`); the tokens stay plain decoding's
+    prompts = [prompt[:n] for n in (len(prompt), 5, len(prompt) // 2)]
+    want, _, _ = _python_run(art, prompts, 80, method="ar")
+    for method in ("dspark", "mtp"):
+        sps = _outputs(_cpp(specrt_cpp, art, prompts, 80, "--ignore-eos", "--method", method, "--scheduler", "sps",
+                            "--slots", "3"))
+        assert sps["outputs"] == want and sps["head_calls"] >= 1, (method, sps["head_calls"])
 
 
 def _exact_triples(model_dir: Path, prompt: list[int], params: SamplingParams) -> dict[tuple[int, int, int], float]:

@@ -197,6 +197,8 @@ def test_every_scheduler_and_hybrid_on_the_device(art, method, scheduler, monkey
         monkeypatch.setattr(CostTable, name, lambda *a, **k: None)
     # a gated head's explorations wait at most as long on the host as the device's backlog buffer allows
     monkeypatch.setattr(hybrid, "EXPLORE_MAX", hybrid.EXPLORE)
+    # and draft for every slot, as the device's do (on the host an exploration drafts for one slot: `_held`)
+    monkeypatch.setattr(hybrid.HybridDrafter, "_held", lambda self, slots: np.zeros(len(slots), bool))
     requests = [replace(r, params=replace(r.params, max_new_tokens=40)) for r in _requests(256, 6, seed=5)]
     ref, _ = _generate(art, requests, method="ar", backend="ort")
     records, host_records = Records(), Records()

@@ -257,6 +257,61 @@ def test_head_is_explored_when_its_estimate_says_skip(tiny_arts):
     assert waits.tolist() == [EXPLORE, 2 * EXPLORE, 4 * EXPLORE, 4 * EXPLORE, 4 * EXPLORE], waits
 
 
+
+@pytest.mark.parametrize("head", ["dspark", "mtp"])
+@pytest.mark.parametrize("defer", [False, True])  # the prompts in the head's cache already, or in the backlogs
+def test_an_exploration_drafts_for_the_slot_with_the_fewest_pending_rows(tiny_arts, head, defer):
+    """Under load an exploration calls the head for one slot, the one whose backlog is shortest: the others keep
+    theirs (the call writes nothing they will read) and their lookups, and count in none of the head's rounds. The
+    next head round writes every backlog first and drafts what a head that saw every round drafts."""
+    art = tiny_arts("llama")
+    manifest = io.load_manifest(art)
+    rng = np.random.default_rng(3)
+    F = max(h.feature_offset + h.feature_dim for h in manifest.heads.values())
+    sizes = [14, 5, 21]  # prompt rows per slot: slot 1 has the fewest pending rows (the prompt's, if deferred)
+    prompts = [Context(0, rng.normal(0, 1, (r, F)).astype(np.float32), rng.integers(3, 256, r)) for r in sizes]
+    widths = [2, 1, 2]  # verified rows a round per slot (slot 1: the fewest either way)
+    rounds = [[Context(r + k * w, rng.normal(0, 1, (w, F)).astype(np.float32), rng.integers(3, 256, w))
+               for k in range(EXPLORE + 2)] for r, w in zip(sizes, widths)]
+    histories = [[7, 8, 9, 4, 7, 8], [1, 2, 3], [5, 6, 5]]  # slot 0 and 2 find lookups, slot 1 none
+
+    plain = GraphDrafter(art, manifest, head, threads=1)  # a head that sees every round
+    plain.allocate(4)  # the artifact's batch: 3 slots take the propose bucket of 4
+    pending = [plain.prefill(i, c) for i, c in enumerate(prompts)]
+    for k in range(EXPLORE + 2):
+        views = [_View(merge_first(pending[i], rounds[i][0]) if k == 0 else rounds[i][k], 9, histories[i])
+                 for i in range(3)]
+        if k == EXPLORE + 1:  # sampled: the drafts' distributions, which every cached row moves
+            views = [_View(v.ctx, 9, [1, 2, 3], 1.0, np.random.default_rng(i)) for i, v in enumerate(views)]
+        want = plain.propose(views)
+
+    costs = _Costs()
+    costs.draft = 1e9  # the head cannot pay: called on its exploration only
+    hybrid = HybridDrafter(GraphDrafter(art, manifest, head, threads=1), costs, defer_prefill=defer)
+    hybrid.allocate(4)
+    pending = [hybrid.prefill(i, c) for i, c in enumerate(prompts)]
+    assert all((x is None) == defer for x in pending)
+    writes = []
+    prefill = hybrid.head.prefill
+    hybrid.head.prefill = lambda slot, ctx: writes.append(slot) or prefill(slot, ctx)
+    for k in range(EXPLORE + 1):
+        p = hybrid.propose([_View(merge_first(pending[i], rounds[i][0]) if k == 0 and not defer else rounds[i][k], 9,
+                                  histories[i]) for i in range(3)])
+        assert (p.head == head) == (k == EXPLORE)
+        for i in range(3):
+            hybrid.observe(i, int(p.counts[i]), 0)
+    assert set(writes) == {1} and hybrid.held[:3].tolist() == [True, False, True]
+    assert p.counts[1] == hybrid.head.steps and p.counts[0] > 0 and p.counts[2] > 0  # the held keep lookups
+    assert [len(b) for b in hybrid.backlog[:3]] == [EXPLORE + 1 + defer, 0, EXPLORE + 1 + defer]
+    hybrid._fold()
+    assert hybrid.slot_rounds == 1  # the explored slot's round only
+    costs.draft = 0.0
+    hybrid.slot_rounds, hybrid.committed, hybrid.verified = 1e3, 4e3, 1e3  # its rounds paid: the head wins
+    got = hybrid.propose([_View(rounds[i][-1], 9, [1, 2, 3], 1.0, np.random.default_rng(i)) for i in range(3)])
+    assert got.head == head and not hybrid.held[:3].any() and hybrid.backlog[:3] == [[], [], []]
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.probs, want.probs, rtol=1e-5, atol=1e-6)
+
 @pytest.mark.parametrize("scheduler", ["sps", "sps-async"])
 def test_a_head_alone_is_gated_under_the_cost_aware_schedulers(tiny_arts, scheduler):
     """`dspark` under sps / sps-async: the head is called only on the rounds where it promises more than a plain

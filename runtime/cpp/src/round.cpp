@@ -281,6 +281,7 @@ void HybridDrafter::allocate(int64_t slots) {
     lookup_.allocate(slots);
     backlog_.assign(slots, std::nullopt);
     source_.assign(slots, LOOKUP);
+    held_.assign(slots, 0);
 }
 
 std::optional<Context> HybridDrafter::prefill(int64_t slot, Context ctx) {
@@ -293,7 +294,7 @@ void HybridDrafter::observe(int64_t slot, int64_t verified, int64_t accepted) {
         lookup_.observe(slot, verified, accepted);  // into its match length's history
     else
         head_history_.observe(verified, accepted);
-    last_.emplace_back(verified, accepted);
+    if (!held_[slot]) last_.emplace_back(verified, accepted);  // a slot the head did not draft for: not its round
 }
 
 // Committed tokens per ms a head round for n slots, `active` of them with a request, promises: the tokens a slot
@@ -323,9 +324,28 @@ void HybridDrafter::fold() {
     last_.clear();
 }
 
+// The slots an exploration leaves out: all active slots but the one with the fewest pending rows (runtime/hybrid.py
+// `_held`), or but those with none.
+std::vector<char> HybridDrafter::held(const Views& views) const {
+    const int64_t n = static_cast<int64_t>(views.slots.size());
+    std::vector<char> out(n, 0);
+    int64_t fewest = -1, fewest_rows = 0;
+    bool none_pending = false;
+    for (int64_t i = 0; i < n; ++i) {
+        if (!views.slots[i]) continue;
+        const int64_t rows = (backlog_[i] ? backlog_[i]->rows() : 0) + (views.ctx[i] ? views.ctx[i]->rows() : 0);
+        out[i] = rows > 0;
+        none_pending = none_pending || rows == 0;
+        if (rows > 0 && (fewest < 0 || rows < fewest_rows)) fewest = i, fewest_rows = rows;
+    }
+    if (!none_pending && fewest >= 0) out[fewest] = 0;
+    return out;
+}
+
 Proposal HybridDrafter::propose(const Views& views) {
     fold();
     const int64_t n = static_cast<int64_t>(views.slots.size());
+    std::fill_n(held_.begin(), n, 0);
     std::vector<char> active(n);
     int64_t live = 0;
     for (int64_t i = 0; i < n; ++i) live += active[i] = views.slots[i] != nullptr;
@@ -350,10 +370,21 @@ Proposal HybridDrafter::propose(const Views& views) {
         found.survival = std::move(a_lookup);
         return found;
     }
+    if (explored_) {
+        const std::vector<char> h = held(views);
+        std::copy(h.begin(), h.end(), held_.begin());
+    }
     std::vector<std::optional<Context>> caught(n);  // each slot's backlog and this round's rows as one context
     Views with{views.slots, std::vector<const Context*>(n, nullptr)};
     for (int64_t i = 0; i < n; ++i) {
         if (!views.slots[i]) continue;
+        if (held_[i]) {  // its rows wait in the backlog; the call writes only past what the head reads for it
+            backlog_[i] = merge(std::move(backlog_[i]), views.ctx[i]);
+            caught[i] = Context{backlog_[i]->pos, {}, {}};
+            with.slots[i] = nullptr;  // no drafts, no rng drawn: an idle row at the backlog's first position
+            with.ctx[i] = &*caught[i];
+            continue;
+        }
         caught[i] = merge(std::move(backlog_[i]), views.ctx[i]);
         backlog_[i].reset();
         if (caught[i] && caught[i]->rows() > head_->max_rows()) caught[i] = head_->prefill(i, std::move(*caught[i]));
@@ -369,7 +400,7 @@ Proposal HybridDrafter::propose(const Views& views) {
             sum_lookup += a_lookup[i * steps + k];
             sum_head += a_head[i * steps + k];
         }
-        const bool use = sum_lookup > sum_head && found.counts[i] > 0;
+        const bool use = (sum_lookup > sum_head && found.counts[i] > 0) || held_[i];  // held: its lookup or nothing
         source_[i] = use ? LOOKUP : HEAD;
         p.onehot[i] = use;
         const auto& from = use ? a_lookup : a_head;

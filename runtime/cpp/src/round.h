@@ -106,6 +106,7 @@ public:
 private:
     double head_rate(int64_t n, int64_t active) const;
     void fold();
+    std::vector<char> held(const Views& views) const;
 
     std::unique_ptr<GraphDrafter> head_;
     CostTable& costs_;
@@ -113,6 +114,7 @@ private:
     AcceptanceHistory head_history_;
     std::vector<std::optional<Context>> backlog_;
     std::vector<int64_t> source_;
+    std::vector<char> held_;  // per slot: left out of the last proposal's head call (an exploration's)
     int64_t rounds_[2] = {0, 0}, since_head_ = 0;
     int64_t explore_every_;  // rounds without the head before it is explored (doubles while explorations lose)
     // the head rounds' active slot rounds and their tokens committed and verified (decayed sums, per head round)
