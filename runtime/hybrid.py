@@ -190,10 +190,10 @@ class HybridDrafter:
         An exploration measures what a slot's head round commits and verifies, which one slot does; each slot it
         drafts for first writes that slot's backlog (every row since the head's last call, through its prefill
         bucket), which under load is most of the exploration's cost."""
-        pending = [sum(len(c.next_tokens) for c in self.backlog[i]) + (len(s.ctx.next_tokens) if s.ctx else 0)
-                   if s is not None else -1 for i, s in enumerate(slots)]
-        held = np.array([p > 0 for p in pending])  # a slot with no pending row costs no catch-up: drafted for
-        if held.any() and not (np.array(pending) == 0).any():
+        pending = np.array([sum(len(c.next_tokens) for c in self.backlog[i]) + (len(s.ctx.next_tokens) if s.ctx else 0)
+                            if s is not None else -1 for i, s in enumerate(slots)])
+        held = pending > 0  # a slot with no pending row costs no catch-up: drafted for
+        if held.any() and not (pending == 0).any():
             held[int(np.argmin(np.where(held, pending, np.iinfo(np.int64).max)))] = False
         return held
 
@@ -246,7 +246,8 @@ class HybridDrafter:
             if held[i]:  # its rows wait in the backlog; the call writes nothing it will read (`_Held`)
                 if s.ctx is not None:
                     self.backlog[i].append(s.ctx)
-                caught.append(_Held(s, self.backlog[i][0].pos))
+                caught.append(_Held(s.pending, Context(self.backlog[i][0].pos, np.zeros((0, 0), np.float32),
+                                                       np.zeros(0, np.int64))))
                 continue
             catch_up = catch_up or bool(self.backlog[i])
             ctx = merge(self.backlog[i] + ([s.ctx] if s.ctx is not None else []))
@@ -268,21 +269,13 @@ class HybridDrafter:
 
 @dataclass
 class _Held:
-    """A slot an exploration leaves out, as the head's call sees it: no context rows, its cache written from `pos`
+    """A slot an exploration leaves out, as the head's call sees it: no context rows, its cache written from `ctx.pos`
     (its first pending row's position, past everything the head attends to for it) and rewritten when its backlog
     is; drafted greedily (its rng untouched), the drafts discarded."""
 
-    view: SlotView
-    pos: int
-    temperature = 0.0
-
-    @property
-    def ctx(self) -> Context:
-        return Context(self.pos, np.zeros((0, 0), np.float32), np.zeros(0, np.int64))
-
-    @property
-    def pending(self) -> int:
-        return self.view.pending
+    pending: int
+    ctx: Context
+    temperature: float = 0.0
 
 
 def pick(a_lookup: Array, a_head: Array, lookup_counts: Array) -> Array:
