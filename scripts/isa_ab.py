@@ -2,7 +2,7 @@
 """What the kernels' instruction set is worth on this CPU: the target's calls with AVX2 forced against the best.
 
     python scripts/isa_ab.py ART [--isas avx2,best] [--tokens 1,2,4,8] [--position 128] [--repeats 15] [--json]
-    python scripts/isa_ab.py ART --libs OLD.so,NEW.so [...]
+    python scripts/isa_ab.py ART --libs OLD.so,NEW.so [--cache 512] [...]
 
 Opens the artifact's target once per instruction set in one process (specrt's kernels read $SPECRT_OPS_ISA when a
 session makes them: "best" leaves them the best this CPU runs, see gguf_kernels.h), or with --libs once per build of
@@ -12,7 +12,9 @@ each number of tokens (1: the decoding step; more: a packed verify) on every ses
 every repetition, 5 calls a turn. Neither session's threads spin after a call (each would take the cores the other
 needs next), so absolute times are above an engine's; the ratios are what the instruction set changes. Prints each
 session's median calls, each as a multiple of its call over the first --tokens count (a decoding step by default),
-then each set's paired median ratio to the first set's.
+then each set's paired median ratio to the first set's. `--cache N`: each session's cache first grown to hold N
+positions (one call at position N - the largest --tokens), as an engine's runtime-sized cache is after a longer
+request and stays; the calls are then timed at --position, as a shorter request's are.
 Run it on a quiet machine.
 """
 from __future__ import annotations
@@ -41,6 +43,7 @@ def main() -> int:
     ap.add_argument("--libs", help="instead of --isas: comma-separated builds of libspecrt_ops.so to compare")
     ap.add_argument("--tokens", default="1,2,4,8", help="tokens per call (1: a decoding step)")
     ap.add_argument("--position", type=int, default=128)
+    ap.add_argument("--cache", type=int, default=0, help="grow each cache to N positions first (0: as the calls need)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
@@ -68,6 +71,10 @@ def main() -> int:
     spec = runners[isas[0]].spec
     buckets = {p: spec.bucket("decode", B=1) if p == 1 else spec.bucket("verify", B=1, T=p, P=p) for p in tokens}
     for r in runners.values():
+        if args.cache:
+            p = max(tokens)
+            _fill_target(r.inputs(0, buckets[p]), args.cache - p, 100)
+            r.run(0, buckets[p])
         for p, b in buckets.items():
             _fill_target(r.inputs(0, b), args.position, 100)
             r.run(0, b)  # warm-up: first-use allocations, cache growth
@@ -85,7 +92,7 @@ def main() -> int:
     ratio = {isa: {p: float(np.median(np.array(times[(isa, p)]) / np.array(times[(isas[0], p)]))) for p in tokens}
              for isa in isas[1:]}
     if args.json:
-        print(json.dumps({"position": args.position, "threads": args.threads, "repeats": args.repeats,
+        print(json.dumps({"position": args.position, "cache": args.cache, "threads": args.threads, "repeats": args.repeats,
                           "ms": ms, "ratio_to_first": ratio}))
         return 0
     for isa in isas:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Two builds of specrt's kernels paired in one process: a git revision's runtime/cpp/ops (default HEAD) against the
 # working tree's, on SmolLM2's weight shapes at M = 1, 2, 4, 8, 16 activation rows, then its attention (T = 1, 2, 3, 4,
-# 8 query tokens over L = 136, 320, 900 keys, every task of a call as attention_plan cuts it), one thread, the best
+# 8 query tokens over L = 136, 320, 900 keys, and 136 and 320 of a bias 256 and 512 keys wide, the rest masked: a cache
+# allocated past the position; every task of a call as attention_plan cuts it), one thread, the best
 # instruction set this CPU runs ($SPECRT_OPS_ISA=avx2 or scalar asks for a lower one, in both builds).
 #
 #     scripts/kernel_ab.sh [REV] [PAIRS]

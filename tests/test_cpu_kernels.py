@@ -341,6 +341,31 @@ def test_cache_attention_rows_do_not_depend_on_the_call(ops_lib, isa, kv):
         np.testing.assert_array_equal(y[:, t:t + 1], alone, err_msg=f"query {t}")
 
 
+@pytest.mark.parametrize("kv", KV_TYPES)
+@pytest.mark.parametrize("isa", ISAS)
+def test_cache_attention_keys_masked_past_every_row_change_no_bit(ops_lib, isa, kv):
+    """A bias wider than the positions (a cache allocated past them: keys masked for every query of a batch row)
+    gives the bits of the bias cut after the last visible key, however wide, whatever the cache holds there; a
+    row that sees no key at all still attends every key (uniform weights over all L, as softmax gives them)."""
+    if not _supported(ops_lib, isa):
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    rng = np.random.default_rng(4)
+    B, T, H, Hkv, D, S = 2, 5, 9, 3, 64, 300
+    session = _attention_session(ops_lib, isa, D ** -0.5, kv)
+    q = rng.normal(size=(B, T, H, D)).astype(np.float32)
+    k, _ = _stored(rng.normal(size=(B, Hkv, S, D)).astype(np.float32), kv)
+    v, v32 = _stored(rng.normal(size=(B, Hkv, S, D)).astype(np.float32), kv)
+    starts = [37, 120]  # batch row 0 sees keys <= 41, row 1 keys <= 124
+    (cut,) = session.run(None, {"q": q, "k": k, "v": v, "bias": _causal_bias(B, T, 125, starts)})
+    for width in (126, 133, 192, 299):
+        (wide,) = session.run(None, {"q": q, "k": k, "v": v, "bias": _causal_bias(B, T, width, starts)})
+        np.testing.assert_array_equal(wide, cut, err_msg=f"bias {width} keys wide")
+    blind = np.full((B, 1, 1, 1, 64), np.finfo(np.float32).min / 2, np.float32)  # every key masked for every row
+    (y,) = session.run(None, {"q": q, "k": k, "v": v, "bias": blind})
+    mean = np.repeat(v32[:, :, :64].astype(np.float64).mean(axis=2), H // Hkv, axis=1)  # [B, H, D]
+    np.testing.assert_allclose(y, np.broadcast_to(mean[:, None], y.shape), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_cache_attention_computes_only_the_cells_a_packed_call_names(ops_lib, isa):
     """With `cells` (a packed verify's token rows: indices into the [B, T] grid, in any order, padding cells

@@ -30,14 +30,21 @@ struct AttentionShape {
 // The rows a task computes: query heads [g0, g1) of KV head `kv_head`'s G, tokens [t0, t1), batch row b. Rows of one
 // KV head share each key and value read. Tasks are the G heads of up to kTokensPerTask tokens, or (when that gives
 // fewer than kMinTasks tasks) of one token, or (still fewer, e.g. one decoded token) pairs of heads of one token: a
-// row's bits are the same in any task.
+// row's bits are the same in any task. `keys`: the first keys [0, keys) the rows attend, the rest masked for all of
+// them (a bias at or below kMasked, whose weight is exactly 0: a row's bits are the same without them), so the
+// cost follows the rows' positions rather than the cache's allocated length.
 struct AttentionTask {
     int64_t b, kv_head, t0, t1, g0, g1;
+    int64_t keys = 0;
 };
+// A bias at or below this masks its key: exp(score - max) underflows to exactly 0 for any finite score of a row that
+// sees at least one key (the exporter's mask is float32's lowest / 2).
+constexpr float kMasked = -1e30f;
 constexpr int64_t kTokensPerTask = 2, kMinTasks = 4;
 // The tasks of a call: every query row, or (`computed` [B * T], nonzero for the cells to compute) only the grid
-// cells a packed verify computes, so attention costs the call's tokens, not its B x T grid.
-std::vector<AttentionTask> attention_plan(const AttentionShape& s, const uint8_t* computed = nullptr);
+// cells a packed verify computes, so attention costs the call's tokens, not its B x T grid; each task's keys cut
+// after the last one `bias` lets any of its rows see (all L where a row sees none).
+std::vector<AttentionTask> attention_plan(const AttentionShape& s, const float* bias, const uint8_t* computed = nullptr);
 // Floats of scratch one task needs (per calling thread).
 int64_t attention_scratch(const AttentionShape& s);
 // One task's rows into the output [B, T, H, D].

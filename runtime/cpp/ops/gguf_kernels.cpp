@@ -301,7 +301,17 @@ void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, i
     kernel(w, a.q.data(), a.d.data(), a.s.data(), a.ds.data(), a.m, g0, g1, n_total, y);
 }
 
-std::vector<AttentionTask> attention_plan(const AttentionShape& s, const uint8_t* computed) {
+namespace {
+
+// One past the last key bias row `row` does not mask; L where it masks every key (its weights are then all alike,
+// and every key counts).
+int64_t visible_keys(const float* row, int64_t L) {
+    int64_t n = L;
+    while (n > 0 && row[n - 1] <= kMasked) --n;
+    return n == 0 ? L : n;
+}
+
+std::vector<AttentionTask> plan_rows(const AttentionShape& s, const uint8_t* computed) {
     const int64_t G = s.heads / s.kv_heads;
     auto on = [&](int64_t b, int64_t t) { return computed == nullptr || computed[b * s.tokens + t] != 0; };
     std::vector<AttentionTask> tasks;
@@ -329,6 +339,20 @@ std::vector<AttentionTask> attention_plan(const AttentionShape& s, const uint8_t
         for (int64_t g = 0; g < G; g += 2)
             pairs.push_back({task.b, task.kv_head, task.t0, task.t1, g, std::min(G, g + 2)});
     return pairs;
+}
+
+}  // namespace
+
+std::vector<AttentionTask> attention_plan(const AttentionShape& s, const float* bias, const uint8_t* computed) {
+    std::vector<AttentionTask> tasks = plan_rows(s, computed);
+    for (AttentionTask& task : tasks) {
+        task.keys = 0;
+        for (int64_t t = task.t0; t < task.t1; ++t) {
+            const float* row = bias + (task.b * s.bias_tokens + (s.bias_tokens == 1 ? 0 : t)) * s.keys;
+            task.keys = std::max(task.keys, visible_keys(row, s.keys));
+        }
+    }
+    return tasks;
 }
 
 int64_t attention_scratch(const AttentionShape& s) {  // scores, then the scaled queries (32-byte aligned)

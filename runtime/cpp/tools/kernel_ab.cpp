@@ -45,6 +45,16 @@ Paired paired(Ours ours, Base base, int pairs, int calls) {
     return {ratio[ratio.size() / 2], best};
 }
 
+// A tree's attention_plan, with the bias (trees since the keys' cut at the last visible one) or without
+template <class Shape>
+auto plan_of(const Shape& s, const float* bias, int) -> decltype(attention_plan(s, bias)) {
+    return attention_plan(s, bias);
+}
+template <class Shape>
+auto plan_of(const Shape& s, const float*, long) -> decltype(attention_plan(s)) {
+    return attention_plan(s);
+}
+
 // 32-byte aligned scratch for one task (attention_scratch floats), as the custom op gives each thread
 struct Scratch {
     explicit Scratch(int64_t floats) : buf(floats + 8) {}
@@ -53,27 +63,31 @@ struct Scratch {
 };
 
 // SmolLM2's attention (9 query heads, 3 KV heads of 64, float32 cache) for T query tokens over L keys, causal within
-// the T new ones: every task of the call in turn on one thread, as attention_plan cuts it. Reports time per (query
-// head, key): the share of a row's scores, softmax and weighted values one key costs.
+// the T new ones, the bias W >= L keys wide (a cache allocated past the position: the keys past L masked for every
+// query): every task of the call in turn on one thread, as attention_plan cuts it. Reports time per (query head,
+// key): the share of a row's scores, softmax and weighted values one visible key costs.
 void attention(int pairs, B::Isa isa, A::Isa base_isa) {
     std::printf("attention, 9 heads over 3 KV heads of 64, one thread: time of this tree's call / the base's, "
-                "ns per (head, key) of this tree's best run, same bits\n");
+                "ns per (head, visible key) of this tree's best run, same bits\n");
     std::mt19937 rng(2);
     std::normal_distribution<float> normal;
     const int64_t H = 9, Hkv = 3, D = 64, S = 1024;
-    for (int64_t keys : {136, 320, 900}) {
-        std::printf("L=%-4ld                      ", static_cast<long>(keys));
+    const int64_t cases[][2] = {{136, 136}, {320, 320}, {900, 900}, {136, 256}, {320, 512}};
+    for (const auto& c : cases) {
+        const int64_t keys = c[0], width = c[1];
+        std::printf("L=%-4ld of %-4ld              ", static_cast<long>(keys), static_cast<long>(width));
         for (int64_t T : {1, 2, 3, 4, 8}) {
-            const B::AttentionShape s{1, T, H, Hkv, D, S, keys, T, 0.125f};
-            const A::AttentionShape sa{1, T, H, Hkv, D, S, keys, T, 0.125f};
-            std::vector<float> q(T * H * D), k(Hkv * S * D), v(Hkv * S * D), bias(T * keys), y(T * H * D),
+            const B::AttentionShape s{1, T, H, Hkv, D, S, width, T, 0.125f};
+            const A::AttentionShape sa{1, T, H, Hkv, D, S, width, T, 0.125f};
+            std::vector<float> q(T * H * D), k(Hkv * S * D), v(Hkv * S * D), bias(T * width), y(T * H * D),
                 base_y(T * H * D);
             for (std::vector<float>* x : {&q, &k, &v})
                 for (float& e : *x) e = normal(rng);
+            const float masked = -3.4028235e38f / 2;  // the exporter's mask
             for (int64_t t = 0; t < T; ++t)
-                for (int64_t l = 0; l < keys; ++l) bias[t * keys + l] = l <= keys - T + t ? 0.0f : -INFINITY;
-            const std::vector<B::AttentionTask> tasks = B::attention_plan(s);
-            const std::vector<A::AttentionTask> base_tasks = A::attention_plan(sa);
+                for (int64_t l = 0; l < width; ++l) bias[t * width + l] = l <= keys - T + t ? 0.0f : masked;
+            const std::vector<B::AttentionTask> tasks = plan_of(s, bias.data(), 0);
+            const std::vector<A::AttentionTask> base_tasks = plan_of(sa, bias.data(), 0);
             Scratch scratch(B::attention_scratch(s)), base_scratch(A::attention_scratch(sa));
             auto ours = [&] {
                 for (const B::AttentionTask& t : tasks)
@@ -87,7 +101,7 @@ void attention(int pairs, B::Isa isa, A::Isa base_isa) {
             ours();
             base();
             const bool same = std::memcmp(y.data(), base_y.data(), y.size() * sizeof(float)) == 0;
-            const int calls = static_cast<int>(std::max<int64_t>(3, 20000000 / (T * H * keys * D)));
+            const int calls = static_cast<int>(std::max<int64_t>(3, 20000000 / (T * H * width * D)));
             const Paired r = paired(ours, base, pairs, calls);
             std::printf("  T=%ld %.3f %5.2f %s", static_cast<long>(T), r.ratio, r.best * 1e9 / (T * H * keys),
                         same ? "same" : "DIFF");
