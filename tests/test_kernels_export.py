@@ -141,6 +141,14 @@ def test_graphs_run_on_the_library_and_store_the_files_bytes(arts, sources):
     assert data == np.asarray(raw.data).tobytes()
     # layer 1's q (Q4_0) and k/v (Q4_1) stack into one matrix of two formats: Q8_0 instead
     assert any(i.name == "model.layers.1.self_attn.qkv_proj.weight.gguf.Q8_0" for i in target.graph.initializer)
+    # the draft heads' own matrices (trained in float) take Q4_1 blocks: every product of every graph on the library
+    assert set(m.heads) == {"dspark", "mtp"}
+    for name in m.heads:
+        head = onnx.load(str(art / m.graphs[name].file), load_external_data=False)
+        assert not [n.op_type for n in head.graph.node if n.domain == "com.microsoft" and n.op_type in
+                    ("MatMulNBits", "GatherBlockQuantized")], name
+        assert any(n.op_type == "MatMulGGUF" for n in head.graph.node), name
+        assert any(i.name.startswith(name + ".") and i.name.endswith(".gguf.Q4_1") for i in head.graph.initializer)
 
 
 @pytest.mark.parametrize("kv", ["float32", "float16"])

@@ -37,12 +37,12 @@ def to_gguf(b: Blocks) -> tuple[str, np.ndarray] | None:
     return b.kind, out.reshape(n, -1)
 
 
-def quantize_q8_0(w: np.ndarray) -> np.ndarray:
-    """A float [N, K] weight as GGUF Q8_0 bytes (gguf's own quantizer)."""
+def quantize_gguf(w: np.ndarray, kind: str) -> np.ndarray:
+    """A float [N, K] weight as GGUF `kind` (Q4_0, Q4_1, Q8_0) bytes (gguf's own quantizer)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
 
-    return np.ascontiguousarray(gguf_quantize(np.ascontiguousarray(w, np.float32), GGMLQuantizationType.Q8_0))
+    return np.ascontiguousarray(gguf_quantize(np.ascontiguousarray(w, np.float32), GGMLQuantizationType[kind]))
 
 
 def permute_rows(b: Blocks, permute) -> Blocks:
@@ -108,7 +108,9 @@ def pack_weights(tensors: dict[str, "np.ndarray | Blocks"], fmt: str, *, dtype: 
     ONNX Runtime's quantizer. gguf: Blocks as they are; matrices of the GGUF (`gguf_names`) without an exact
     block path fall back to int8 (one warning line); the others (draft heads' own layers) take int4.
     With `kernels` "specrt", the GGUF's blocks are stored as the file's bytes (`W.gguf.FORMAT`, for specrt's
-    kernels), and its matrices without an exact path fall back to Q8_0 instead.
+    kernels), its matrices without an exact path fall back to Q8_0 instead, and the draft heads' own layers take
+    Q4_1 (gguf's quantizer), so that every matrix of every graph runs on specrt's kernels (a DSpark draft call on
+    MatMulNBits measured 0.82-0.89 ms, on MatMulGGUF 0.67-0.71, docs/benchmarks.md).
     Vectors (norms, biases) and small matrices stay float.
     """
     out: dict[str, np.ndarray] = {}
@@ -122,11 +124,13 @@ def pack_weights(tensors: dict[str, "np.ndarray | Blocks"], fmt: str, *, dtype: 
             out[name + GGUF_TAG + raw[0]] = raw[1]
         elif own and name in gguf_names and (isinstance(w, Blocks) or quantizable(w)):
             fallback.append(name)  # mixed or inexact blocks: Q8_0, which specrt's kernels read too
-            out[name + GGUF_TAG + "Q8_0"] = quantize_q8_0(w.dequantize() if isinstance(w, Blocks) else w)
+            out[name + GGUF_TAG + "Q8_0"] = quantize_gguf(w.dequantize() if isinstance(w, Blocks) else w, "Q8_0")
         elif isinstance(w, Blocks):
             out.update(w.tensors(name))
         elif fmt == "float" or not quantizable(w):
             out[name] = w.astype(dtype, copy=False)
+        elif own:  # a draft head's own matrix: Q4_1 blocks (4 bits, a scale and a minimum), for specrt's kernels
+            out[name + GGUF_TAG + "Q4_1"] = quantize_gguf(w, "Q4_1")
         elif fmt == "gguf" and name in gguf_names:  # no exact block path: the stated fallback
             fallback.append(name)
             out.update(quantize(w, 8, symmetric=True).tensors(name))
