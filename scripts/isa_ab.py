@@ -92,8 +92,8 @@ def main() -> int:
     ratio = {isa: {p: float(np.median(np.array(times[(isa, p)]) / np.array(times[(isas[0], p)]))) for p in tokens}
              for isa in isas[1:]}
     if args.json:
-        print(json.dumps({"position": args.position, "cache": args.cache, "threads": args.threads, "repeats": args.repeats,
-                          "ms": ms, "ratio_to_first": ratio}))
+        print(json.dumps({"position": args.position, "cache": args.cache, "threads": args.threads,
+                          "repeats": args.repeats, "ms": ms, "ratio_to_first": ratio}))
         return 0
     for isa in isas:
         m = ms[isa]

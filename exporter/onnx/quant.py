@@ -110,7 +110,7 @@ def pack_weights(tensors: dict[str, "np.ndarray | Blocks"], fmt: str, *, dtype: 
     With `kernels` "specrt", the GGUF's blocks are stored as the file's bytes (`W.gguf.FORMAT`, for specrt's
     kernels), its matrices without an exact path fall back to Q8_0 instead, and the draft heads' own layers take
     Q4_1 (gguf's quantizer), so that every matrix of every graph runs on specrt's kernels (a DSpark draft call on
-    MatMulNBits measured 0.82-0.89 ms, on MatMulGGUF 0.67-0.71, docs/benchmarks.md).
+    MatMulNBits measured 0.82-0.86 ms, on MatMulGGUF 0.67-0.70, docs/benchmarks.md).
     Vectors (norms, biases) and small matrices stay float.
     """
     out: dict[str, np.ndarray] = {}

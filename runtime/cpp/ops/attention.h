@@ -37,6 +37,10 @@ struct AttentionTask {
     int64_t b, kv_head, t0, t1, g0, g1;
     int64_t keys = 0;
 };
+// The bias row query token t of batch row b reads: [L] floats (one row for every token where the bias has one).
+inline const float* bias_row(const AttentionShape& s, const float* bias, int64_t b, int64_t t) {
+    return bias + (b * s.bias_tokens + (s.bias_tokens == 1 ? 0 : t)) * s.keys;
+}
 // A bias at or below this masks its key: exp(score - max) underflows to exactly 0 for any finite score of a row that
 // sees at least one key (the exporter's mask is float32's lowest / 2).
 constexpr float kMasked = -1e30f;
@@ -44,7 +48,8 @@ constexpr int64_t kTokensPerTask = 2, kMinTasks = 4;
 // The tasks of a call: every query row, or (`computed` [B * T], nonzero for the cells to compute) only the grid
 // cells a packed verify computes, so attention costs the call's tokens, not its B x T grid; each task's keys cut
 // after the last one `bias` lets any of its rows see (all L where a row sees none).
-std::vector<AttentionTask> attention_plan(const AttentionShape& s, const float* bias, const uint8_t* computed = nullptr);
+std::vector<AttentionTask> attention_plan(const AttentionShape& s, const float* bias,
+                                         const uint8_t* computed = nullptr);
 // Floats of scratch one task needs (per calling thread).
 int64_t attention_scratch(const AttentionShape& s);
 // One task's rows into the output [B, T, H, D].

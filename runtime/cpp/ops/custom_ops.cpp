@@ -350,7 +350,8 @@ struct PackedAttentionKernel {
         out_grid.resize(grid * row);
         specrt::ops::rope_rows(s, qkv.GetTensorData<float>(), P, at, cos.GetTensorData<float>(),
                                sin.GetTensorData<float>(), slot, q_grid.data(), k, v);
-        const std::vector<specrt::ops::AttentionTask> tasks = specrt::ops::attention_plan(s, bias.GetTensorData<float>(), computed.data());
+        const std::vector<specrt::ops::AttentionTask> tasks =
+            specrt::ops::attention_plan(s, bias.GetTensorData<float>(), computed.data());
         attend_rows(ctx, isa_, s, tasks, q_grid.data(), bias.GetTensorData<float>(), k, v, out_grid.data());
         float* out = y.GetTensorMutableData<float>();
         for (int64_t i = 0; i < P; ++i) std::memcpy(out + i * row, out_grid.data() + at[i] * row, row * sizeof(float));

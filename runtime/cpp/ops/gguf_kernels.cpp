@@ -344,13 +344,15 @@ std::vector<AttentionTask> plan_rows(const AttentionShape& s, const uint8_t* com
 }  // namespace
 
 std::vector<AttentionTask> attention_plan(const AttentionShape& s, const float* bias, const uint8_t* computed) {
+    std::vector<int64_t> visible(s.batch * s.bias_tokens);  // per bias row, read once
+    for (int64_t b = 0; b < s.batch; ++b)
+        for (int64_t t = 0; t < s.bias_tokens; ++t)
+            visible[b * s.bias_tokens + t] = visible_keys(bias_row(s, bias, b, t), s.keys);
     std::vector<AttentionTask> tasks = plan_rows(s, computed);
     for (AttentionTask& task : tasks) {
         task.keys = 0;
-        for (int64_t t = task.t0; t < task.t1; ++t) {
-            const float* row = bias + (task.b * s.bias_tokens + (s.bias_tokens == 1 ? 0 : t)) * s.keys;
-            task.keys = std::max(task.keys, visible_keys(row, s.keys));
-        }
+        for (int64_t t = task.t0; t < task.t1; ++t)
+            task.keys = std::max(task.keys, visible[task.b * s.bias_tokens + (s.bias_tokens == 1 ? 0 : t)]);
     }
     return tasks;
 }
