@@ -48,7 +48,8 @@ MANIFEST_REVISION = 2
 # The exporter's graphs changed within a format version (the same inputs and outputs, the same manifest): a cached
 # default artifact is re-exported when this moves. 2: a target layer's attention as one specrt::PackedAttention.
 # 3: with specrt's kernels, the draft heads' own matrices as Q4_1 blocks (specrt::MatMulGGUF, not MatMulNBits).
-GRAPHS_REVISION = 3
+# 4: with specrt's kernels, norms as specrt::RMSNorm / SkipRMSNorm and an MLP's SiLU and product in its MatMulGGUF.
+GRAPHS_REVISION = 4
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.bin"
 TOKENIZER_DIR = "tokenizer"

@@ -1,6 +1,6 @@
 """Where specrt's ONNX Runtime kernels live: libspecrt_ops (runtime/cpp/ops), which graphs exported with
-`specrt export --kernels specrt` need (their specrt::MatMulGGUF, GatherGGUF, CacheAttention and PackedAttention
-nodes).
+`specrt export --kernels specrt` need (their specrt::MatMulGGUF, GatherGGUF, RMSNorm, SkipRMSNorm, CacheAttention
+and PackedAttention nodes).
 
 Found at $SPECRT_OPS_LIB, else where the README's build puts it (build/cpp/libspecrt_ops.so in this checkout).
 """
@@ -12,7 +12,8 @@ from pathlib import Path
 from specrt.errors import SpecrtError
 
 DOMAIN = "specrt"  # the ONNX domain of specrt's ops (also ConfidenceTruncate's, a local function, not a kernel)
-KERNEL_OPS = ("MatMulGGUF", "GatherGGUF", "CacheAttention", "PackedAttention")  # the operators the library implements
+# the operators the library implements
+KERNEL_OPS = ("MatMulGGUF", "GatherGGUF", "RMSNorm", "SkipRMSNorm", "CacheAttention", "PackedAttention")
 ENV = "SPECRT_OPS_LIB"
 BUILD = ("scripts/cpp_deps.sh build/cpp-deps && cmake -S runtime/cpp -B build/cpp -DSPECRT_DEPS=build/cpp-deps && "
          "cmake --build build/cpp --target specrt_ops")

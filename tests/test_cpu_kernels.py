@@ -250,6 +250,135 @@ def test_gather_gguf_rows_are_gguf_dequantized_rows(ops_lib, fmt):
         session.run(None, {"W": raw, "ids": np.array([50], np.int64)})
 
 
+def _exp_emulated(t: np.ndarray) -> np.ndarray:
+    """elementwise.inc's exp in numpy float32, operation for operation (|t| <= 86): n = round(t log2 e) by adding and
+    subtracting 1.5 * 2^23, r = t - n ln2 (two parts), Cephes' polynomial, 2^n added to the exponent bits."""
+    f = np.float32
+    z = t * f(1.44269504088896341) + f(12582912.0)
+    n = z - f(12582912.0)
+    scale = ((z.view(np.int32) - np.int32(0x4B400000)).astype(np.uint32) << np.uint32(23)).astype(np.uint32)
+    r = t - n * f(0.693359375)
+    r = r - n * f(-2.12194440e-4)
+    p = np.full_like(t, f(1.9875691500e-4))
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * r + f(c)
+    p = p * r * r + r + f(1.0)
+    return (p.view(np.uint32) + scale).astype(np.uint32).view(np.float32)
+
+
+def _swiglu_emulated(y: np.ndarray) -> np.ndarray:
+    """silu(gate) * up on a [M, 2 half] product as the kernels compute it, in numpy float32: |-gate| clamped to 86 on
+    its bits, gate / (1 + exp(-gate)) * up."""
+    half = y.shape[1] // 2
+    g, u = y[:, :half], y[:, half:]
+    bits = (-g).view(np.uint32)
+    t = ((bits & np.uint32(0x80000000)) | np.minimum(bits & np.uint32(0x7FFFFFFF), np.uint32(0x42AC0000)))
+    return g / (np.float32(1) + _exp_emulated(t.astype(np.uint32).view(np.float32))) * u
+
+
+def _matmul_session(lib, fmt: str, k: int, n: int, isa: str, raw: np.ndarray, activation: str = "", packed=True):
+    """MatMulGGUF over `raw`, an initializer (`packed`: the SIMD paths repack it) or fed as input W."""
+    attrs = {"activation": activation} if activation else {}
+    node = helper.make_node("MatMulGGUF", ["A", "W"], ["Y"], domain="specrt", format=fmt, K=k, N=n, **attrs)
+    inputs = [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])]
+    if not packed:
+        inputs.append(helper.make_tensor_value_info("W", TensorProto.UINT8, list(raw.shape)))
+    graph = helper.make_graph([node], "matmul_gguf", inputs, [helper.make_tensor_value_info("Y", TensorProto.FLOAT,
+                                                                                          None)],
+                              initializer=[numpy_helper.from_array(raw, "W")] if packed else [])
+    session = _open(lib, graph, isa)
+    return lambda a: session.run(None, {"A": a} if packed else {"A": a, "W": raw})[0]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("half", [48, 300])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "fed"])
+def test_matmul_gguf_swiglu_is_the_documented_arithmetic_on_its_product(ops_lib, isa, half, packed):
+    """activation "swiglu": silu(gate) * up of the same node's product without it, bit for bit as elementwise.inc
+    computes it (emulated in numpy float32), within 1e-6 of float64's silu, each row alone; gates from -400 to 400
+    (exp's argument clamped), N/2 a whole number of 8-row groups (computed inside each task) or not (after)."""
+    if not _supported(ops_lib, isa):
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    rng = np.random.default_rng(21)
+    raw, _ = _weights("Q8_0", 2 * half, 256, rng)
+    a = (rng.normal(size=(16, 256)) * np.geomspace(0.01, 30, 16)[:, None]).astype(np.float32)
+    product = _matmul_session(ops_lib, "Q8_0", 256, 2 * half, isa, raw, packed=packed)(a)
+    swiglu = _matmul_session(ops_lib, "Q8_0", 256, 2 * half, isa, raw, "swiglu", packed=packed)
+    y = swiglu(a)
+    assert y.shape == (16, half)
+    assert np.abs(product[:, :half]).max() > 200  # the clamp is reached
+    np.testing.assert_array_equal(y, _swiglu_emulated(product))
+    g, u = product[:, :half].astype(np.float64), product[:, half:].astype(np.float64)
+    exact = g / (1 + np.exp(-g)) * u
+    assert (np.abs(y - exact) <= 1e-6 * np.abs(exact) + 1e-30).all()
+    for i in (0, 5, 15):
+        np.testing.assert_array_equal(swiglu(a[i:i + 1]), y[i:i + 1], err_msg=f"row {i} alone")
+
+
+def test_matmul_gguf_refuses_an_unknown_activation_or_an_odd_n(ops_lib):
+    raw, _ = _weights("Q8_0", 5, 64, np.random.default_rng(0))
+    with pytest.raises(Exception, match="activation gelu"):
+        _matmul_session(ops_lib, "Q8_0", 64, 5, "scalar", raw, "gelu")
+    with pytest.raises(Exception, match="even N"):
+        _matmul_session(ops_lib, "Q8_0", 64, 5, "scalar", raw, "swiglu")
+
+
+def _norm_session(lib, isa: str, skip: bool, w: np.ndarray):
+    names = ["X", "S", "W"] if skip else ["X", "W"]
+    node = helper.make_node("SkipRMSNorm" if skip else "RMSNorm", names, ["Y", "Z"] if skip else ["Y"],
+                            domain="specrt", epsilon=1e-5)
+    f = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, None)  # noqa: E731
+    graph = helper.make_graph([node], "norm", [f("X"), *([f("S")] if skip else [])],
+                              [f("Y"), *([f("Z")] if skip else [])], initializer=[numpy_helper.from_array(w, "W")])
+    return _open(lib, graph, isa)
+
+
+def _rms_norm_emulated(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """elementwise.inc's norm in numpy float32: x^2 summed in 16 lanes (element j in lane j % 16), lanes added
+    pairwise (+8, +4, +2, +1), 1 / sqrt(sum / d + eps), then x * inv * w."""
+    d = x.shape[-1]
+    rows = x.reshape(-1, d)
+    acc = np.zeros((rows.shape[0], 16), np.float32)
+    for j in range(0, d, 16):
+        chunk = rows[:, j:j + 16]
+        acc[:, :chunk.shape[1]] += chunk * chunk
+    for half in (8, 4, 2, 1):
+        acc[:, :half] += acc[:, half:2 * half]
+    inv = np.float32(1) / np.sqrt(acc[:, :1] / np.float32(d) + np.float32(1e-5))
+    return (rows * inv * w).reshape(x.shape)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("d", [576, 37])
+def test_rms_norms_are_the_documented_arithmetic(ops_lib, isa, d):
+    """specrt::RMSNorm and SkipRMSNorm (the sum x + skip, then its norm), bit for bit the fixed-order arithmetic of
+    elementwise.inc (emulated in numpy float32), within 1e-6 of float64's norm, any leading axes, each row alone."""
+    if not _supported(ops_lib, isa):
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    rng = np.random.default_rng(d)
+    w = rng.normal(size=d).astype(np.float32)
+    x = (rng.normal(size=(2, 5, d)) * 4).astype(np.float32)
+    skip = rng.normal(size=(2, 5, d)).astype(np.float32)
+    (y,) = _norm_session(ops_lib, isa, False, w).run(None, {"X": x})
+    np.testing.assert_array_equal(y, _rms_norm_emulated(x, w))
+    ref = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(y, ref, rtol=1e-6, atol=1e-6)
+    session = _norm_session(ops_lib, isa, True, w)
+    y, s = session.run(None, {"X": x, "S": skip})
+    np.testing.assert_array_equal(s, x + skip)
+    np.testing.assert_array_equal(y, _rms_norm_emulated(x + skip, w))
+    np.testing.assert_array_equal(session.run(None, {"X": x[1, 2:3], "S": skip[1, 2:3]})[0], y[1, 2:3])
+
+
+def test_rms_norms_refuse_mismatched_shapes(ops_lib):
+    w = np.ones(8, np.float32)
+    with pytest.raises(Exception, match="W must be"):
+        _norm_session(ops_lib, "scalar", False, w).run(None, {"X": np.ones((2, 9), np.float32)})
+    with pytest.raises(Exception, match="skip must have"):
+        _norm_session(ops_lib, "scalar", True, w).run(None, {"X": np.ones((2, 8), np.float32),
+                                                             "S": np.ones((1, 8), np.float32)})
+
+
 KV_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 
 

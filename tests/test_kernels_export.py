@@ -121,6 +121,10 @@ def monkeypatch_module():
     mp.undo()
 
 
+def target_nodes(art):
+    return onnx.load(str(art / "target.onnx"), load_external_data=False).graph.node
+
+
 def test_graphs_run_on_the_library_and_store_the_files_bytes(arts, sources):
     art = arts["specrt"]
     m = io.load_manifest(art)
@@ -128,8 +132,14 @@ def test_graphs_run_on_the_library_and_store_the_files_bytes(arts, sources):
     ops = collections.Counter(n.op_type for n in onnx.load(str(art / "target.onnx"), load_external_data=False)
                               .graph.node if n.domain == "specrt")
     # every matrix of the target (2 layers x qkv, o, gate_up, down; the head), its embedding, its attention (rope,
-    # cache writes and attention in one node)
-    assert ops == {"MatMulGGUF": 2 * 4 + 1, "GatherGGUF": 1, "PackedAttention": 2}
+    # cache writes and attention in one node), its norms (each layer's input norm and the final one; the residual add
+    # and norm after attention)
+    assert ops == {"MatMulGGUF": 2 * 4 + 1, "GatherGGUF": 1, "PackedAttention": 2, "RMSNorm": 2 + 1, "SkipRMSNorm": 2}
+    # each MLP's SiLU and product are its gate/up node's: no Split, Sigmoid or stock norm left
+    assert sum(n.op_type == "MatMulGGUF" and any(a.name == "activation" and a.s == b"swiglu" for a in n.attribute)
+               for n in target_nodes(art)) == 2
+    assert not {"Split", "Sigmoid", "RMSNormalization", "SkipSimplifiedLayerNormalization"} & {
+        n.op_type for n in target_nodes(art)}
     target = onnx.load(str(art / "target.onnx"), load_external_data=False)
     assert not [n for n in target.graph.node if n.domain == "com.microsoft" and n.op_type == "MatMulNBits"]
     # ffn_down of layer 0 is the file's bytes, unchanged

@@ -28,8 +28,12 @@ def rms_norm(g: GraphBuilder, x: str, weight: str, eps: float, dtype: str, name:
              lowering: str = "standard") -> str:
     """y = x / sqrt(mean(x^2) + eps) * w over the last axis, computed in fp32.
 
-    `standard`: the decomposed form (ORT fuses it into SimplifiedLayerNorm); `cpu`: one RMSNormalization.
+    `standard`: the decomposed form (ORT fuses it into SimplifiedLayerNorm); `cpu`: one RMSNormalization, or with
+    `--kernels specrt` one specrt::RMSNorm (on the calling thread: ONNX Runtime's kernel spends more waking a second
+    thread for a verify's few rows than the norm takes).
     """
+    if lowering == "cpu" and _own_kernels(g, dtype):
+        return g.op("RMSNorm", x, weight, name=name, domain=PLUGIN_DOMAIN, epsilon=float(eps))
     if lowering == "cpu":  # opset 23; ORT runs it with its SimplifiedLayerNormalization kernel
         return g.op("RMSNormalization", x, weight, name=name, axis=-1, epsilon=float(eps), stash_type=1)
     with g.scope(name):
@@ -48,8 +52,13 @@ def add_rms_norm(g: GraphBuilder, x: str, delta: str, weight: str, eps: float, d
     """(x + delta, rms_norm(x + delta)): a residual add and the norm after it, for [N, d] hidden states.
 
     `cpu`: one com.microsoft SkipSimplifiedLayerNormalization (the sum is its fourth output), so the
-    residual stream is read once; `standard`: an Add named `residual`, then `rms_norm`.
+    residual stream is read once, or with `--kernels specrt` one specrt::SkipRMSNorm (the sum its second output);
+    `standard`: an Add named `residual`, then `rms_norm`.
     """
+    if lowering == "cpu" and _own_kernels(g, dtype):
+        normed, s = g.op("SkipRMSNorm", x, delta, weight, name=name, domain=PLUGIN_DOMAIN, outputs=2,
+                         epsilon=float(eps))
+        return s, normed
     if lowering != "cpu":
         s = g.op("Add", x, delta, name=residual)
         return s, rms_norm(g, s, weight, eps, dtype, name=name)
@@ -58,16 +67,31 @@ def add_rms_norm(g: GraphBuilder, x: str, delta: str, weight: str, eps: float, d
     return s, normed
 
 
-def linear(g: GraphBuilder, x: str, weight: str, bias: str | None = None, name: str = "linear") -> str:
+def _own_kernels(g: GraphBuilder, dtype: str) -> bool:
+    """Whether the graph runs on specrt's kernels (`--kernels specrt`), whose norms take float32."""
+    return g.kernels == "specrt" and dtype == "float32"
+
+
+def fuses_swiglu(g: GraphBuilder, weight: str) -> bool:
+    """Whether `linear(..., activation="swiglu")` can be one node: a stacked gate/up weight in GGUF blocks."""
+    return gguf_key(g.store, weight) is not None
+
+
+def linear(g: GraphBuilder, x: str, weight: str, bias: str | None = None, name: str = "linear", *,
+           activation: str = "") -> str:
     """x [N, K] @ weightᵀ (+ bias): Gemm(transB=1) on a float weight, MatMulNBits on a block-quantized one,
-    specrt::MatMulGGUF on a GGUF tensor's own bytes."""
+    specrt::MatMulGGUF on a GGUF tensor's own bytes. `activation` "swiglu" (MatMulGGUF only, `fuses_swiglu`):
+    silu of the first half of the product's columns times the second half, in the same node."""
     raw = gguf_key(g.store, weight)
     if raw is not None:
         key, fmt = raw
         n, row = g.store.shape(key)
+        extra = {"activation": activation} if activation else {}
         y = g.op("MatMulGGUF", x, g.weight(key), name=name, domain=PLUGIN_DOMAIN, format=fmt,
-                 K=row // BLOCK_BYTES[fmt] * BLOCK, N=n)
+                 K=row // BLOCK_BYTES[fmt] * BLOCK, N=n, **extra)
         return g.op("Add", y, bias, name=f"{name}_bias") if bias else y
+    if activation:
+        raise ValueError(f"{name}: activation {activation!r} needs a weight in GGUF blocks (specrt::MatMulGGUF)")
     if is_quantized(g.store, weight):
         return _linear_blocks(g, x, weight, bias, name)
     inputs = (x, weight, bias) if bias else (x, weight)
@@ -156,9 +180,14 @@ def apply_rope(g: GraphBuilder, x: str, cos: str, sin: str, rotate: str, name: s
 
 
 def mlp(g: GraphBuilder, x: str, prefix: str, intermediate: int) -> str:
-    """down(silu(gate(x)) * up(x)), with gate and up as one Gemm over the stacked weight."""
+    """down(silu(gate(x)) * up(x)), with gate and up as one Gemm over the stacked weight (on a GGUF weight, one
+    specrt::MatMulGGUF that applies the SiLU and the product itself)."""
     with g.scope("mlp"):
-        gate_up = linear(g, x, g.weight(f"{prefix}.gate_up_proj.weight"), name="gate_up_proj")
+        gate_up_w = g.weight(f"{prefix}.gate_up_proj.weight")
+        if fuses_swiglu(g, gate_up_w):
+            act = linear(g, x, gate_up_w, name="gate_up_proj", activation="swiglu")
+            return linear(g, act, g.weight(f"{prefix}.down_proj.weight"), name="down_proj")
+        gate_up = linear(g, x, gate_up_w, name="gate_up_proj")
         gate, up = g.op("Split", gate_up, g.const([intermediate, intermediate], "sizes", "int64"), axis=-1,
                         outputs=2)
         act = g.op("Mul", gate, g.op("Sigmoid", gate), name="silu")

@@ -2,10 +2,16 @@
 // SessionOptions.register_custom_ops_library (Python) or RegisterCustomOps (C/C++).
 //
 //   specrt::MatMulGGUF(A: float [..., K], W: uint8 [N, K/32 * block bytes]) -> Y: float [..., N]
-//     attributes: format ("Q4_0" | "Q4_1" | "Q8_0"), K, N.  W is the GGUF tensor's bytes as the file has them;
-//     Y = A Wᵀ with A's rows quantized per 32-block to int8 (gguf_kernels.h).
+//     attributes: format ("Q4_0" | "Q4_1" | "Q8_0"), K, N, activation ("" or "swiglu", optional).  W is the GGUF
+//     tensor's bytes as the file has them; Y = A Wᵀ with A's rows quantized per 32-block to int8 (gguf_kernels.h).
+//     With activation "swiglu" (W: gate's rows then up's) Y is [..., N/2]: silu(gate) * up, one node for an MLP's
+//     Split, SiLU and Mul.
 //   specrt::GatherGGUF(W: uint8 [V, K/32 * block bytes], ids: int64 [...]) -> Y: float [..., K]
 //     attributes: format, K.  Rows of a GGUF table (the embedding), dequantized.
+//   specrt::RMSNorm(X: float [..., d], W: float [d]) -> Y: float [..., d]; attribute epsilon.
+//     Y = X / sqrt(mean(X^2) + epsilon) * W per row.
+//   specrt::SkipRMSNorm(X, skip: float [..., d], W: float [d]) -> (Y, S: float [..., d]); attribute epsilon.
+//     S = X + skip, Y = RMSNorm(S): a residual add and the norm after it.
 //   specrt::CacheAttention(q: float [B, T, H, D], k, v: float, float16 or bfloat16 [B, Hkv, S, D] (one type),
 //                          bias: float [B, 1, 1, T or 1, L])
 //     -> Y: float [B, T, H, D]; attribute scale.  softmax(q·scale·kᵀ + bias)·v over the first L keys, the cache's
@@ -42,6 +48,20 @@ struct MatMulGGUFKernel {
         n_ = ki.GetAttribute<int64_t>("N");
         if (k_ <= 0 || n_ <= 0 || k_ % specrt::ops::kBlock)
             throw Ort::Exception("specrt::MatMulGGUF: K must be a positive multiple of 32 and N positive", ORT_INVALID_ARGUMENT);
+        std::string activation;
+        try {
+            activation = ki.GetAttribute<std::string>("activation");
+        } catch (const Ort::Exception&) {  // absent: none
+        }
+        if (activation == "swiglu") {
+            swiglu_ = true;
+        } else if (!activation.empty()) {
+            throw Ort::Exception("specrt::MatMulGGUF: activation " + activation + " (\"\" or swiglu)",
+                                 ORT_INVALID_ARGUMENT);
+        }
+        if (swiglu_ && n_ % 2)
+            throw Ort::Exception("specrt::MatMulGGUF: swiglu needs an even N (gate's rows, then up's)",
+                                 ORT_INVALID_ARGUMENT);
         isa_ = specrt::ops::best_isa();
         // weights that are an initializer are repacked once, 8 rows at a time (gguf_kernels.h, Packed)
         int constant = 0;
@@ -66,20 +86,30 @@ struct MatMulGGUFKernel {
             throw Ort::Exception("specrt::MatMulGGUF: W is not [N, K/32 * block bytes]", ORT_INVALID_ARGUMENT);
         int64_t m = 1;
         for (size_t i = 0; i + 1 < shape.size(); ++i) m *= shape[i];
-        shape.back() = n_;
+        shape.back() = swiglu_ ? n_ / 2 : n_;
         Ort::UnownedValue y = ctx.GetOutput(0, shape);
         if (m == 0) return;
         // per calling thread: sessions may run the same kernel from several threads at once
         thread_local specrt::ops::Activations acts;
+        thread_local std::vector<float> product;  // A Wᵀ before the activation
         specrt::ops::quantize(isa_, a.GetTensorData<float>(), m, k_, acts);
-        Job job{this, &acts, w.GetTensorData<uint8_t>(), y.GetTensorMutableData<float>()};
+        float* out = y.GetTensorMutableData<float>();
+        if (swiglu_) product.resize(m * n_);
+        Job job{this, &acts, w.GetTensorData<uint8_t>(), swiglu_ ? product.data() : out, out};
+        const int64_t half_groups = n_ / 2 % specrt::ops::kGroup ? 0 : n_ / 2 / specrt::ops::kGroup;
+        if (!packed_.data.empty() && swiglu_ && half_groups) {  // each task: gate's and up's groups, then SwiGLU
+            const int64_t tasks = (half_groups + kGroupsPerTask - 1) / kGroupsPerTask;
+            ctx.ParallelFor(&MatMulGGUFKernel::swiglu_groups, static_cast<size_t>(tasks), 0, &job);
+            return;
+        }
         if (!packed_.data.empty()) {
             const int64_t tasks = (packed_.groups + kGroupsPerTask - 1) / kGroupsPerTask;
             ctx.ParallelFor(&MatMulGGUFKernel::groups, static_cast<size_t>(tasks), 0, &job);
-            return;
+        } else {
+            const int64_t tiles = (n_ + kTile - 1) / kTile;
+            ctx.ParallelFor(&MatMulGGUFKernel::tile, static_cast<size_t>(tiles), 0, &job);
         }
-        const int64_t tiles = (n_ + kTile - 1) / kTile;
-        ctx.ParallelFor(&MatMulGGUFKernel::tile, static_cast<size_t>(tiles), 0, &job);
+        if (swiglu_) specrt::ops::swiglu(isa_, product.data(), m, n_ / 2, 0, n_ / 2, out);
     }
 
 private:
@@ -89,7 +119,8 @@ private:
         MatMulGGUFKernel* self;
         const specrt::ops::Activations* acts;
         const uint8_t* w;
-        float* y;
+        float* y;    // the product A Wᵀ [M, N]
+        float* out;  // the output (swiglu: [M, N/2])
     };
     static void tile(void* data, size_t t) {
         const Job& j = *static_cast<Job*>(data);
@@ -104,8 +135,22 @@ private:
         specrt::ops::matmul_packed(j.self->isa_, p, *j.acts, g0, g1, j.self->n_, j.y);
     }
 
+    // swiglu over packed weights whose N/2 is a whole number of groups: gate's groups [g0, g1), up's the same groups
+    // N/2 rows on, then SwiGLU on those columns while they are in this core's cache
+    static void swiglu_groups(void* data, size_t t) {
+        const Job& j = *static_cast<Job*>(data);
+        const specrt::ops::Packed& p = j.self->packed_;
+        const int64_t n = j.self->n_, half = n / 2, half_groups = half / specrt::ops::kGroup;
+        const int64_t g0 = static_cast<int64_t>(t) * kGroupsPerTask, g1 = std::min(g0 + kGroupsPerTask, half_groups);
+        specrt::ops::matmul_packed(j.self->isa_, p, *j.acts, g0, g1, n, j.y);
+        specrt::ops::matmul_packed(j.self->isa_, p, *j.acts, g0 + half_groups, g1 + half_groups, n, j.y);
+        specrt::ops::swiglu(j.self->isa_, j.y, j.acts->m, half, g0 * specrt::ops::kGroup, g1 * specrt::ops::kGroup,
+                            j.out);
+    }
+
     Format format_ = Format::Q4_0;
     int64_t k_ = 0, n_ = 0;
+    bool swiglu_ = false;
     specrt::ops::Isa isa_ = specrt::ops::Isa::Scalar;
     specrt::ops::Packed packed_;  // empty: W is not an initializer, or the scalar reference runs
 };
@@ -170,6 +215,57 @@ struct GatherGGUFOp : Ort::CustomOpBase<GatherGGUFOp, GatherGGUFKernel> {
         return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
     }
     size_t GetOutputTypeCount() const { return 1; }
+    ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+// specrt::RMSNorm (Skip = false) and specrt::SkipRMSNorm (Skip = true: the sum of X and skip first, an output too).
+// On the calling thread: a call's rows are few (tokens of a decode or verify), ONNX Runtime's own norm kernels spend
+// more waking a second thread for them than the norm takes.
+template <bool Skip>
+struct RMSNormKernel {
+    RMSNormKernel(const OrtApi&, const OrtKernelInfo* info) {
+        epsilon_ = Ort::ConstKernelInfo(info).GetAttribute<float>("epsilon");
+        isa_ = specrt::ops::best_isa();
+    }
+
+    void Compute(OrtKernelContext* context) {
+        Ort::KernelContext ctx(context);
+        const char* name = Skip ? "specrt::SkipRMSNorm: " : "specrt::RMSNorm: ";
+        auto fail = [name](const char* what) { throw Ort::Exception(std::string(name) + what, ORT_INVALID_ARGUMENT); };
+        Ort::ConstValue x = ctx.GetInput(0), w = ctx.GetInput(Skip ? 2 : 1);
+        const std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
+        if (shape.empty() || w.GetTensorTypeAndShapeInfo().GetShape() != std::vector<int64_t>{shape.back()})
+            fail("W must be [d], X's last axis");
+        const int64_t d = shape.back();
+        const int64_t m = d ? static_cast<int64_t>(x.GetTensorTypeAndShapeInfo().GetElementCount()) / d : 0;
+        float* y = ctx.GetOutput(0, shape).GetTensorMutableData<float>();
+        const float* in = x.GetTensorData<float>();
+        if constexpr (Skip) {
+            Ort::ConstValue skip = ctx.GetInput(1);
+            if (skip.GetTensorTypeAndShapeInfo().GetShape() != shape) fail("skip must have X's shape");
+            float* sum = ctx.GetOutput(1, shape).GetTensorMutableData<float>();
+            const float* add = skip.GetTensorData<float>();
+            for (int64_t i = 0; i < m * d; ++i) sum[i] = in[i] + add[i];
+            in = sum;
+        }
+        if (m > 0 && d > 0) specrt::ops::rms_norm(isa_, in, w.GetTensorData<float>(), m, d, epsilon_, y);
+    }
+
+private:
+    float epsilon_ = 0.0f;
+    specrt::ops::Isa isa_ = specrt::ops::Isa::Scalar;
+};
+
+template <bool Skip>
+struct RMSNormOp : Ort::CustomOpBase<RMSNormOp<Skip>, RMSNormKernel<Skip>> {
+    void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const {
+        return new RMSNormKernel<Skip>(api, info);
+    }
+    const char* GetName() const { return Skip ? "SkipRMSNorm" : "RMSNorm"; }
+    const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+    size_t GetInputTypeCount() const { return Skip ? 3 : 2; }
+    ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+    size_t GetOutputTypeCount() const { return Skip ? 2 : 1; }
     ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
 
@@ -390,6 +486,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     Ort::InitApi(api);
     static MatMulGGUFOp matmul;
     static GatherGGUFOp gather;
+    static RMSNormOp<false> norm;
+    static RMSNormOp<true> skip_norm;
     static CacheAttentionOp attention;
     static PackedAttentionOp<ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> packed_f32;
     static PackedAttentionOp<ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> packed_f16;
@@ -401,6 +499,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
             domain = new Ort::CustomOpDomain("specrt");  // lives as long as the process: sessions keep using it
             domain->Add(&matmul);
             domain->Add(&gather);
+            domain->Add(&norm);
+            domain->Add(&skip_norm);
             domain->Add(&attention);
             domain->Add(&packed_f32);
             domain->Add(&packed_f16);

@@ -1,6 +1,7 @@
 // The AVX2 row kernel (compiled with -mavx2 -mfma -mf16c; called only where the CPU has them).
 #include "gguf_simd.inc"
 #include "attention.inc"
+#include "elementwise.inc"
 
 namespace specrt::ops {
 void rows_avx2(Format f, const uint8_t* w, const int8_t* q, const float* d, const int32_t* s, int64_t m,
@@ -17,5 +18,12 @@ void packed_avx2(const Packed& w, const int8_t* q, const float* d, const int32_t
 }
 void quantize_avx2(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, int32_t* s) {
     quantize_blocks(x, b0, b1, q, d, s);
+}
+void swiglu_avx2(const float* y, int64_t m, int64_t half, int64_t c0, int64_t c1, float* out) {
+    for (int64_t i = 0; i < m; ++i)
+        silu_mul_impl(y + 2 * half * i + c0, y + 2 * half * i + half + c0, c1 - c0, out + half * i + c0);
+}
+void rms_norm_avx2(const float* x, const float* w, int64_t m, int64_t d, float eps, float* y) {
+    for (int64_t i = 0; i < m; ++i) rms_norm_impl(x + d * i, w, d, eps, y + d * i);
 }
 }  // namespace specrt::ops

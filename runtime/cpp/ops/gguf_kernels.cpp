@@ -1,6 +1,7 @@
 #include "gguf_kernels.h"
 
 #include "attention.inc"
+#include "elementwise.inc"
 
 #include <algorithm>
 #include <cmath>
@@ -102,6 +103,10 @@ void attention_avx2(const AttentionShape& s, const float* q, const void* k, cons
                     const AttentionTask& task, float* scratch, float* out);
 void attention_avx512(const AttentionShape& s, const float* q, const void* k, const void* v, const float* bias,
                       const AttentionTask& task, float* scratch, float* out);
+void swiglu_avx2(const float* y, int64_t m, int64_t half, int64_t c0, int64_t c1, float* out);
+void swiglu_avx512(const float* y, int64_t m, int64_t half, int64_t c0, int64_t c1, float* out);
+void rms_norm_avx2(const float* x, const float* w, int64_t m, int64_t d, float eps, float* y);
+void rms_norm_avx512(const float* x, const float* w, int64_t m, int64_t d, float eps, float* y);
 
 
 bool parse_format(const std::string& name, Format* f) {
@@ -163,6 +168,25 @@ void quantize(Isa isa, const float* x, int64_t m, int64_t k, Activations& out) {
     }
     out.ds.resize(m * blocks);
     for (int64_t i = 0; i < m * blocks; ++i) out.ds[i] = out.d[i] * static_cast<float>(out.s[i]);
+}
+
+void swiglu(Isa isa, const float* y, int64_t m, int64_t half, int64_t c0, int64_t c1, float* out) {
+    switch (isa) {
+        case Isa::Avx512Vnni: swiglu_avx512(y, m, half, c0, c1, out); break;
+        case Isa::Avx2: swiglu_avx2(y, m, half, c0, c1, out); break;
+        default:
+            for (int64_t i = 0; i < m; ++i)
+                silu_mul_impl(y + 2 * half * i + c0, y + 2 * half * i + half + c0, c1 - c0, out + half * i + c0);
+    }
+}
+
+void rms_norm(Isa isa, const float* x, const float* w, int64_t m, int64_t d, float eps, float* y) {
+    switch (isa) {
+        case Isa::Avx512Vnni: rms_norm_avx512(x, w, m, d, eps, y); break;
+        case Isa::Avx2: rms_norm_avx2(x, w, m, d, eps, y); break;
+        default:
+            for (int64_t i = 0; i < m; ++i) rms_norm_impl(x + d * i, w, d, eps, y + d * i);
+    }
 }
 
 void matmul_rows(Isa isa, Format f, const uint8_t* w, const Activations& a, int64_t n0, int64_t n1, int64_t n_total,

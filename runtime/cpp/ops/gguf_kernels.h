@@ -87,6 +87,12 @@ void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, i
 void matmul_rows(Isa isa, Format f, const uint8_t* w, const Activations& a, int64_t n0, int64_t n1, int64_t n_total,
                  float* y);
 
+// Element-wise kernels (elementwise.inc), the same bits on every instruction set and whatever the call's rows:
+// out [m, half] = silu(y[:, :half]) * y[:, half:] for y [m, 2 half] (SwiGLU on a stacked gate/up product), columns
+// [c0, c1) of it, and y [m, d] = x / sqrt(mean(x^2) + eps) * w per row.
+void swiglu(Isa isa, const float* y, int64_t m, int64_t half, int64_t c0, int64_t c1, float* out);
+void rms_norm(Isa isa, const float* x, const float* w, int64_t m, int64_t d, float eps, float* y);
+
 // One row of a GGUF tensor ([blocks * block_bytes]) as float32 (an embedding lookup).
 void dequantize_row(Format f, const uint8_t* row, int64_t blocks, float* out);
 
