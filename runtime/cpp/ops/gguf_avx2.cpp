@@ -20,10 +20,9 @@ void quantize_avx2(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, 
     quantize_blocks(x, b0, b1, q, d, s);
 }
 void swiglu_avx2(const float* y, int64_t m, int64_t half, int64_t c0, int64_t c1, float* out) {
-    for (int64_t i = 0; i < m; ++i)
-        silu_mul_impl(y + 2 * half * i + c0, y + 2 * half * i + half + c0, c1 - c0, out + half * i + c0);
+    swiglu_rows(y, m, half, c0, c1, out);
 }
 void rms_norm_avx2(const float* x, const float* w, int64_t m, int64_t d, float eps, float* y) {
-    for (int64_t i = 0; i < m; ++i) rms_norm_impl(x + d * i, w, d, eps, y + d * i);
+    rms_norm_rows(x, w, m, d, eps, y);
 }
 }  // namespace specrt::ops

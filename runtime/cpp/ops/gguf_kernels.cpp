@@ -174,9 +174,7 @@ void swiglu(Isa isa, const float* y, int64_t m, int64_t half, int64_t c0, int64_
     switch (isa) {
         case Isa::Avx512Vnni: swiglu_avx512(y, m, half, c0, c1, out); break;
         case Isa::Avx2: swiglu_avx2(y, m, half, c0, c1, out); break;
-        default:
-            for (int64_t i = 0; i < m; ++i)
-                silu_mul_impl(y + 2 * half * i + c0, y + 2 * half * i + half + c0, c1 - c0, out + half * i + c0);
+        default: swiglu_rows(y, m, half, c0, c1, out);
     }
 }
 
@@ -184,8 +182,7 @@ void rms_norm(Isa isa, const float* x, const float* w, int64_t m, int64_t d, flo
     switch (isa) {
         case Isa::Avx512Vnni: rms_norm_avx512(x, w, m, d, eps, y); break;
         case Isa::Avx2: rms_norm_avx2(x, w, m, d, eps, y); break;
-        default:
-            for (int64_t i = 0; i < m; ++i) rms_norm_impl(x + d * i, w, d, eps, y + d * i);
+        default: rms_norm_rows(x, w, m, d, eps, y);
     }
 }
 
