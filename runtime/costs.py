@@ -12,6 +12,10 @@ with what each round actually cost:
     unseen cell     the profile's value scaled as the nearest observed cell below it in the same row was scaled
                     (the profile's shape, anchored where the rounds measured), or by the table's overall drift
                     (the running geometric mean of observed / profiled) where nothing in the row was observed
+    monotone        a verify of more tokens costs at least what one of fewer does: each cell at least the one
+                    before it in its row. A profile measured in a noisy moment can say a 2-token verify is cheaper
+                    than a decoding step (one stored profile: 3.84 against 4.01 ms), and a head whose drafts are
+                    rarely accepted then looks as if it paid
     exploration     a cost-aware scheduler stops admitting drafts where the table says the next one does not
                     pay, so a table that overstates a verify would never be corrected by the rounds it
                     prevents: `wants` lets the scheduler admit one pair past its stopping point, once every
@@ -45,6 +49,8 @@ class CostTable:
         self.estimate: dict[tuple, float] = {}  # cell -> median of its observations and the prior
         self.log_drift, self.observations, self.explored_rounds = 0.0, 0, 0
         self._since_explore = 0
+        self._cells_of: dict[tuple[int, int], tuple[int, int]] = {}  # (batch, tokens) -> its cell (`_cell`)
+        self._rows: dict[int, dict[int, float]] = {}  # a batch's verify cells (`_row`), until the next observation
         self._curves: dict[tuple[int, int], np.ndarray] = {}
         self._cells: dict[tuple[int, int], tuple[list[int], np.ndarray]] = {}  # a curve's cells, each count's cell
         self._wants: dict[tuple[int, int], np.ndarray] = {}
@@ -52,16 +58,36 @@ class CostTable:
     # -- what the schedulers read (runtime/schedulers.py Costs) ---------------------------------------
 
     def verify_ms(self, batch: int, tokens: int) -> float:
-        b = ceil_key(self.profile.verify, batch)
-        row = self.profile.verify[b]
-        p = ceil_key(row, tokens)
-        if ("verify", b, p) in self.estimate:
-            return self.estimate[("verify", b, p)]
-        below = [q for q in row if q < p and ("verify", b, q) in self.estimate]
-        if below:  # the profile's shape from the nearest observed cell below
-            q = max(below)
-            return row[p] * self.estimate[("verify", b, q)] / row[q]
-        return row[p] * math.exp(self.log_drift)
+        b, p = self._cell(batch, tokens)
+        return self._row(b)[p]
+
+    def _cell(self, batch: int, tokens: int) -> tuple[int, int]:
+        """The profiled (batch, tokens) cell a call of `batch` slots over `tokens` tokens takes (read every round)."""
+        key = (batch, tokens)
+        if key not in self._cells_of:
+            b = ceil_key(self.profile.verify, batch)
+            self._cells_of[key] = (b, ceil_key(self.profile.verify[b], tokens))
+        return self._cells_of[key]
+
+    def _row(self, b: int) -> dict[int, float]:
+        """Profiled batch b's cells -> ms, kept until the next observation: each cell its estimate if observed, else
+        the profile's value scaled like the nearest observed cell below it, else by the drift; then at least the
+        cell before it (a call of more tokens never costs less: a profile measured in a noisy moment, or cells
+        observed at different moments, can say otherwise, and a verify believed cheaper than a decoding step
+        would be admitted where it cannot pay)."""
+        if b not in self._rows:
+            row, out, below, floor = self.profile.verify[b], {}, None, 0.0  # below: the nearest observed cell
+            for p in sorted(row):
+                if ("verify", b, p) in self.estimate:
+                    below = p
+                    ms = self.estimate[("verify", b, p)]
+                elif below is not None:
+                    ms = row[p] * self.estimate[("verify", b, below)] / row[below]
+                else:
+                    ms = row[p] * math.exp(self.log_drift)
+                out[p] = floor = max(floor, ms)
+            self._rows[b] = out
+        return self._rows[b]
 
     def draft_ms(self, head: str, batch: int) -> float:
         if head not in self.profile.draft:
@@ -82,16 +108,8 @@ class CostTable:
                 cells = sorted(self.profile.verify[b])
                 self._cells[key] = (cells, np.minimum(np.searchsorted(cells, np.arange(tokens + 1)), len(cells) - 1))
             cells, at = self._cells[key]
-            row, ms, below = self.profile.verify[b], [], None  # below: the nearest observed cell so far
-            for p in cells:  # verify_ms(b, p) for every cell, in one pass
-                if ("verify", b, p) in self.estimate:
-                    below = p
-                    ms.append(self.estimate[("verify", b, p)])
-                elif below is not None:
-                    ms.append(row[p] * self.estimate[("verify", b, below)] / row[below])
-                else:
-                    ms.append(row[p] * math.exp(self.log_drift))
-            self._curves[key] = np.array(ms, np.float64)[at]
+            row = self._row(b)
+            self._curves[key] = np.array([row[p] for p in cells], np.float64)[at]
         return self._curves[key]
 
     def exploring(self, batch: int, tokens: int) -> np.ndarray | None:
@@ -116,8 +134,7 @@ class CostTable:
 
     def observe_verify(self, batch: int, tokens: int, ms: float) -> None:
         """A verify (or decode) call of `batch` slots over `tokens` tokens in all took `ms`."""
-        b = ceil_key(self.profile.verify, batch)
-        p = ceil_key(self.profile.verify[b], tokens)
+        b, p = self._cell(batch, tokens)
         self._observe(("verify", b, p), self.profile.verify[b][p], ms)
         self._since_explore += 1
 
@@ -130,6 +147,7 @@ class CostTable:
     def _observe(self, cell: tuple, profiled: float, ms: float) -> None:
         if not (ms > 0 and math.isfinite(ms)):
             return
+        self._rows.clear()
         self._curves.clear()
         seen = self.seen.setdefault(cell, deque(maxlen=WINDOW))
         seen.append(ms)

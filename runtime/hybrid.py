@@ -47,7 +47,10 @@ LOOKUP_LATER = 0.8  # prior conditional acceptance of a lookup's drafts after it
 EXPLORE = 32  # rounds without the head before it is first called regardless of its estimate
 EXPLORE_MAX = 256  # the longest wait, after explorations that did not win the head back
 DECAY = 0.95  # weight of the head's older rounds in its realized rate, per head round
-# before any head round: as if PRIOR_ROUNDS slot rounds had each verified one draft and committed PRIOR_TOKENS
+# before any head round: as if PRIOR_ROUNDS slot rounds had each verified one draft and committed PRIOR_TOKENS; they
+# decay with the head's rounds like any other, so a head's own record soon decides (a prior that stayed would hold a
+# head whose drafts are never accepted at 1/6 of its rounds at 1.5 tokens, enough to call it at every round at
+# one request in flight, where a verify of 2 tokens costs ~1.1 decoding steps)
 PRIOR_ROUNDS, PRIOR_TOKENS = 4.0, 1.5
 
 
@@ -106,8 +109,9 @@ class HybridDrafter:
         self.source = np.zeros(0, np.int64)  # per slot: who drafted its row of the last proposal
         self.held = np.zeros(0, bool)  # per slot: left out of the last proposal's head call (an exploration's)
         self.rounds = {LOOKUP: 0, HEAD: 0}  # rounds drafted without and with the head
-        # the head rounds' active slot rounds and their tokens committed and verified (decayed sums, per head round)
-        self.slot_rounds = self.committed = self.verified = 0.0
+        # the head rounds' active slot rounds and their tokens committed and verified (decayed sums, per head round),
+        # from the prior's
+        self.slot_rounds, self.committed, self.verified = PRIOR_ROUNDS, PRIOR_ROUNDS * PRIOR_TOKENS, PRIOR_ROUNDS * 2.0
         self.since_head = 0
         self.explore_every = EXPLORE  # rounds without the head before it is explored (doubles while it loses)
         self._explored = False  # the last head call was an exploration
@@ -139,12 +143,11 @@ class HybridDrafter:
 
     def head_rate(self, n: int, active: int) -> float:
         """Committed tokens per ms a head round for n slots, `active` of them with a request, promises: the tokens a
-        slot committed and verified per head round lately (a prior before any), at this round's profiled costs."""
-        if not active:
+        slot committed and verified per head round lately (a decaying prior's before any), at this round's costs."""
+        if not active or self.slot_rounds <= 0:
             return 0.0
-        rounds = self.slot_rounds + PRIOR_ROUNDS
-        committed = active * (self.committed + PRIOR_ROUNDS * PRIOR_TOKENS) / rounds
-        verified = active * (self.verified + PRIOR_ROUNDS * 2) / rounds
+        committed = active * self.committed / self.slot_rounds
+        verified = active * self.verified / self.slot_rounds
         lo = int(verified)  # the verify cost between its whole token counts
         verify = self.costs.verify_ms(n, lo) if lo > 0 else 0.0
         if verified > lo:

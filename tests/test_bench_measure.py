@@ -256,6 +256,19 @@ def test_engine_refines_a_wrong_stored_profile(art, tmp_path):
     assert any(ell > 0 for ell, _, _ in stats.rounds)  # drafts were verified despite the table
 
 
+def test_a_verify_of_more_tokens_never_costs_less():
+    """A profile measured in a noisy moment (one stored: a 2-token verify 3.84 ms against a decoding step's 4.01), or
+    cells observed at different moments, can say a longer verify is cheaper; the table reads each cell as at least
+    the one before it, so a verify is never believed cheaper than a decoding step."""
+    table = CostTable(_profile({1: 4.01, 2: 3.84, 3: 4.47, 4: 4.2}), "test")
+    assert [table.verify_ms(1, p) for p in range(1, 5)] == [4.01, 4.01, 4.47, 4.47]
+    assert table.verify_curve(1, 4).tolist() == [4.01, 4.01, 4.01, 4.47, 4.47]
+    for _ in range(8):
+        table.observe_verify(1, 1, 5.0)  # the decoding step observed slower than the profile's 2-token verify
+    assert table.verify_ms(1, 1) == table.verify_ms(1, 2) == 5.0 < table.verify_ms(1, 3)
+    assert np.all(np.diff(table.verify_curve(1, 4)) >= 0)
+
+
 def test_verify_curve_is_the_tables_cells():
     """What steps.admission reads, one float per token count, is verify_ms's value, before and after the rounds
     refine the table (a sparse profile: token counts between cells take the next cell's cost)."""

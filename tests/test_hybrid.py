@@ -11,7 +11,7 @@ import pytest
 from specrt import artifact as io
 from specrt.runtime.drafters import Context, GraphDrafter, lookup, lookup_match
 from specrt.runtime.engine import Engine, Request
-from specrt.runtime.hybrid import EXPLORE, HEAD, LOOKUP, HybridDrafter
+from specrt.runtime.hybrid import DECAY, EXPLORE, HEAD, LOOKUP, PRIOR_ROUNDS, HybridDrafter
 from specrt.runtime.profile import Profile, save_profile
 from specrt.runtime.sampling import SamplingParams
 
@@ -258,6 +258,26 @@ def test_head_is_explored_when_its_estimate_says_skip(tiny_arts):
 
 
 
+def test_a_head_whose_drafts_are_never_accepted_stops_being_called(tiny_arts):
+    """The head's record starts from a prior (as if its rounds committed 1.5 tokens for 2 verified) that decays with
+    its rounds: a head whose drafts are never accepted, on costs where a 2-token verify costs barely more than a
+    decoding step (10.5 against 10 ms, a free draft call), wins its first rounds on the prior, then is called only
+    on its explorations. (A prior that stayed kept it winning every round, at 1.083 tokens per 11 ms.)"""
+    art = tiny_arts("llama")
+    manifest = io.load_manifest(art)
+    costs = _Costs()
+    hybrid = HybridDrafter(GraphDrafter(art, manifest, "dspark", threads=1), costs, lookups=False, lazy=True)
+    hybrid.allocate(1)
+    feats = np.zeros((1, max(h.feature_offset + h.feature_dim for h in manifest.heads.values())), np.float32)
+    heads = []
+    for i in range(8 * EXPLORE):
+        p = hybrid.propose([_View(Context(i, feats, np.asarray([5])), 5, [1, 2, 3])])
+        heads.append(p.head == "dspark")
+        if heads[-1]:
+            hybrid.observe(0, 1, 0)  # one draft verified, refused
+    assert all(heads[:4]), heads[:8]  # the prior's rounds
+    assert 0 < sum(heads[4 * EXPLORE:]) <= 2, heads  # then its explorations only
+
 @pytest.mark.parametrize("head", ["dspark", "mtp"])
 @pytest.mark.parametrize("defer", [False, True])  # the prompts in the head's cache already, or in the backlogs
 def test_an_exploration_drafts_for_the_slot_with_the_fewest_pending_rows(tiny_arts, head, defer):
@@ -304,7 +324,7 @@ def test_an_exploration_drafts_for_the_slot_with_the_fewest_pending_rows(tiny_ar
     assert p.counts[1] == hybrid.head.steps and p.counts[0] > 0 and p.counts[2] > 0  # the held keep lookups
     assert [len(b) for b in hybrid.backlog[:3]] == [EXPLORE + 1 + defer, 0, EXPLORE + 1 + defer]
     hybrid._fold()
-    assert hybrid.slot_rounds == 1  # the explored slot's round only
+    assert hybrid.slot_rounds == pytest.approx(DECAY * PRIOR_ROUNDS + 1)  # the explored slot's round only
     costs.draft = 0.0
     hybrid.slot_rounds, hybrid.committed, hybrid.verified = 1e3, 4e3, 1e3  # its rounds paid: the head wins
     got = hybrid.propose([_View(rounds[i][-1], 9, [1, 2, 3], 1.0, np.random.default_rng(i)) for i in range(3)])

@@ -9,10 +9,22 @@ namespace {
 constexpr int kPrior = 2, kWindow = 16, kSeen = 6, kExploreEvery = 8;  // runtime/costs.py
 }
 
+// Each cell at least the one before it in its row: a verify of more tokens never costs less (runtime/costs.py `_row`).
 double CostTable::verify_ms(int64_t batch, int64_t tokens) const {
     const int64_t b = ceil_key(profile_.verify, batch);
+    const int64_t p = ceil_key(profile_.verify.at(b), tokens);
+    double ms = 0.0;
+    for (const auto& [q, _] : profile_.verify.at(b)) {
+        if (q > p) break;
+        ms = std::max(ms, cell_ms(b, q));
+    }
+    return ms;
+}
+
+// Cell p of batch b's row: its estimate if observed, else the profile's value scaled like the nearest observed cell
+// below it, else by the drift.
+double CostTable::cell_ms(int64_t b, int64_t p) const {
     const auto& row = profile_.verify.at(b);
-    const int64_t p = ceil_key(row, tokens);
     auto hit = estimate_.find({"verify", "", b, p});
     if (hit != estimate_.end()) return hit->second;
     for (auto it = std::make_reverse_iterator(row.find(p)); it != row.rend(); ++it) {  // nearest observed cell below

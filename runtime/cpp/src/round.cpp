@@ -272,7 +272,8 @@ Proposal GraphDrafter::propose(const Views& views) {
 
 HybridDrafter::HybridDrafter(std::unique_ptr<GraphDrafter> head, CostTable& costs, int64_t max_n, bool lookups)
     : head_(std::move(head)), costs_(costs), lookup_(head_->steps, max_n, kLookupLater), head_history_(head_->steps),
-      explore_every_(kExplore), lookups_(lookups) {
+      explore_every_(kExplore), slot_rounds_(kPriorRounds), committed_(kPriorRounds * kPriorTokens),
+      verified_(kPriorRounds * 2), lookups_(lookups) {
     steps = head_->steps;
 }
 
@@ -298,12 +299,12 @@ void HybridDrafter::observe(int64_t slot, int64_t verified, int64_t accepted) {
 }
 
 // Committed tokens per ms a head round for n slots, `active` of them with a request, promises: the tokens a slot
-// committed and verified per head round lately (a prior before any), at this round's profiled costs.
+// committed and verified per head round lately (a prior's before any, decaying with the rest: runtime/hybrid.py), at
+// this round's costs.
 double HybridDrafter::head_rate(int64_t n, int64_t active) const {
-    if (active == 0) return 0.0;
-    const double rounds = slot_rounds_ + kPriorRounds;
-    const double committed = active * (committed_ + kPriorRounds * kPriorTokens) / rounds;
-    const double verified = active * (verified_ + kPriorRounds * 2) / rounds;
+    if (active == 0 || slot_rounds_ <= 0) return 0.0;
+    const double committed = active * committed_ / slot_rounds_;
+    const double verified = active * verified_ / slot_rounds_;
     const int64_t lo = static_cast<int64_t>(verified);  // the verify cost between its whole token counts
     double verify = lo > 0 ? costs_.verify_ms(n, lo) : 0.0;
     if (verified > lo) verify += (verified - lo) * (costs_.verify_ms(n, lo + 1) - verify);

@@ -117,8 +117,9 @@ private:
     std::vector<char> held_;  // per slot: left out of the last proposal's head call (an exploration's)
     int64_t rounds_[2] = {0, 0}, since_head_ = 0;
     int64_t explore_every_;  // rounds without the head before it is explored (doubles while explorations lose)
-    // the head rounds' active slot rounds and their tokens committed and verified (decayed sums, per head round)
-    double slot_rounds_ = 0.0, committed_ = 0.0, verified_ = 0.0;
+    // the head rounds' active slot rounds and their tokens committed and verified (decayed sums, per head round),
+    // from the prior's
+    double slot_rounds_, committed_, verified_;
     bool lookups_, last_head_ = false, explored_ = false;
     std::vector<std::pair<int64_t, int64_t>> last_;
 };
