@@ -368,3 +368,40 @@ def test_greedy_output_identical_across_backends(tiny_arts, fixture_art, method)
         prompts = _prompts(vocab, [5, 19, 11], seed=4)
         ort, _ = _generate(art, "ar", prompts, params)
         assert _generate(art, method, prompts, params, backend="torch")[0] == ort, art
+
+
+def test_decoding_calls_keep_their_memory_plan_after_a_verify(tiny_arts, capfd, monkeypatch):
+    """ONNX Runtime keys its memory plans (every intermediate at a planned offset of one block) by the XOR of a call's
+    input dimensions, which for a target is the batch for a decoding call and for every verify of that batch alike,
+    and the first call of a key sets the plan. The runner runs its decoding buckets when it allocates, so a decoding
+    call after a verify still runs on its own plan: ONNX Runtime's verbose log names every tensor it allocates apart
+    from the plan (here: none for the decoding call; the verify's, on the decoding call's plan, do show)."""
+    from specrt import artifact as io
+    from specrt.runtime import calls
+    from specrt.runtime.backends import load_runner
+    from specrt.runtime.backends import ort as backend
+
+    made = backend.session_options
+
+    def verbose(*args, **kw):
+        so = made(*args, **kw)
+        so.log_severity_level = 0
+        return so
+
+    monkeypatch.setattr(backend, "session_options", verbose)
+    art = tiny_arts("llama")
+    runner = load_runner("ort", art, io.load_manifest(art), io.TARGET, threads=1)
+    runner.allocate(1)
+
+    def call(t: int) -> str:
+        bucket = runner.spec.bucket("verify", B=1, T=t, P=t) if t > 1 else runner.spec.bucket("decode", B=1)
+        rows = calls.target.packed_rows(np.array([t - 1]), np.array([True]), bucket)
+        calls.target.grid(runner.inputs(0, bucket), np.array([5]), np.array([3]), np.full((1, 7), 9), rows)
+        capfd.readouterr()
+        runner.run(0, bucket)
+        return capfd.readouterr().err
+
+    fallback = "fall back to default allocation"
+    call(3)  # the first verify of this batch
+    assert fallback not in call(1)
+    assert fallback in call(3)  # the log is on: a verify allocates apart from the decoding call's plan

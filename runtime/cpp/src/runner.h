@@ -10,6 +10,7 @@
 #include <onnxruntime/onnxruntime_cxx_api.h>
 
 #include <memory>
+#include <set>
 #include <tuple>
 
 namespace specrt {
@@ -53,6 +54,7 @@ private:
     Call& call(int64_t slot, const Bucket& bucket, bool greedy);
     void bind_cache(Call& c);
     void resize(int64_t length);
+    void prime();
 
     GraphSpec spec_, greedy_spec_;
     std::unique_ptr<Ort::Session> session_, greedy_session_;
@@ -61,6 +63,7 @@ private:
     size_t cache_item_ = sizeof(float);                                          // its bytes per element
     std::vector<std::vector<uint8_t>> cache_;  // per layer's key and value: [slots, Hkv, length, D] elements
     std::map<Key, Call> calls_;
+    std::set<Bucket> primed_;  // decoding buckets run once on this session (prime)
     int64_t slots_ = 0, length_ = 0;
     bool sized_ = false;
 };
