@@ -142,6 +142,7 @@ class OrtRunner:
         of every decoding call then allocated apart (ONNX Runtime's verbose log: 17,284 fallbacks in 64 tokens
         against `ar`'s 108). Decoding calls are the ones every engine makes most, so they set the plan; what they write
         (position 0 of each slot) is zeroed again, so the cache is as `allocate` promises."""
+        ran = False
         for bucket in self.spec.buckets.get("decode", ()):
             key = tuple(sorted(bucket.items()))
             if bucket["B"] > self.slots or key in self._primed:
@@ -155,7 +156,9 @@ class OrtRunner:
                 feeds[io.LOGIT_ROWS][...] = np.arange(feeds[io.LOGIT_ROWS].shape[0])
             self._sessions[False].run_with_iobinding(binding)  # not `run`: no caller's call, nothing to count
             self._primed.add(key)
-            for buf in self._cache.values():  # [slots, H, S, D]: what the call wrote, at position 0, zeroed again
+            ran = True
+        if ran:
+            for buf in self._cache.values():  # [slots, H, S, D]: what the calls wrote, at position 0, zeroed again
                 buf[:, :, 0] = 0
 
     def _resize(self, length: int) -> None:
