@@ -159,6 +159,29 @@ def test_buffers_are_made_once(arts):
     assert r.cache[0][0].shape[0] == 3 and not r.cache[0][0].any()
 
 
+def test_the_ort_caches_are_zeroed_disjoint_views_of_one_block():
+    """Each cache array is a zeroed, C-contiguous array of its shape and dtype, on its own cache lines, in one block
+    that starts on a 2 MiB boundary; writing one leaves the others zero."""
+    from specrt.runtime.backends.ort import HUGE_PAGE, _cache_block
+    f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
+    tensors = [("past.0.key", (2, 3, 65, 64), f32), ("past.0.value", (2, 3, 65, 64), f32),
+               ("past.1.key", (2, 1, 7, 5), f16), ("past.1.value", (2, 1, 7, 5), f16)]
+    cache = _cache_block(tensors)
+    assert list(cache) == [name for name, _, _ in tensors]
+    starts = []
+    for (name, shape, dtype), buf in zip(tensors, cache.values()):
+        assert buf.shape == shape and buf.dtype == dtype and buf.flags.c_contiguous and buf.flags.writeable
+        assert not buf.any() and buf.ctypes.data % 64 == 0
+        starts.append((buf.ctypes.data, buf.ctypes.data + buf.nbytes))
+    assert starts[0][0] % HUGE_PAGE == 0
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(starts, starts[1:]))  # in order, none overlapping
+    for buf in cache.values():
+        buf[...] = 1
+    assert all(buf.all() for buf in cache.values())
+    cache["past.0.value"][...] = 0
+    assert cache["past.0.key"].all() and cache["past.1.key"].all()
+
+
 def test_truncated_weights_are_one_line_errors(arts, tmp_path):
     art = shutil.copytree(arts("qwen2"), tmp_path / "art")
     m = load_manifest(art)
