@@ -38,6 +38,7 @@ PRIOR = 2  # the profile's value counts as this many observations
 WINDOW = 16  # observations kept per cell
 SEEN = 6  # observations after which a cell is no longer explored
 EXPLORE_EVERY = 8  # rounds between explorations
+LOG4 = math.log(4)
 
 
 class CostTable:
@@ -50,6 +51,9 @@ class CostTable:
         self.log_drift, self.observations, self.explored_rounds = 0.0, 0, 0
         self._since_explore = 0
         self._cells_of: dict[tuple[int, int], tuple[int, int]] = {}  # (batch, tokens) -> its cell (`_cell`)
+        self._draft_cells: dict[tuple[str, int], int] = {}  # (head, batch) -> its profiled batch (`draft_ms`)
+        self._order = {b: sorted(row) for b, row in profile.verify.items()}  # each verify row's cells, ascending
+        self._drift = 1.0  # exp(log_drift)
         self._rows: dict[int, dict[int, float]] = {}  # a batch's verify cells (`_row`), until the next observation
         self._curves: dict[tuple[int, int], np.ndarray] = {}
         self._cells: dict[tuple[int, int], tuple[list[int], np.ndarray]] = {}  # a curve's cells, each count's cell
@@ -75,25 +79,36 @@ class CostTable:
         cell before it (a call of more tokens never costs less: a profile measured in a noisy moment, or cells
         observed at different moments, can say otherwise, and a verify believed cheaper than a decoding step
         would be admitted where it cannot pay)."""
-        if b not in self._rows:
-            row, out, below, floor = self.profile.verify[b], {}, None, 0.0  # below: the nearest observed cell
-            for p in sorted(row):
-                if ("verify", b, p) in self.estimate:
-                    below = p
-                    ms = self.estimate[("verify", b, p)]
+        out = self._rows.get(b)
+        if out is None:
+            row, estimate, out, floor = self.profile.verify[b], self.estimate, {}, 0.0
+            below = None  # the nearest observed cell's (estimate, profiled value)
+            for p in self._order[b]:
+                ms = estimate.get(("verify", b, p))
+                if ms is not None:
+                    below = (ms, row[p])
                 elif below is not None:
-                    ms = row[p] * self.estimate[("verify", b, below)] / row[below]
+                    ms = row[p] * below[0] / below[1]
                 else:
-                    ms = row[p] * math.exp(self.log_drift)
+                    ms = row[p] * self._drift
                 out[p] = floor = max(floor, ms)
             self._rows[b] = out
-        return self._rows[b]
+        return out
 
     def draft_ms(self, head: str, batch: int) -> float:
-        if head not in self.profile.draft:
+        b = self._draft_cell(head, batch)
+        if b is None:
             return 0.0  # n-gram lookups: no graph call
-        b = ceil_key(self.profile.draft[head], batch)
-        return self.estimate.get(("draft", head, b), self.profile.draft[head][b] * math.exp(self.log_drift))
+        ms = self.estimate.get(("draft", head, b))
+        return ms if ms is not None else self.profile.draft[head][b] * self._drift
+
+    def _draft_cell(self, head: str, batch: int) -> int | None:
+        """The profiled batch a draft call of `batch` slots takes (None: `head` has no graph call)."""
+        key = (head, batch)
+        if key not in self._draft_cells:
+            row = self.profile.draft.get(head)
+            self._draft_cells[key] = ceil_key(row, batch) if row else None
+        return self._draft_cells[key]
 
     def step_ms(self, batch: int) -> float:
         b = ceil_key(self.profile.verify, batch)
@@ -140,8 +155,8 @@ class CostTable:
 
     def observe_draft(self, head: str, batch: int, ms: float) -> None:
         """A call of `head`'s draft graph for `batch` slots took `ms`."""
-        if head in self.profile.draft:
-            b = ceil_key(self.profile.draft[head], batch)
+        b = self._draft_cell(head, batch)
+        if b is not None:
             self._observe(("draft", head, b), self.profile.draft[head][b], ms)
 
     def _observe(self, cell: tuple, profiled: float, ms: float) -> None:
@@ -149,7 +164,9 @@ class CostTable:
             return
         self._rows.clear()
         self._curves.clear()
-        seen = self.seen.setdefault(cell, deque(maxlen=WINDOW))
+        seen = self.seen.get(cell)
+        if seen is None:
+            seen = self.seen[cell] = deque(maxlen=WINDOW)
         seen.append(ms)
         if len(seen) <= SEEN:  # a count exploring reads changed
             self._wants.clear()
@@ -157,8 +174,9 @@ class CostTable:
         self.estimate[cell] = values[(len(values) - 1) // 2]  # the lower median: see above
         self.observations += 1
         if profiled > 0:  # clipped: one stall moves the drift by at most log(4) / its weight
-            ratio = max(-math.log(4), min(math.log(4), math.log(ms / profiled)))
+            ratio = max(-LOG4, min(LOG4, math.log(ms / profiled)))
             self.log_drift += (ratio - self.log_drift) / min(self.observations, 4 * WINDOW)
+            self._drift = math.exp(self.log_drift)
 
     # -- reporting --------------------------------------------------------------------------------------
 

@@ -170,7 +170,7 @@ class HybridDrafter:
         active = sum(s is not None for s in slots)
         looked = self.lookups and (not self.lazy or self._lookups_may_pay(n, active))
         found, a_lookup = self._look(slots) if looked else self._nothing(n)
-        if found.counts.any():
+        if looked and found.counts.any():
             _, without = admission(a_lookup, np.array([s is not None for s in slots]), 0.0, self.costs)
         else:  # no drafts without the head: the round is a decoding step of the active slots (admission's rate)
             without = active / self.costs.verify_ms(n, active)
