@@ -355,10 +355,15 @@ class Worker:
     """One engine in its own process."""
 
     def __init__(self, spec: EngineSpec) -> None:
-        ctx = mp.get_context("spawn")  # a fresh interpreter: nothing (threads, sessions) inherited from the bench
         self.spec = spec
+        self._start(_serve, (spec,))
+
+    def _start(self, target, args: tuple) -> None:
+        """Run target(conn, *args) in a spawned process: a fresh interpreter, nothing (threads, sessions,
+        allocations) inherited from the bench; it says ready (or its error) first, then answers each message."""
+        ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, spec), daemon=True, name=f"bench {spec.name}")
+        self.process = ctx.Process(target=target, args=(child, *args), daemon=True, name=f"bench {self.spec.name}")
         self.process.start()
         child.close()
 

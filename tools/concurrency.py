@@ -10,12 +10,14 @@ the next prompt at the following step, the way a server runs), greedy, and repor
                               or rounds; speculative rows add draft_s and verify_s (parts of decode_s)
 
 Rows: batched AR ("ar", scheduler "-") and every speculative method under every scheduler. The greedy tokens of
-every row must equal AR's for every prompt (exactness), or the command fails. Engines are warmed up, then serve
---repeats passes in rotating order (`run` says how); every number is the median over passes.
+every row must equal AR's for every prompt (exactness), or the command fails. Each engine runs in a process of its
+own (`EngineWorker`, as `specrt bench`'s engines do), one at a time; they are warmed up, then serve --repeats passes
+in rotating order (`run` says how); every number is the median over passes.
 """
 from __future__ import annotations
 
 import time
+import traceback
 from collections import deque
 from statistics import median
 from pathlib import Path
@@ -27,7 +29,8 @@ from specrt.errors import SpecrtError
 from specrt.runtime.config import SCHEDULERS, EngineConfig
 from specrt.runtime.engine import Engine
 from specrt.runtime.prompts import encode_prompt, read_prompts_file
-from specrt.tools.profile import open_engine
+from specrt.tools.bench_workers import EngineSpec, Worker
+from specrt.tools.profile import profile_for
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.stats import RunStats
 from specrt.runtime.tokenizer import Tokenizer
@@ -79,6 +82,54 @@ def serve(engine: Engine, prompts: list[list[int]], params: SamplingParams, conc
     return row, [done[i][0] for i in range(len(prompts))]
 
 
+class EngineWorker(Worker):
+    """One engine of a run in a process of its own, serving whole passes (`serve`) on request.
+
+    In one process, engines made one after another did not run alike: paired prompt by prompt
+    (scripts/engine_pair.py), the same `ar` engine's decoding calls cost 1-2% more when it was made second, the
+    order the bench made them in (`ar` first, every speculative engine after it). A process per engine gives each
+    its own allocations and thread pool, as a user's server would have."""
+
+    def __init__(self, label: str, art: str | Path, config: EngineConfig, profile) -> None:
+        self.spec = EngineSpec(name=label, artifact=str(art))
+        self._start(_serve_engine, (str(art), config, profile))
+        self.ready()
+
+    def serve(self, prompts: list[list[int]], params: SamplingParams, concurrency: int, *, progress: bool = False,
+              desc: str = "") -> tuple[dict, list[list[int]]]:
+        self.conn.send(("serve", prompts, params, concurrency, progress, desc))
+        return self._answer()
+
+
+def _serve_engine(conn, art: str, config: EngineConfig, profile) -> None:
+    """An EngineWorker's process: open the engine, say ready, serve each pass sent until told to close."""
+    try:
+        engine = Engine(art, config, profile=profile)
+    except SpecrtError as e:
+        conn.send(("error", str(e)))
+        return
+    except Exception as e:  # noqa: BLE001 - reported to the bench, which fails with it
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return
+    conn.send(("ready", None))
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                return
+            if msg[0] != "serve":
+                return
+            try:
+                conn.send(("ok", serve(engine, *msg[1:4], progress=msg[4], desc=msg[5])))
+            except SpecrtError as e:
+                conn.send(("error", str(e)))
+            except Exception as e:  # noqa: BLE001
+                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        engine.close()
+
+
 def run(art: str | Path, prompts: list[list[int]], *, levels: list[int], methods: list[str], schedulers: list[str],
         max_new_tokens: int, gamma: int | None, backend: str, threads: int | None, threshold: float,
         progress: bool, device: str = "cpu", dtype: str | None = None, repeats: int = 1,
@@ -98,16 +149,20 @@ def run(art: str | Path, prompts: list[list[int]], *, levels: list[int], methods
     params = SamplingParams(max_new_tokens=max_new_tokens)
     rows, identical = [], True
     configs = [("ar", "fixed")] + [(m, s) for m in methods if m != "ar" for s in schedulers]
+    profile = None  # one cost profile for every engine that plans on one (a quick one measured here, once, if none)
     for c in levels:
         engines = []
         try:
             for method, sched in configs:
-                engine = open_engine(art, EngineConfig(method=method, gamma=gamma if method != "ar" else None,
-                                                       scheduler=sched, backend=backend, threads=threads, slots=c,
-                                                       threshold=threshold, device=device, dtype=dtype))
-                engines.append((method if method == "ar" else f"{method}/{sched}", engine))
+                config = EngineConfig(method=method, gamma=gamma if method != "ar" else None, scheduler=sched,
+                                      backend=backend, threads=threads, slots=c, threshold=threshold, device=device,
+                                      dtype=dtype)
+                if config.plans_on_costs and profile is None:
+                    profile = profile_for(art, backend=backend, threads=threads, device=device, dtype=dtype)
+                label = method if method == "ar" else f"{method}/{sched}"
+                engines.append((label, EngineWorker(label, art, config, profile if config.plans_on_costs else None)))
             for _, engine in engines:
-                serve(engine, prompts[:c], params, c, progress=False)  # warm-up
+                engine.serve(prompts[:c], params, c)  # warm-up
             passes: list[list[dict]] = [[] for _ in engines]  # per engine, its row of every pass (AR: every run)
             outputs: list[list[list[list[int]]]] = [[] for _ in engines]  # per engine, its outputs of every run
             speed: list[list[float]] = [[] for _ in engines]  # per engine and pass: its tok/s (AR: its runs' mean)
@@ -115,8 +170,8 @@ def run(art: str | Path, prompts: list[list[int]], *, levels: list[int], methods
 
             def serve_one(j: int, k: int) -> float:
                 label, engine = engines[j]
-                row, out = serve(engine, prompts, params, c, progress=progress,
-                                 desc=f"c={c} {label}" + (f" pass {k + 1}/{repeats}" if repeats > 1 else ""))
+                row, out = engine.serve(prompts, params, c, progress=progress,
+                                        desc=f"c={c} {label}" + (f" pass {k + 1}/{repeats}" if repeats > 1 else ""))
                 passes[j].append(row)
                 outputs[j].append(out)
                 return row["tokens_per_s"]
