@@ -6,6 +6,7 @@
 #include <numeric>
 #include <dlfcn.h>
 #include <sched.h>
+#include <sys/mman.h>
 
 namespace specrt {
 
@@ -168,6 +169,7 @@ void Runner::allocate(int64_t slots) {
     slots_ = slots;
     calls_.clear();
     cache_.clear();
+    cache_block_ = CacheBlock();  // the old one's memory is free before the new one is taken
     length_ = 0;
     resize(sized_ ? std::min(kGrowth, spec_.max_seq) : spec_.max_seq);
     prime();
@@ -191,8 +193,8 @@ void Runner::prime() {
         run(0, bucket);
         ran = true;
     }
-    if (ran)
-        for (auto& layer : cache_) std::fill(layer.begin(), layer.end(), 0);  // what they wrote: zeroed, as promised
+    if (ran && cache_block_.size())
+        std::memset(cache_block_.data(), 0, cache_block_.size());  // what they wrote: zeroed, as promised
 }
 
 Tensors& Runner::inputs(int64_t slot, const Bucket& bucket, bool greedy) { return call(slot, bucket, greedy).in; }
@@ -259,7 +261,7 @@ void Runner::bind_cache(Call& c) {
         const TensorSpec& t = cache_specs_[i];
         std::vector<int64_t> shape = t.resolve({{"B", c.slots}, {kCacheLen, length_}});
         size_t per_slot = count(shape) / static_cast<size_t>(c.slots);
-        c.cache_values.push_back(Ort::Value::CreateTensor(mem, cache_[i].data() + c.slot * per_slot * cache_item_,
+        c.cache_values.push_back(Ort::Value::CreateTensor(mem, cache_[i] + c.slot * per_slot * cache_item_,
                                                           count(shape) * cache_item_, shape.data(), shape.size(),
                                                           cache_type_));
         c.binding->BindInput(t.name.c_str(), c.cache_values.back());
@@ -271,19 +273,47 @@ void Runner::bind_cache(Call& c) {
 
 // (Re)allocate every layer's cache at `length` positions per slot, keeping what it holds.
 void Runner::resize(int64_t length) {
-    std::vector<std::vector<uint8_t>> next(cache_specs_.size());
+    std::vector<size_t> at;  // each layer's offset in the block, on its own cache lines
+    size_t total = 0;
+    for (const TensorSpec& t : cache_specs_) {
+        at.push_back(total);
+        total += (count(t.resolve({{"B", slots_}, {kCacheLen, length}})) * cache_item_ + 63) / 64 * 64;
+    }
+    CacheBlock block(total);  // zero bits: 0.0 in each type
+    std::vector<uint8_t*> next;
     for (size_t i = 0; i < cache_specs_.size(); ++i) {
-        std::vector<int64_t> shape = cache_specs_[i].resolve({{"B", slots_}, {kCacheLen, length}});
-        next[i].assign(count(shape) * cache_item_, 0);  // zero bits: 0.0 in each type
+        next.push_back(block.data() + at[i]);
         if (!cache_.empty() && length_ > 0) {  // [B, H, S, D]: copy each (slot, head)'s first min(S) rows
+            std::vector<int64_t> shape = cache_specs_[i].resolve({{"B", slots_}, {kCacheLen, length}});
             const int64_t rows = shape[0] * shape[1], row = shape[3] * static_cast<int64_t>(cache_item_),
                           keep = std::min(length, length_);
             for (int64_t r = 0; r < rows; ++r)
-                std::memcpy(next[i].data() + r * length * row, cache_[i].data() + r * length_ * row, keep * row);
+                std::memcpy(next[i] + r * length * row, cache_[i] + r * length_ * row, keep * row);
         }
     }
+    cache_block_ = std::move(block);
     cache_ = std::move(next);
     length_ = length;
+}
+
+CacheBlock::CacheBlock(size_t bytes) : size_(bytes) {
+    if (bytes == 0) return;
+    constexpr size_t kHugePage = size_t{2} << 20;
+    mapped_ = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+    const size_t span = mapped_ + kHugePage;
+    void* p = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        throw Error(SPECRT_ERROR_RUNTIME, "cannot allocate " + std::to_string(bytes >> 20) + " MiB of KV cache");
+    uint8_t* raw = static_cast<uint8_t*>(p);
+    data_ = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + kHugePage - 1) & ~(kHugePage - 1));
+    if (data_ > raw) munmap(raw, data_ - raw);
+    if (raw + span > data_ + mapped_) munmap(data_ + mapped_, raw + span - (data_ + mapped_));
+    madvise(data_, mapped_, MADV_HUGEPAGE);  // a request: refused (EINVAL) where the kernel has no THP, harmless
+    std::memset(data_, 0, bytes);           // the pages taken now, not by the first calls that write them
+}
+
+CacheBlock::~CacheBlock() {
+    if (data_) munmap(data_, mapped_);
 }
 
 }  // namespace specrt

@@ -1,5 +1,5 @@
 // One graph family of an artifact on one ONNX Runtime session (runtime/backends/ort.py's OrtRunner): host buffers and
-// an Ort::IoBinding per (slot, bucket) made on first use and reused; each layer's KV cache one buffer bound in place
+// an Ort::IoBinding per (slot, bucket) made on first use and reused; each layer's KV cache one buffer (all in one CacheBlock) bound in place
 // as both past.* and present.* (the graph scatters new K/V into it); a cache of named length S grows by GROWTH
 // positions before a call that writes past it. A draft family's greedy variant runs on its own session over the
 // same cache.
@@ -12,6 +12,7 @@
 #include <memory>
 #include <set>
 #include <tuple>
+#include <utility>
 
 namespace specrt {
 
@@ -27,6 +28,34 @@ struct Tensor {
     size_t size() const { return dtype == "int64" ? i.size() : f.size(); }
 };
 using Tensors = std::map<std::string, Tensor>;
+
+// Zeroed memory for every KV cache of a runner, one anonymous mapping: 2 MiB-aligned, advised for transparent huge
+// pages (madvise, where the kernel has them) and written once when made, so attention walks 2 MiB pages and no call
+// takes a page fault (the Python runner's `_cache_block`, runtime/backends/ort.py).
+class CacheBlock {
+public:
+    CacheBlock() = default;
+    explicit CacheBlock(size_t bytes);
+    CacheBlock(const CacheBlock&) = delete;
+    CacheBlock& operator=(const CacheBlock&) = delete;
+    CacheBlock(CacheBlock&& o) noexcept { swap(o); }
+    CacheBlock& operator=(CacheBlock&& o) noexcept {
+        CacheBlock(std::move(o)).swap(*this);
+        return *this;
+    }
+    ~CacheBlock();
+    uint8_t* data() const { return data_; }
+    size_t size() const { return size_; }
+
+private:
+    void swap(CacheBlock& o) noexcept {
+        std::swap(data_, o.data_);
+        std::swap(size_, o.size_);
+        std::swap(mapped_, o.mapped_);
+    }
+    uint8_t* data_ = nullptr;
+    size_t size_ = 0, mapped_ = 0;  // mapped_: bytes mapped at data_ (whole 2 MiB pages)
+};
 
 class Runner {
 public:
@@ -61,7 +90,8 @@ private:
     std::vector<TensorSpec> cache_specs_;
     ONNXTensorElementDataType cache_type_ = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;  // float32, float16 or bfloat16
     size_t cache_item_ = sizeof(float);                                          // its bytes per element
-    std::vector<std::vector<uint8_t>> cache_;  // per layer's key and value: [slots, Hkv, length, D] elements
+    CacheBlock cache_block_;
+    std::vector<uint8_t*> cache_;  // per layer's key and value, in cache_block_: [slots, Hkv, length, D] elements
     std::map<Key, Call> calls_;
     std::set<Bucket> primed_;  // decoding buckets run once on this session (prime)
     int64_t slots_ = 0, length_ = 0;
