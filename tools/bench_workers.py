@@ -320,10 +320,12 @@ def require(baseline: str):
         raise SpecrtError(f"--baseline {baseline}: {module} cannot be loaded: {line}") from None
 
 
-def _serve(conn, spec: EngineSpec) -> None:
-    """The worker's loop: load, say ready, then run each request sent until told to close."""
+def worker_loop(conn, load) -> None:
+    """A worker process's loop: `load()` gives ({message: handler}, a close function or None); say ready (or the
+    error), then answer each message with its handler's result, until one it has no handler for (close) or the
+    pipe's end."""
     try:
-        generate, describe = (LOADERS[spec.name] if spec.baseline else _specrt)(spec)
+        handlers, close = load()
     except SpecrtError as e:
         conn.send(("error", str(e)))
         return
@@ -331,22 +333,33 @@ def _serve(conn, spec: EngineSpec) -> None:
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
     conn.send(("ready", None))
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            return
-        try:
-            if msg[0] == "run":
-                conn.send(("ok", generate(*msg[1:])))
-            elif msg[0] == "describe":
-                conn.send(("ok", describe()))
-            else:
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
                 return
-        except SpecrtError as e:
-            conn.send(("error", str(e)))
-        except Exception as e:  # noqa: BLE001
-            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            handler = handlers.get(msg[0])
+            if handler is None:
+                return
+            try:
+                conn.send(("ok", handler(*msg[1:])))
+            except SpecrtError as e:
+                conn.send(("error", str(e)))
+            except Exception as e:  # noqa: BLE001
+                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if close is not None:
+            close()
+
+
+def _serve(conn, spec: EngineSpec) -> None:
+    """The worker's loop: load, say ready, then run each request sent until told to close."""
+    def load():
+        generate, describe = (LOADERS[spec.name] if spec.baseline else _specrt)(spec)
+        return {"run": generate, "describe": describe}, None
+
+    worker_loop(conn, load)
 
 
 # -- in the bench ---------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ in rotating order (`run` says how); every number is the median over passes.
 from __future__ import annotations
 
 import time
-import traceback
 from collections import deque
 from statistics import median
 from pathlib import Path
@@ -29,7 +28,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.config import SCHEDULERS, EngineConfig
 from specrt.runtime.engine import Engine
 from specrt.runtime.prompts import encode_prompt, read_prompts_file
-from specrt.tools.bench_workers import EngineSpec, Worker
+from specrt.tools.bench_workers import EngineSpec, Worker, worker_loop
 from specrt.tools.profile import profile_for
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.stats import RunStats
@@ -103,31 +102,15 @@ class EngineWorker(Worker):
 
 def _serve_engine(conn, art: str, config: EngineConfig, profile) -> None:
     """An EngineWorker's process: open the engine, say ready, serve each pass sent until told to close."""
-    try:
+    def load():
         engine = Engine(art, config, profile=profile)
-    except SpecrtError as e:
-        conn.send(("error", str(e)))
-        return
-    except Exception as e:  # noqa: BLE001 - reported to the bench, which fails with it
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        return
-    conn.send(("ready", None))
-    try:
-        while True:
-            try:
-                msg = conn.recv()
-            except EOFError:
-                return
-            if msg[0] != "serve":
-                return
-            try:
-                conn.send(("ok", serve(engine, *msg[1:4], progress=msg[4], desc=msg[5])))
-            except SpecrtError as e:
-                conn.send(("error", str(e)))
-            except Exception as e:  # noqa: BLE001
-                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        engine.close()
+
+        def serve_pass(prompts, params, concurrency, progress, desc):
+            return serve(engine, prompts, params, concurrency, progress=progress, desc=desc)
+
+        return {"serve": serve_pass}, engine.close
+
+    worker_loop(conn, load)
 
 
 def run(art: str | Path, prompts: list[list[int]], *, levels: list[int], methods: list[str], schedulers: list[str],
