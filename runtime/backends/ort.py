@@ -93,7 +93,8 @@ def _cache_block(tensors: list[tuple[str, tuple, np.dtype]]) -> dict[str, np.nda
     where the kernel has them (madvise), is the same memory whatever was allocated before it, and attention walks
     2 MiB pages. It is written once here (zeros), so no call takes a page fault."""
     sizes = [int(np.prod(shape)) * dtype.itemsize for _, shape, dtype in tensors]
-    total = sum(-(-n // 64) * 64 for n in sizes)  # each array on its own cache lines
+    spans = [-(-n // 64) * 64 for n in sizes]  # each array on its own cache lines
+    total = sum(spans)
     if total == 0:
         return {name: np.zeros(shape, dtype) for name, shape, dtype in tensors}
     length = -(-total // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # room to start on a 2 MiB boundary
@@ -108,9 +109,9 @@ def _cache_block(tensors: list[tuple[str, tuple, np.dtype]]) -> dict[str, np.nda
     raw = whole[start:start + total]
     raw[:] = 0  # pages taken now, as the C++ runner's zeroed vectors are, not by the first calls that write them
     out, at = {}, 0
-    for (name, shape, dtype), n in zip(tensors, sizes):
+    for (name, shape, dtype), n, span in zip(tensors, sizes, spans):
         out[name] = raw[at:at + n].view(dtype).reshape(shape)
-        at += -(-n // 64) * 64
+        at += span
     return out
 
 

@@ -273,18 +273,20 @@ void Runner::bind_cache(Call& c) {
 
 // (Re)allocate every layer's cache at `length` positions per slot, keeping what it holds.
 void Runner::resize(int64_t length) {
+    std::vector<std::vector<int64_t>> shapes;
     std::vector<size_t> at;  // each layer's offset in the block, on its own cache lines
     size_t total = 0;
     for (const TensorSpec& t : cache_specs_) {
+        shapes.push_back(t.resolve({{"B", slots_}, {kCacheLen, length}}));
         at.push_back(total);
-        total += (count(t.resolve({{"B", slots_}, {kCacheLen, length}})) * cache_item_ + 63) / 64 * 64;
+        total += (count(shapes.back()) * cache_item_ + 63) / 64 * 64;
     }
     CacheBlock block(total);  // zero bits: 0.0 in each type
     std::vector<uint8_t*> next;
     for (size_t i = 0; i < cache_specs_.size(); ++i) {
         next.push_back(block.data() + at[i]);
         if (!cache_.empty() && length_ > 0) {  // [B, H, S, D]: copy each (slot, head)'s first min(S) rows
-            std::vector<int64_t> shape = cache_specs_[i].resolve({{"B", slots_}, {kCacheLen, length}});
+            const std::vector<int64_t>& shape = shapes[i];
             const int64_t rows = shape[0] * shape[1], row = shape[3] * static_cast<int64_t>(cache_item_),
                           keep = std::min(length, length_);
             for (int64_t r = 0; r < rows; ++r)

@@ -1,8 +1,8 @@
 // One graph family of an artifact on one ONNX Runtime session (runtime/backends/ort.py's OrtRunner): host buffers and
-// an Ort::IoBinding per (slot, bucket) made on first use and reused; each layer's KV cache one buffer (all in one CacheBlock) bound in place
-// as both past.* and present.* (the graph scatters new K/V into it); a cache of named length S grows by GROWTH
-// positions before a call that writes past it. A draft family's greedy variant runs on its own session over the
-// same cache.
+// an Ort::IoBinding per (slot, bucket) made on first use and reused; each layer's KV cache one buffer (all in one
+// CacheBlock) bound in place as both past.* and present.* (the graph scatters new K/V into it); a cache of named
+// length S grows by GROWTH positions before a call that writes past it. A draft family's greedy variant runs on its
+// own session over the same cache.
 #pragma once
 
 #include "artifact.h"
