@@ -30,7 +30,7 @@ from gguf.quants import quantize
 SHAPES = {"q_proj/o_proj 576x576": (576, 576), "k_proj/v_proj 192x576": (192, 576),
           "gate/up 1536x576": (1536, 576), "down 576x1536": (576, 1536), "lm_head 49152x576": (49152, 576)}
 ROWS = (1, 2, 4, 8, 16)
-ISAS = ("scalar", "avx2", "avx512vnni")
+ISAS = ("scalar", "avx2", "avx512vnni", "amx")
 
 
 def model_bytes(nodes, inits, k: int, n: int) -> bytes:

@@ -3,7 +3,8 @@
 # working tree's, on SmolLM2's weight shapes at M = 1, 2, 4, 8, 16 activation rows, then its attention (T = 1, 2, 3, 4,
 # 8 query tokens over L = 136, 320, 900 keys, and 136 and 320 of a bias 256 and 512 keys wide, the rest masked: a cache
 # allocated past the position; every task of a call as attention_plan cuts it), one thread, the best
-# instruction set this CPU runs ($SPECRT_OPS_ISA=avx2 or scalar asks for a lower one, in both builds).
+# instruction set this CPU runs in each build ($SPECRT_OPS_ISA=avx2 or scalar asks for a lower one, in both; a base
+# without AMX kernels runs AVX-512 VNNI where this tree runs AMX).
 #
 #     scripts/kernel_ab.sh [REV] [PAIRS]
 #
@@ -23,12 +24,18 @@ git -C "$root" archive "$rev" runtime/cpp/ops | tar -x -C "$work/base" --strip-c
 flags=(-O3 -std=c++17 -ffp-contract=off)
 avx2=(-mavx2 -mfma -mf16c)
 avx512=(-mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512vnni)
-build() {  # build TREE PREFIX [DEFINES...]: the kernels' three translation units
+amx=("${avx512[@]}" -mamx-tile -mamx-int8)
+build() {  # build TREE PREFIX [DEFINES...]: the kernels' translation units (the AMX one where the tree has it)
     local tree=$1 prefix=$2
     shift 2
-    g++ "${flags[@]}" "$@" -I"$tree" -c "$tree/gguf_kernels.cpp" -o "$work/$prefix-kernels.o"
-    g++ "${flags[@]}" "${avx2[@]}" "$@" -I"$tree" -c "$tree/gguf_avx2.cpp" -o "$work/$prefix-avx2.o"
-    g++ "${flags[@]}" "${avx512[@]}" "$@" -I"$tree" -c "$tree/gguf_avx512.cpp" -o "$work/$prefix-avx512.o"
+    local defines=("$@")
+    [ -f "$tree/gguf_amx.cpp" ] && defines+=(-DSPECRT_OPS_AMX)
+    g++ "${flags[@]}" "${defines[@]}" -I"$tree" -c "$tree/gguf_kernels.cpp" -o "$work/$prefix-kernels.o"
+    g++ "${flags[@]}" "${avx2[@]}" "${defines[@]}" -I"$tree" -c "$tree/gguf_avx2.cpp" -o "$work/$prefix-avx2.o"
+    g++ "${flags[@]}" "${avx512[@]}" "${defines[@]}" -I"$tree" -c "$tree/gguf_avx512.cpp" -o "$work/$prefix-avx512.o"
+    if [ -f "$tree/gguf_amx.cpp" ]; then
+        g++ "${flags[@]}" "${amx[@]}" "${defines[@]}" -I"$tree" -c "$tree/gguf_amx.cpp" -o "$work/$prefix-amx.o"
+    fi
 }
 build "$work/base" base -Dspecrt=specrt_base
 build "$root/runtime/cpp/ops" ours

@@ -4,7 +4,7 @@ user of the artifact would load them (SessionOptions.register_custom_ops_library
 specrt::MatMulGGUF multiplies activations by weights in GGUF's own blocks (the bytes `gguf.quants.quantize` writes,
 as a GGUF file holds them): every format (Q4_0, Q4_1, Q8_0), every row count M from 1 to 16 and batched leading axes,
 SmolLM2's shapes and odd ones (3 blocks, N = 7, N = 1), on every instruction set this CPU runs (the scalar reference
-and AVX2 forced by SPECRT_OPS_ISA, AVX-512 VNNI where the CPU has it). Checked two ways: against a numpy emulation
+and AVX2 forced by SPECRT_OPS_ISA, AVX-512 VNNI and AMX where the CPU has them). Checked two ways: against a numpy emulation
 of the documented arithmetic (activations quantized per 32-block to int8, integer dot products, scales applied in
 float32) to float rounding, and against the plain float product of `gguf`'s own dequantized weights, within the
 bound that quantizing the activations allows (half an activation step times the weights' absolute sum, per block)."""
@@ -22,7 +22,7 @@ gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
 
 FORMATS = {"Q4_0": GGMLQuantizationType.Q4_0, "Q4_1": GGMLQuantizationType.Q4_1, "Q8_0": GGMLQuantizationType.Q8_0}
-ISAS = ("scalar", "avx2", "avx512vnni")
+ISAS = ("scalar", "avx2", "avx512vnni", "amx")
 
 
 @pytest.fixture(scope="module")
@@ -210,16 +210,17 @@ def test_matmul_gguf_refuses_bad_attributes_and_shapes(ops_lib):
 def test_matmul_gguf_rows_do_not_depend_on_the_call(ops_lib, fmt, isa):
     """A row's product has the same bits whether it is multiplied alone or among 15 others: a verify of T tokens
     gives each token what decoding it alone gives (the greedy identity rests on it; ONNX Runtime's own MatMul and
-    MatMulNBits do not promise it, and on AVX2 CPUs a row alone takes another path)."""
+    MatMulNBits do not promise it, and on AVX2 CPUs a row alone takes another path). Under amx a row alone takes the
+    VNNI kernel and several rows the tile multiplies, 16 rows a pass (20: a second pass of 4)."""
     if not _supported(ops_lib, isa):
         pytest.skip(f"this CPU does not run the {isa} kernels")
     rng = np.random.default_rng(11)
     raw, _ = _weights(fmt, 203, 576, rng)
-    a = rng.normal(size=(16, 576)).astype(np.float32)
+    a = rng.normal(size=(20, 576)).astype(np.float32)
     for how, session, feed in (("fed", _session(ops_lib, fmt, 576, 203, isa), {"W": raw}),
                                ("initializer", _session(ops_lib, fmt, 576, 203, isa, constant=raw), {})):
-        alone = np.stack([session.run(None, {"A": a[i:i + 1], **feed})[0][0] for i in range(16)])
-        for m in (2, 3, 4, 5, 8, 16):
+        alone = np.stack([session.run(None, {"A": a[i:i + 1], **feed})[0][0] for i in range(20)])
+        for m in (2, 3, 4, 5, 8, 16, 20):
             (y,) = session.run(None, {"A": a[:m], **feed})
             np.testing.assert_array_equal(y, alone[:m], err_msg=f"W {how}, M={m}")
 

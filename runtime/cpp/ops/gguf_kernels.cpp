@@ -11,6 +11,10 @@
 #include <new>
 
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cpuid.h>
 
 namespace specrt::ops {
 
@@ -99,6 +103,10 @@ void packed_avx2(const Packed& w, const int8_t* q, const float* d, const int32_t
                  int64_t g0, int64_t g1, int64_t n_total, float* y);
 void packed_vnni(const Packed& w, const int8_t* q, const float* d, const int32_t* s, const float* ds, int64_t m,
                  int64_t g0, int64_t g1, int64_t n_total, float* y);
+#ifdef SPECRT_OPS_AMX
+void packed_amx(const Packed& w, const int8_t* q, const float* d, const int32_t* s, const float* ds, int64_t m,
+                int64_t g0, int64_t g1, int64_t n_total, float* y);  // gguf_amx.cpp
+#endif
 void attention_avx2(const AttentionShape& s, const float* q, const void* k, const void* v, const float* bias,
                     const AttentionTask& task, float* scratch, float* out);
 void attention_avx512(const AttentionShape& s, const float* q, const void* k, const void* v, const float* bias,
@@ -117,11 +125,40 @@ bool parse_format(const std::string& name, Format* f) {
     return true;
 }
 
-const char* isa_name(Isa isa) { return isa == Isa::Avx512Vnni ? "avx512vnni" : isa == Isa::Avx2 ? "avx2" : "scalar"; }
+const char* isa_name(Isa isa) {
+    switch (isa) {
+        case Isa::Amx: return "amx";
+        case Isa::Avx512Vnni: return "avx512vnni";
+        case Isa::Avx2: return "avx2";
+        default: return "scalar";
+    }
+}
+
+namespace {
+
+// Whether this process may use AMX's tile registers: the CPU has AMX-TILE and AMX-INT8 (CPUID leaf 7: EDX bits 24
+// and 25) and Linux grants the process the tile data state they need (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA, Linux 5.16 and newer; granted once, for every thread of the process). Asked once.
+bool amx_granted() {
+#ifdef SPECRT_OPS_AMX
+    static const bool granted = [] {
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;
+        constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+        return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+    }();
+    return granted;
+#else
+    return false;  // built by a compiler without AMX intrinsics
+#endif
+}
+
+}  // namespace
 
 bool supported(Isa isa) {
     __builtin_cpu_init();
     switch (isa) {
+        case Isa::Amx: return amx_granted() && supported(Isa::Avx512Vnni);
         case Isa::Avx512Vnni:
             return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
                    __builtin_cpu_supports("avx512bw") && supported(Isa::Avx2);
@@ -131,10 +168,12 @@ bool supported(Isa isa) {
 }
 
 Isa best_isa() {
-    Isa best = supported(Isa::Avx512Vnni) ? Isa::Avx512Vnni : supported(Isa::Avx2) ? Isa::Avx2 : Isa::Scalar;
+    Isa best = Isa::Scalar;
+    for (Isa isa : {Isa::Avx2, Isa::Avx512Vnni, Isa::Amx})
+        if (supported(isa)) best = isa;
     const char* want = std::getenv("SPECRT_OPS_ISA");
     if (want) {
-        for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni})
+        for (Isa isa : {Isa::Scalar, Isa::Avx2, Isa::Avx512Vnni, Isa::Amx})
             if (std::strcmp(want, isa_name(isa)) == 0 && supported(isa)) return isa;
     }
     return best;
@@ -148,7 +187,7 @@ void quantize(Isa isa, const float* x, int64_t m, int64_t k, Activations& out) {
     out.d.resize(m * blocks);
     out.s.resize(m * blocks);
     if (isa != Isa::Scalar) {
-        (isa == Isa::Avx512Vnni ? quantize_vnni : quantize_avx2)(x, 0, m * blocks, out.q.data(), out.d.data(),
+        (isa >= Isa::Avx512Vnni ? quantize_vnni : quantize_avx2)(x, 0, m * blocks, out.q.data(), out.d.data(),
                                                                   out.s.data());
     } else {
         for (int64_t i = 0; i < m * blocks; ++i) {
@@ -172,6 +211,7 @@ void quantize(Isa isa, const float* x, int64_t m, int64_t k, Activations& out) {
 
 void swiglu(Isa isa, const float* y, int64_t m, int64_t half, int64_t c0, int64_t c1, float* out) {
     switch (isa) {
+        case Isa::Amx:
         case Isa::Avx512Vnni: swiglu_avx512(y, m, half, c0, c1, out); break;
         case Isa::Avx2: swiglu_avx2(y, m, half, c0, c1, out); break;
         default: swiglu_rows(y, m, half, c0, c1, out);
@@ -180,6 +220,7 @@ void swiglu(Isa isa, const float* y, int64_t m, int64_t half, int64_t c0, int64_
 
 void rms_norm(Isa isa, const float* x, const float* w, int64_t m, int64_t d, float eps, float* y) {
     switch (isa) {
+        case Isa::Amx:
         case Isa::Avx512Vnni: rms_norm_avx512(x, w, m, d, eps, y); break;
         case Isa::Avx2: rms_norm_avx2(x, w, m, d, eps, y); break;
         default: rms_norm_rows(x, w, m, d, eps, y);
@@ -189,6 +230,7 @@ void rms_norm(Isa isa, const float* x, const float* w, int64_t m, int64_t d, flo
 void matmul_rows(Isa isa, Format f, const uint8_t* w, const Activations& a, int64_t n0, int64_t n1, int64_t n_total,
                  float* y) {
     switch (isa) {
+        case Isa::Amx:
         case Isa::Avx512Vnni:
             rows_vnni(f, w, a.q.data(), a.d.data(), a.s.data(), a.m, a.blocks, n0, n1, n_total, y);
             break;
@@ -318,7 +360,10 @@ void dequantize_row(Format f, const uint8_t* row, int64_t blocks, float* out) {
 }
 
 void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, int64_t g1, int64_t n_total, float* y) {
-    auto kernel = isa == Isa::Avx512Vnni ? packed_vnni : packed_avx2;
+    auto kernel = isa >= Isa::Avx512Vnni ? packed_vnni : packed_avx2;
+#ifdef SPECRT_OPS_AMX
+    if (isa == Isa::Amx && a.m >= kAmxMinRows) kernel = packed_amx;
+#endif
     kernel(w, a.q.data(), a.d.data(), a.s.data(), a.ds.data(), a.m, g0, g1, n_total, y);
 }
 
@@ -456,6 +501,7 @@ void rope_rows(const AttentionShape& s, const float* qkv, int64_t p, const int64
 void attention_run(Isa isa, const AttentionShape& s, const float* q, const void* k, const void* v,
                    const float* bias, const AttentionTask& task, float* scratch, float* out) {
     switch (isa) {
+        case Isa::Amx:
         case Isa::Avx512Vnni: attention_avx512(s, q, k, v, bias, task, scratch, out); break;
         case Isa::Avx2: attention_avx2(s, q, k, v, bias, task, scratch, out); break;
         default: attention_group_impl(s, q, k, v, bias, task, scratch, out);

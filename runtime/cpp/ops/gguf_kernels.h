@@ -1,7 +1,8 @@
 // Matrix products with weights in GGUF's own blocks (Q4_0, Q4_1, Q8_0: the file's bytes, unchanged): activations
 // quantized per 32-element block to int8 with their block sums, integer dot products per block, the Q4_0 offset and
 // Q4_1 minimums folded in through the block sums (as llama.cpp does), on the best instruction set the CPU has
-// (AVX-512 VNNI, AVX2, else a scalar reference), chosen at run time.
+// (AVX-512 VNNI, AVX2, else a scalar reference), chosen at run time; where the CPU has AMX-INT8 (Intel since Sapphire
+// Rapids), products of several activation rows over packed weights take its tile multiplies.
 #pragma once
 
 #include <cstddef>
@@ -13,13 +14,14 @@
 namespace specrt::ops {
 
 enum class Format { Q4_0, Q4_1, Q8_0 };
-enum class Isa { Scalar, Avx2, Avx512Vnni };
+// In rising order; Amx is Avx512Vnni with AMX's tile multiplies for packed products of kAmxMinRows rows or more.
+enum class Isa { Scalar, Avx2, Avx512Vnni, Amx };
 
 constexpr int kBlock = 32;
 constexpr int block_bytes(Format f) { return f == Format::Q4_0 ? 18 : f == Format::Q4_1 ? 20 : 34; }
 bool parse_format(const std::string& name, Format* f);
 const char* isa_name(Isa isa);
-// The best instruction set this CPU runs; $SPECRT_OPS_ISA (scalar, avx2, avx512vnni) asks for a lower one.
+// The best instruction set this CPU runs; $SPECRT_OPS_ISA (scalar, avx2, avx512vnni, amx) asks for a lower one.
 Isa best_isa();
 bool supported(Isa isa);
 
@@ -76,6 +78,11 @@ struct Packed {
     WeightBuffer data;  // [groups, blocks, record]
 };
 constexpr int kGroup = 8;
+// Isa::Amx: fewer activation rows take the VNNI kernel. A tile multiply costs the same whatever its rows: alone on
+// one thread (scripts/kernel_ab.sh, SmolLM2's shapes, a 2-core Xeon) AMX takes 1.02-1.08x VNNI's time at 4 rows,
+// 0.86-0.99x at 5, 0.71-0.74x at 8, 0.50-0.66x at 16; in the default model's verify call on 2 threads (specrt
+// profile), where the weights stream from memory, ~1.06x at 5 rows, even at 8, 0.86-0.91x at 16, 0.83x at 32.
+constexpr int kAmxMinRows = 9;
 constexpr int packed_record(Format f) {
     return f == Format::Q4_0 ? 16 + 128 : f == Format::Q4_1 ? 32 + 128 : 16 + 256;
 }

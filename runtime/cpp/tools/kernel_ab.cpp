@@ -122,9 +122,10 @@ int main(int argc, char** argv) {
                   {"gate/up 1536x576 Q8_0", 1536, 576, B::Format::Q8_0},
                   {"lm_head 49152x576 Q8_0", 49152, 576, B::Format::Q8_0}};
     const B::Isa isa = B::best_isa();
-    const A::Isa base_isa = static_cast<A::Isa>(static_cast<int>(isa));
-    std::printf("%s, one thread; time of this tree's call / the base's (median of %d paired runs), GMAC/s of this "
-                "tree's best run, and whether the outputs are the same bits\n", B::isa_name(isa), pairs);
+    const A::Isa base_isa = A::best_isa();  // its own best: a base tree may lack this tree's newest kernels
+    std::printf("%s (base: %s), one thread; time of this tree's call / the base's (median of %d paired runs), GMAC/s of this "
+                "tree's best run, and whether the outputs are the same bits\n",
+                B::isa_name(isa), A::isa_name(base_isa), pairs);
     std::mt19937 rng(1);
     std::normal_distribution<float> normal;
     for (const Shape& s : shapes) {
