@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -30,6 +31,12 @@ REPORTED_ONLY = ("llama.cpp", "openvino", "openvino-lookup")  # (the cpp baselin
 CPP_BUILD = "build it: docs/cpp.md (scripts/cpp_deps.sh, then cmake), or set SPECRT_CPP_LIB to its libspecrt.so"
 LLAMA_CPP_INSTALL = "pip install 'specrt[llama]' (builds llama.cpp from source, ~15 min on 2 cores)"
 OPENVINO_INSTALL = "pip install 'specrt[openvino]'"
+# llama.cpp built for a CPU with AMX runs its AMX kernels, which crash in ggml_backend_amx_mul_mat on some such
+# machines (ggml-org/llama.cpp#20824; seen here with llama-cpp-python 0.3.36 on a 2-core Xeon); a build without them
+# runs (docs/benchmarks.md says how)
+LLAMA_CPP_AMX_CRASH = ("; on a CPU with AMX, llama.cpp's AMX kernels are known to crash (llama.cpp issue 20824): "
+                       "rebuild llama-cpp-python without them, CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX512=ON "
+                       "-DGGML_AVX512_VNNI=ON -DGGML_AMX_INT8=OFF' (docs/benchmarks.md)")
 # OpenVINO GenAI's prompt lookup: drafts per round and the longest n-gram looked up (specrt's ngram default: 3)
 OPENVINO_LOOKUP = {"num_assistant_tokens": 5, "max_ngram_size": 3}
 
@@ -384,8 +391,10 @@ class Worker:
         try:
             status, value = self.conn.recv()
         except EOFError:
-            raise SpecrtError(f"{self.spec.name}: its worker process died (exit code "
-                              f"{self.process.exitcode})") from None
+            self.process.join(5)
+            code = self.process.exitcode
+            hint = LLAMA_CPP_AMX_CRASH if self.spec.name == "llama.cpp" and code == -signal.SIGSEGV else ""
+            raise SpecrtError(f"{self.spec.name}: its worker process died (exit code {code}){hint}") from None
         if status == "error":
             raise SpecrtError(f"{self.spec.name}: {value}")
         return value

@@ -114,8 +114,11 @@ def demo(prompt: str, max_new_tokens: int, method: str) -> None:
         click.echo(f"outputs identical: all {len(ar.output_ids)} tokens (checked)")
     try:
         source, tps = llama_cpp_rate(manifest, art_dir, ids, max_new_tokens)
-    except SpecrtError:
-        click.echo(f"llama.cpp: not installed, no comparison; to compare: {LLAMA_CPP_INSTALL}")
+    except SpecrtError as e:  # not installed, or it failed: say which
+        if "needs llama_cpp" in str(e):
+            click.echo(f"llama.cpp: not installed, no comparison; to compare: {LLAMA_CPP_INSTALL}")
+        else:
+            click.echo(f"llama.cpp: no comparison: {e}")
     else:
         if tps:
             click.echo(f"llama.cpp on {source.name}, same prompt tokens, its own process: decode {tps:.1f} tokens/s "
