@@ -2,6 +2,9 @@
 
 DSpark, per (anchor j, slot k) with w = eval_mask · exp(-k/4), sums over every row of a step:
     loss = (0.1·Σw·CE + 0.9·Σw·‖p_d − p_t‖₁ + 1.0·Σw·BCE(conf, acc*)) / Σw,   acc* = clamp(1 − ½‖p_d − p_t‖₁, 0, 1)
+With objective "greedy" (a head served to T=0 decoding, which accepts a draft iff it is the target's argmax):
+    loss = (1.0·Σw·CE(·, argmax p_t) + 0.5·Σw·‖p_d − p_t‖₁ + 1.0·Σw·BCE(conf, acc*)) / Σw,
+    acc* = [argmax p_d == argmax p_t]
 MTP, per response row: loss = mean(CE + KL(p_t ‖ p_mtp)).
 """
 from __future__ import annotations
@@ -15,6 +18,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 CE_ALPHA, L1_ALPHA, CONF_ALPHA = 0.1, 0.9, 1.0  # DeepSpec's DSpark training config
+# "sampled": DeepSpec's loss, for T=1 rejection sampling; "greedy": for T=0 verification (what greedy serving runs)
+OBJECTIVES = ("sampled", "greedy")
+GREEDY_CE_ALPHA, GREEDY_L1_ALPHA = 1.0, 0.5  # the argmax is what is accepted; the L1 keeps the rest of p_t near
 DECAY_GAMMA = 4.0  # position weight exp(-k / 4), k = 0..block-1
 # torch's CPU exp takes a ~10x slower path where e^x underflows fp32 (x < -87.3); e^-87 = 1.6e-38 changes no sum here
 EXP_FLOOR = -87.0
@@ -129,13 +135,24 @@ class LossParts:
 
 
 def dspark_loss(logits: Tensor, labels: Tensor, p_target: Tensor, conf_logits: Tensor | None,
-                weights: Tensor) -> LossParts:
-    """DeepSpec's DSpark loss over rows [R]: Markov-corrected logits [R,V], labels [R], p_t [R,V], weights [R]."""
+                weights: Tensor, objective: str = "sampled") -> LossParts:
+    """DSpark's loss over rows [R]: Markov-corrected logits [R,V], labels [R], p_t [R,V], weights [R].
+
+    "sampled" is DeepSpec's. "greedy" trains the draft on the target's argmax (the only token T=0 verification
+    accepts; it differs from the label where the response was sampled), and the confidence head on whether the
+    draft's argmax is that token."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    greedy = objective == "greedy"
+    if greedy:
+        labels = p_target.argmax(-1)
+        acc = (logits.argmax(-1) == labels).float()
     ce, l1 = SoftCE_L1.apply(logits.float(), labels, p_target)
-    acc = acceptance_target(l1)
+    if not greedy:
+        acc = acceptance_target(l1)
     norm = weights.sum().clamp(min=1e-8)
     ce_m, l1_m = (weights * ce).sum() / norm, (weights * l1).sum() / norm
-    total = CE_ALPHA * ce_m + L1_ALPHA * l1_m
+    total = (GREEDY_CE_ALPHA * ce_m + GREEDY_L1_ALPHA * l1_m) if greedy else (CE_ALPHA * ce_m + L1_ALPHA * l1_m)
     conf_m = None
     if conf_logits is not None:
         bce = F.binary_cross_entropy_with_logits(conf_logits.float(), acc, reduction="none")

@@ -28,6 +28,7 @@ from specrt.errors import SpecrtError
 from specrt.distill.cache import TargetCache
 from specrt.distill.calibrate import calibrate_dspark
 from specrt.distill.features import capture_features
+from specrt.distill.losses import OBJECTIVES
 from specrt.distill.generate import (SAMPLING, extra_sampling, generate_responses, merge_responses,
                                      read_responses, responses_file)
 from specrt.exporter.vocab import COUNTS_FILE, count_tokens, write_counts
@@ -70,6 +71,7 @@ class DistillSettings:
     dtype: str = "bfloat16"  # of the saved weights
     threads: int | None = None
     weights: str | None = None  # of the work target that generates and gives features; None: what export uses
+    objective: str = "sampled"  # DSpark: "sampled" (DeepSpec's loss, T=1) or "greedy" (argmax, T=0 serving)
 
     def __post_init__(self) -> None:
         if self.head not in HEADS:
@@ -88,6 +90,10 @@ class DistillSettings:
                               f"--max-seq-len {self.max_seq}")
         if self.weights not in (None, "float", "int8", "int4", "gguf"):
             raise SpecrtError(f"--weights must be float, int8, int4 or gguf, got {self.weights!r}")
+        if self.objective not in OBJECTIVES:
+            raise SpecrtError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.objective != "sampled" and self.head != "dspark":
+            raise SpecrtError(f"--objective {self.objective} is for --head dspark (an MTP head trains on CE + KL)")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise SpecrtError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
 
@@ -136,7 +142,8 @@ def _train(s: DistillSettings, cache: TargetCache, loaded, train_dir: Path, ids:
     if s.head == "dspark":
         return train_dspark(cache, loaded.weights, loaded.config, train_dir, layers=s.layers, block=s.block,
                             markov_rank=s.markov_rank, head_type=s.head_type, target_layer_ids=tuple(ids),
-                            steps=s.steps, lr=s.lr, seed=s.seed, threads=s.threads, progress=progress)
+                            steps=s.steps, lr=s.lr, seed=s.seed, threads=s.threads, progress=progress,
+                            objective=s.objective)
     return train_mtp(cache, loaded.weights, loaded.config, train_dir, steps=s.steps, lr=s.lr, seed=s.seed,
                      threads=s.threads, progress=progress)
 
@@ -238,6 +245,7 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
         calibration = None
         if s.head == "dspark":
             cal = timed("calibrate", lambda: calibrate_dspark(cache, staging, cfg, seed=s.seed,
+                                                              acceptance=s.objective,
                                                               target_weights=loaded.weights))
             calibration = cal.to_dict()
             config_path = staging / "config.json"

@@ -263,19 +263,22 @@ def block_rows(model: DSparkDraft, head: FrozenHead, batch: DSparkBatch) -> Bloc
                      position_weights(k)[slot])
 
 
-def block_loss(model: DSparkDraft, head: FrozenHead, batch: DSparkBatch) -> tuple[LossParts, Tensor]:
-    """DeepSpec's loss over the batch's valid (anchor, slot) rows; also the slot index k of each row."""
+def block_loss(model: DSparkDraft, head: FrozenHead, batch: DSparkBatch,
+               objective: str = "sampled") -> tuple[LossParts, Tensor]:
+    """DSpark's loss over the batch's valid (anchor, slot) rows; also the slot index k of each row."""
     r = block_rows(model, head, batch)
-    return dspark_loss(r.logits, r.labels, r.p_target, r.conf, r.weights), r.slot
+    return dspark_loss(r.logits, r.labels, r.p_target, r.conf, r.weights, objective), r.slot
 
 
 @torch.no_grad()
-def evaluate_blocks(model: DSparkDraft, head: FrozenHead, batches: list[DSparkBatch]) -> dict[str, Any]:
-    """Held-out loss, acc* per slot and DeepSpec's tau_probabilistic = mean over blocks of 1 + Σ_k Π_{i≤k} acc*_i."""
+def evaluate_blocks(model: DSparkDraft, head: FrozenHead, batches: list[DSparkBatch],
+                    objective: str = "sampled") -> dict[str, Any]:
+    """Held-out loss, acc* per slot and DeepSpec's tau_probabilistic = mean over blocks of 1 + Σ_k Π_{i≤k} acc*_i
+    (with the "greedy" objective acc* is the argmax match, so tau is what T=0 verification would accept)."""
     k, taus, losses = model.config.block_size, [], []
     acc_sum, acc_n = torch.zeros(k), torch.zeros(k)
     for batch in batches:
-        parts, slot = block_loss(model, head, batch)
+        parts, slot = block_loss(model, head, batch, objective)
         acc = torch.zeros(batch.valid.shape)
         acc[batch.valid] = parts.acc
         blocks = batch.valid[..., 0]
@@ -323,9 +326,11 @@ def train_dspark(cache: TargetCache, target_weights: dict[str, np.ndarray], targ
                  steps: int = 5000, batch_anchors: int = 64, batch_seqs: int = 2, lr: float = 6e-4,
                  warmup: float = 0.04, seed: int = 0, threads: int | None = None, head_dtype: str | None = None,
                  save_every: int = 200, eval_every: int | None = None, eval_anchors: int = 256,
-                 progress: bool = True, resume: bool = True) -> TrainResult:
+                 progress: bool = True, resume: bool = True, objective: str = "sampled") -> TrainResult:
     """Train a DSpark head on the cache's train split; save it in DeepSpec's layout to `out_dir`.
 
+    `objective`: "sampled" (DeepSpec's loss, for T=1 rejection sampling) or "greedy" (for T=0 verification; see
+    `losses.dspark_loss`).
     `target_layer_ids` default: every layer feature in the cache. `head_dtype` None = bf16 where the CPU has it.
     The defaults take about 55 minutes for SmolLM2-135M on 2 CPU cores (~1.5 steps/s with bf16, evals included).
     """
@@ -362,7 +367,8 @@ def train_dspark(cache: TargetCache, target_weights: dict[str, np.ndarray], targ
         def step_loss(step: int) -> LossParts:
             rng = np.random.default_rng([seed, step])  # a function of the step alone: resuming replays exactly
             picked = list(rng.choice(train, size=min(batch_seqs, len(train)), replace=False))
-            return block_loss(model, head, make_batch(cache, picked, per_seq, block, rng, ctx_cols, final_cols))[0]
+            batch = make_batch(cache, picked, per_seq, block, rng, ctx_cols, final_cols)
+            return block_loss(model, head, batch, objective)[0]
 
         config = {"kind": "dspark", "layers": layers, "block": block, "markov_rank": markov_rank,
                   "head_type": head_type, "confidence": confidence, "target_layer_ids": ids,
@@ -370,7 +376,9 @@ def train_dspark(cache: TargetCache, target_weights: dict[str, np.ndarray], targ
                   "batch_seqs": batch_seqs, "lr": lr, "warmup": warmup, "seed": seed,
                   "head_dtype": str(head.weight.dtype).removeprefix("torch."), "train_samples": len(train),
                   "eval_samples": len(held)}
-        return run_training(model, step_loss, lambda: evaluate_blocks(model, head, eval_batches),
+        if objective != "sampled":  # the configs of heads trained before the option stay as they were
+            config["objective"] = objective
+        return run_training(model, step_loss, lambda: evaluate_blocks(model, head, eval_batches, objective),
                             lambda: save_deepspec_checkpoint(out, hf, model.state_dict()), out_dir=out,
                             config=config, steps=steps, lr=lr, warmup=warmup, save_every=save_every,
                             eval_every=eval_every or max(1, steps // 10), progress=progress, resume=resume,

@@ -178,6 +178,7 @@ def test_distilled_heads_export_and_bench_identically(target, distilled, tmp_pat
     (("--steps", "0"), "--steps must be >= 1"),
     (("--max-new-tokens", "64", "--max-seq-len", "64"), "leaves no room for a prompt"),
     (("--head", "mtp", "--layers", "2"), "exactly one layer"),
+    (("--head", "mtp", "--objective", "greedy"), "is for --head dspark"),
     (("--weights", "gguf"), "is not a GGUF file"),
 ])
 def test_distill_bad_input_is_one_line(target, distilled, tmp_path, args, message):

@@ -224,6 +224,36 @@ def test_dspark_loss_matches_direct_recomputation(tiny):
     assert parts.total.item() == pytest.approx(0.1 * ce + 0.9 * l1 + conf, rel=1e-5)
 
 
+def test_greedy_objective_trains_on_the_targets_argmax(tiny):
+    """objective="greedy": CE against argmax p_t (not the response's token), L1 at 0.5, and the confidence head's
+    target is whether the draft's argmax is the target's; evaluation counts the same matches."""
+    _, target, cache = tiny
+    model, batch = make_draft(target, layers=1), tiny_batch(cache, samples=(0, 5, 9), anchors=20)
+    head = td.FrozenHead(model.lm_head.weight, torch.float32)
+    # responses whose tokens are not the target's argmax, as sampled responses are: the labels must not be used
+    batch = td.DSparkBatch(*(batch.labels.roll(1, -1) if f == "labels" else getattr(batch, f)
+                             for f in td.DSparkBatch.__dataclass_fields__))
+    with torch.no_grad():
+        parts, _ = td.block_loss(model, head, batch, "greedy")
+        r = td.block_rows(model, head, batch)
+    best = r.p_target.argmax(-1)
+    assert (best != r.labels).any()
+    logp = torch.log_softmax(r.logits.float(), -1)
+    ce = -logp.gather(-1, best[:, None])[:, 0]
+    l1 = (logp.exp() - r.p_target).abs().sum(-1)
+    match = (r.logits.argmax(-1) == best).float()
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(r.conf.float(), match, reduction="none")
+    w = r.weights / r.weights.sum()
+    assert torch.equal(parts.acc, match)
+    assert parts.ce.item() == pytest.approx((w * ce).sum().item(), rel=1e-5)
+    assert parts.total.item() == pytest.approx((w * (ce + 0.5 * l1 + bce)).sum().item(), rel=1e-5)
+    evals = td.evaluate_blocks(model, head, [batch], "greedy")
+    slot_match = [match[r.slot == k].mean().item() for k in range(4)]
+    assert evals["acc"] == pytest.approx(slot_match)
+    with pytest.raises(ValueError, match="objective"):
+        losses.dspark_loss(r.logits, r.labels, r.p_target, r.conf, r.weights, "argmax")
+
+
 # -- training ----------------------------------------------------------------------------------------------------
 
 

@@ -34,6 +34,9 @@ def _layer_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
               help="DSpark Markov head type.")
 @click.option("--target-layers", callback=_layer_list, default=None,
               help="DSpark feature layers, comma-separated [default: 3 spread over the target].")
+@click.option("--objective", type=click.Choice(["sampled", "greedy"]), default="sampled",
+              help="DSpark loss: DeepSpec's, for sampled (T=1) serving; or greedy: the draft learns the target's "
+                   "argmax and the confidence head whether it matches, for greedy (T=0) serving.")
 @click.option("--steps", default=3000, help="Optimizer steps.")
 @click.option("--lr", default=6e-4, help="Peak learning rate (warmup then cosine).")
 @click.option("--limit", type=int, default=None, help="Use at most N prompts, spread evenly over the files.")
