@@ -225,6 +225,25 @@ def test_matmul_gguf_rows_do_not_depend_on_the_call(ops_lib, fmt, isa):
             np.testing.assert_array_equal(y, alone[:m], err_msg=f"W {how}, M={m}")
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_matmul_gguf_prefetching_changes_no_bits(ops_lib, fmt, isa, monkeypatch):
+    """Packed passes ask for weights ahead from $SPECRT_OPS_PREFETCH_ROWS rows (by default 1 on Intel CPUs, 4
+    elsewhere; read when a kernel is made): each pass size, with and without, gives the same bits."""
+    if not _supported(ops_lib, isa):
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    rng = np.random.default_rng(12)
+    raw, _ = _weights(fmt, 203, 576, rng)
+    a = rng.normal(size=(9, 576)).astype(np.float32)
+    outs = {}
+    for rows in ("1", "9"):  # 1: every pass prefetches; 9: none does
+        monkeypatch.setenv("SPECRT_OPS_PREFETCH_ROWS", rows)
+        session = _session(ops_lib, fmt, 576, 203, isa, constant=raw)
+        outs[rows] = [session.run(None, {"A": a[:m]})[0] for m in range(1, 10)]
+    for m, (y, z) in enumerate(zip(outs["1"], outs["9"]), 1):
+        np.testing.assert_array_equal(y, z, err_msg=f"M={m}")
+
+
 def _gather_session(lib, fmt: str, k: int, v: int):
     node = helper.make_node("GatherGGUF", ["W", "ids"], ["Y"], domain="specrt", format=fmt, K=k)
     row = k // 32 * {"Q4_0": 18, "Q4_1": 20}.get(fmt, 34)

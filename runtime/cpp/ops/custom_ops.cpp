@@ -63,6 +63,7 @@ struct MatMulGGUFKernel {
             throw Ort::Exception("specrt::MatMulGGUF: swiglu needs an even N (gate's rows, then up's)",
                                  ORT_INVALID_ARGUMENT);
         isa_ = specrt::ops::best_isa();
+        prefetch_from_ = specrt::ops::prefetch_rows();
         // weights that are an initializer are repacked once, 8 rows at a time (gguf_kernels.h, Packed)
         int constant = 0;
         Ort::ConstValue w = ki.GetTensorConstantInput(1, &constant);
@@ -132,7 +133,7 @@ private:
         const Job& j = *static_cast<Job*>(data);
         const specrt::ops::Packed& p = j.self->packed_;
         const int64_t g0 = static_cast<int64_t>(t) * kGroupsPerTask, g1 = std::min(g0 + kGroupsPerTask, p.groups);
-        specrt::ops::matmul_packed(j.self->isa_, p, *j.acts, g0, g1, j.self->n_, j.y);
+        specrt::ops::matmul_packed(j.self->isa_, p, *j.acts, g0, g1, j.self->n_, j.y, j.self->prefetch_from_);
     }
 
     // swiglu over packed weights whose N/2 is a whole number of groups: gate's groups [g0, g1), up's the same groups
@@ -142,8 +143,9 @@ private:
         const specrt::ops::Packed& p = j.self->packed_;
         const int64_t n = j.self->n_, half = n / 2, half_groups = half / specrt::ops::kGroup;
         const int64_t g0 = static_cast<int64_t>(t) * kGroupsPerTask, g1 = std::min(g0 + kGroupsPerTask, half_groups);
-        specrt::ops::matmul_packed(j.self->isa_, p, *j.acts, g0, g1, n, j.y);
-        specrt::ops::matmul_packed(j.self->isa_, p, *j.acts, g0 + half_groups, g1 + half_groups, n, j.y);
+        specrt::ops::matmul_packed(j.self->isa_, p, *j.acts, g0, g1, n, j.y, j.self->prefetch_from_);
+        specrt::ops::matmul_packed(j.self->isa_, p, *j.acts, g0 + half_groups, g1 + half_groups, n, j.y,
+                                   j.self->prefetch_from_);
         specrt::ops::swiglu(j.self->isa_, j.y, j.acts->m, half, g0 * specrt::ops::kGroup, g1 * specrt::ops::kGroup,
                             j.out);
     }
@@ -152,6 +154,7 @@ private:
     int64_t k_ = 0, n_ = 0;
     bool swiglu_ = false;
     specrt::ops::Isa isa_ = specrt::ops::Isa::Scalar;
+    int prefetch_from_ = 4;
     specrt::ops::Packed packed_;  // empty: W is not an initializer, or the scalar reference runs
 };
 

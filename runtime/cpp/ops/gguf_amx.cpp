@@ -171,7 +171,7 @@ void rows_pass(int mr, const Packed& w, const int8_t* q, const float* d, const f
 }  // namespace
 
 void packed_amx(const Packed& w, const int8_t* q, const float* d, const int32_t*, const float* ds, int64_t m,
-                int64_t g0, int64_t g1, int64_t n_total, float* y) {
+                int64_t g0, int64_t g1, int64_t n_total, float* y, int /*prefetch_from: its own*/) {
     for (int64_t i0 = 0; i0 < m; i0 += kAmxRows) {
         const int mr = static_cast<int>(std::min<int64_t>(kAmxRows, m - i0));
         configure(mr);

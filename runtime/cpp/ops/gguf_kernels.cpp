@@ -100,12 +100,12 @@ void rows_vnni(Format f, const uint8_t* w, const int8_t* q, const float* d, cons
 void quantize_avx2(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, int32_t* s);
 void quantize_vnni(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, int32_t* s);
 void packed_avx2(const Packed& w, const int8_t* q, const float* d, const int32_t* s, const float* ds, int64_t m,
-                 int64_t g0, int64_t g1, int64_t n_total, float* y);
+                 int64_t g0, int64_t g1, int64_t n_total, float* y, int prefetch_from);
 void packed_vnni(const Packed& w, const int8_t* q, const float* d, const int32_t* s, const float* ds, int64_t m,
-                 int64_t g0, int64_t g1, int64_t n_total, float* y);
+                 int64_t g0, int64_t g1, int64_t n_total, float* y, int prefetch_from);
 #ifdef SPECRT_OPS_AMX
 void packed_amx(const Packed& w, const int8_t* q, const float* d, const int32_t* s, const float* ds, int64_t m,
-                int64_t g0, int64_t g1, int64_t n_total, float* y);  // gguf_amx.cpp
+                int64_t g0, int64_t g1, int64_t n_total, float* y, int prefetch_from);  // gguf_amx.cpp
 #endif
 void attention_avx2(const AttentionShape& s, const float* q, const void* k, const void* v, const float* bias,
                     const AttentionTask& task, float* scratch, float* out);
@@ -179,6 +179,18 @@ Isa best_isa() {
             if (std::strcmp(want, isa_name(isa)) == 0 && supported(isa)) return isa;
     }
     return best;
+}
+
+int prefetch_rows() {
+    if (const char* env = std::getenv("SPECRT_OPS_PREFETCH_ROWS")) {
+        const int n = std::atoi(env);
+        if (n >= 1 && n <= 9) return n;
+    }
+    static const bool intel = [] {
+        unsigned a, b, c, d;  // vendor "GenuineIntel" in EBX, EDX, ECX
+        return __get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e;
+    }();
+    return intel ? 1 : 4;
 }
 
 void quantize(Isa isa, const float* x, int64_t m, int64_t k, Activations& out) {
@@ -361,12 +373,13 @@ void dequantize_row(Format f, const uint8_t* row, int64_t blocks, float* out) {
     }
 }
 
-void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, int64_t g1, int64_t n_total, float* y) {
+void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, int64_t g1, int64_t n_total, float* y,
+                   int prefetch_from) {
     auto kernel = isa >= Isa::Avx512Vnni ? packed_vnni : packed_avx2;
 #ifdef SPECRT_OPS_AMX
     if (isa == Isa::Amx && a.m >= kAmxMinRows) kernel = packed_amx;
 #endif
-    kernel(w, a.q.data(), a.d.data(), a.s.data(), a.ds.data(), a.m, g0, g1, n_total, y);
+    kernel(w, a.q.data(), a.d.data(), a.s.data(), a.ds.data(), a.m, g0, g1, n_total, y, prefetch_from);
 }
 
 namespace {

@@ -78,6 +78,12 @@ struct Packed {
     int64_t n = 0, groups = 0, blocks = 0;
     WeightBuffer data;  // [groups, blocks, record]
 };
+// Passes over packed weights of at least this many activation rows ask for each record ahead of the hardware's own
+// prefetching: from 1 row on Intel CPUs, from 4 elsewhere (measured in the default model's target calls on a Xeon:
+// a decoding step 11% and a verify of 2-3 tokens 20-26% faster than from 4; on an EPYC 1-2 rows were slower with
+// it). $SPECRT_OPS_PREFETCH_ROWS = 1..9 (9: never) says otherwise; read at each call (an op reads it once, when
+// its session is made).
+int prefetch_rows();
 constexpr int kGroup = 8;
 // Isa::Amx: fewer activation rows take the VNNI kernel. A tile multiply costs the same whatever its rows: alone on
 // one thread (scripts/kernel_ab.sh, SmolLM2's shapes, a 2-core Xeon) AMX takes 1.02-1.08x VNNI's time at 4 rows,
@@ -89,7 +95,8 @@ constexpr int packed_record(Format f) {
 }
 void pack(Format f, const uint8_t* w, int64_t n, int64_t blocks, Packed& out);
 // y[i, n] for the rows of groups [g0, g1) of packed weights and all M activation rows; y is [M, n_total].
-void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, int64_t g1, int64_t n_total, float* y);
+void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, int64_t g1, int64_t n_total, float* y,
+                   int prefetch_from = prefetch_rows());
 
 // y[i, n] for rows n in [n0, n1) of weights w ([N, blocks * block_bytes]) and all M activation rows; y is [M, N].
 void matmul_rows(Isa isa, Format f, const uint8_t* w, const Activations& a, int64_t n0, int64_t n1, int64_t n_total,
