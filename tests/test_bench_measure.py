@@ -252,7 +252,10 @@ def test_engine_refines_a_wrong_stored_profile(art, tmp_path):
         d = engine.costs.describe()
     true = load_profile(art).summary()["verify_steps"][2]
     assert d["initial"]["verify_steps"][2] == 50.0 and d["explored_rounds"] > 0
-    assert d["refined"]["verify_steps"][2] < 2 * true + 0.5, (d, true)
+    # the tiny model's decoding step is ~0.08 ms, where a call's fixed cost and one interrupted call among the few
+    # explored rounds move the ratio by a step or more (refined 2.3-2.6 against a profiled 1.3, now and then above
+    # 3.1, on either instruction set): near the truth means far below the wrong 50, within a few steps of it
+    assert d["refined"]["verify_steps"][2] < 4 * true + 1, (d, true)
     assert any(ell > 0 for ell, _, _ in stats.rounds)  # drafts were verified despite the table
 
 

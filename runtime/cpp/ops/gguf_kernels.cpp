@@ -168,8 +168,9 @@ bool supported(Isa isa) {
 }
 
 Isa best_isa() {
-    // AMX only when asked for: in an engine's own loop a run of calls with it measured verifies of few rows dearer
-    // than without (tests/test_bench_measure.py's refined table), though each call alone is faster; not explained
+    // AMX only when asked for, until a load run and a profile with it as the default decide. (What held it back, a
+    // refined verify cost over tests/test_bench_measure.py's bound, shows without AMX too: a tiny model's 0.08 ms
+    // step is timing noise's, and that bound is now wider.)
     Isa best = Isa::Scalar;
     for (Isa isa : {Isa::Avx2, Isa::Avx512Vnni})
         if (supported(isa)) best = isa;
