@@ -146,13 +146,12 @@ def dspark_loss(logits: Tensor, labels: Tensor, p_target: Tensor, conf_logits: T
     greedy = objective == "greedy"
     if greedy:
         labels = p_target.argmax(-1)
-        acc = (logits.argmax(-1) == labels).float()
     ce, l1 = SoftCE_L1.apply(logits.float(), labels, p_target)
-    if not greedy:
-        acc = acceptance_target(l1)
+    acc = (logits.argmax(-1) == labels).float() if greedy else acceptance_target(l1)
+    ce_alpha, l1_alpha = (GREEDY_CE_ALPHA, GREEDY_L1_ALPHA) if greedy else (CE_ALPHA, L1_ALPHA)
     norm = weights.sum().clamp(min=1e-8)
     ce_m, l1_m = (weights * ce).sum() / norm, (weights * l1).sum() / norm
-    total = (GREEDY_CE_ALPHA * ce_m + GREEDY_L1_ALPHA * l1_m) if greedy else (CE_ALPHA * ce_m + L1_ALPHA * l1_m)
+    total = ce_alpha * ce_m + l1_alpha * l1_m
     conf_m = None
     if conf_logits is not None:
         bce = F.binary_cross_entropy_with_logits(conf_logits.float(), acc, reduction="none")
