@@ -168,11 +168,11 @@ bool supported(Isa isa) {
 }
 
 Isa best_isa() {
-    // AMX only when asked for, until a load run and a profile with it as the default decide. (What held it back, a
-    // refined verify cost over tests/test_bench_measure.py's bound, shows without AMX too: a tiny model's 0.08 ms
-    // step is timing noise's, and that bound is now wider.)
+    // AMX where the CPU has it and Linux grants the tiles: its multiplies take only products of 9 or more rows (a
+    // batch of requests' verify or decoding step), the same bits as VNNI's (gguf_amx.cpp); SPECRT_OPS_ISA asks for a
+    // lower one.
     Isa best = Isa::Scalar;
-    for (Isa isa : {Isa::Avx2, Isa::Avx512Vnni})
+    for (Isa isa : {Isa::Avx2, Isa::Avx512Vnni, Isa::Amx})
         if (supported(isa)) best = isa;
     const char* want = std::getenv("SPECRT_OPS_ISA");
     if (want) {

@@ -21,8 +21,8 @@ constexpr int kBlock = 32;
 constexpr int block_bytes(Format f) { return f == Format::Q4_0 ? 18 : f == Format::Q4_1 ? 20 : 34; }
 bool parse_format(const std::string& name, Format* f);
 const char* isa_name(Isa isa);
-// The best instruction set this CPU runs short of AMX; $SPECRT_OPS_ISA (scalar, avx2, avx512vnni) asks for a lower
-// one, amx for AMX's tile multiplies where the CPU and Linux allow them (not yet the default: gguf_kernels.cpp).
+// The best instruction set this CPU runs, AMX's tile multiplies included where the CPU and Linux allow them;
+// $SPECRT_OPS_ISA (scalar, avx2, avx512vnni) asks for a lower one.
 Isa best_isa();
 bool supported(Isa isa);
 
