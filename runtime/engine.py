@@ -198,6 +198,9 @@ class Engine:
         self._lock = threading.Lock()  # held by the thread inside add_request / step / abort / generate
         self._user: int | None = None  # that thread (it may call in again: generate's callbacks, generate -> step)
         self._fixed_slots = c.slots is not None
+        # False inside a generate() without on_text: nobody reads a step's text, so a request without stop strings
+        # is detokenized once, when it finishes (`_output`), not token by token (two tokenizer calls per token)
+        self._text_deltas = True
         if c.slots is not None:
             self._allocate(min(c.slots, self.max_batch))
 
@@ -323,16 +326,20 @@ class Engine:
         for r in requests:
             self.add_request(r.prompt_ids, r.params, request_id=r.id, seed_offset=r.seed_offset)
         done: dict[int, RequestOutput] = {}
-        while self.has_unfinished():
-            for d in self.step():
-                if on_token and d.token_ids:
-                    on_token(d.id, len(d.token_ids))
-                if on_text and d.text:
-                    on_text(d.id, d.text)
-                if d.finished is not None:
-                    done[d.id] = d.finished
-                    if on_finish:
-                        on_finish(d.finished)
+        self._text_deltas = on_text is not None
+        try:
+            while self.has_unfinished():
+                for d in self.step():
+                    if on_token and d.token_ids:
+                        on_token(d.id, len(d.token_ids))
+                    if on_text and d.text:
+                        on_text(d.id, d.text)
+                    if d.finished is not None:
+                        done[d.id] = d.finished
+                        if on_finish:
+                            on_finish(d.finished)
+        finally:
+            self._text_deltas = True
         return [done[r.id] for r in requests], self.stats
 
     def check(self, request: Request) -> None:
@@ -392,7 +399,7 @@ class Engine:
         offset = request.id if request.seed_offset is None else request.seed_offset
         slot = Slot(request=request, rng=np.random.default_rng(None if seed is None else seed + offset),
                     ids=np.zeros(self.capacity + 1, np.int64))
-        if self.tokenizer:
+        if self.tokenizer and (self._text_deltas or request.params.stop_strings):  # stop strings: found as text grows
             slot.stream = self.tokenizer.stream_decoder(skip_special_tokens=True)
         ids = request.prompt_ids
         slot.ids[:len(ids)], slot.size = ids, len(ids)
@@ -534,6 +541,10 @@ class Engine:
     def _output(self, s: Slot, reason: str) -> RequestOutput:
         if s.stream is not None and reason not in ("stop", "abort"):
             s.text += s.stream.flush()
+        elif s.stream is None and self.tokenizer:  # detokenized once (`_text_deltas`): what the deltas add up to
+            s.text = self.tokenizer.decode(s.output_ids, skip_special_tokens=True)
+            if reason == "abort":  # as a stream stops: without a character still partial
+                s.text = s.text.rstrip("\ufffd")
         return RequestOutput(id=s.request.id, prompt_tokens=len(s.request.prompt_ids), output_ids=s.output_ids,
                              text=s.text, finish_reason=reason)
 

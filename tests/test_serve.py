@@ -96,6 +96,27 @@ def test_completions_streaming_and_whole(client, model, served_art):
     assert "".join(c.choices[0].text for c in streamed) == out.text
 
 
+def test_generate_detokenizes_once_what_it_would_stream(served_art):
+    """generate() without on_text detokenizes each request once, when it finishes: the same text as the deltas
+    streamed with on_text (multi-byte characters included), and with stop strings it still streams (they are
+    found as the text grows)."""
+    prompts = ["Write the word café and three emoji.", "Say hello in Japanese and in Greek.", "List 3 colors."]
+    with Engine(served_art, method="dspark+ngram") as engine:
+        reqs = [Request(engine.tokenizer.encode(engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])),
+                        SamplingParams(max_new_tokens=40), id=i) for i, p in enumerate(prompts)]
+        deferred: list[bool] = []  # per step of each generate(): whether its slots detokenize token by token
+        once, _ = engine.generate(reqs, on_token=lambda *_: deferred.extend(s.stream is None for s in engine.slots if s))
+        streamed: dict[int, str] = {}
+        whole, _ = engine.generate(reqs, on_text=lambda i, t: streamed.__setitem__(i, streamed.get(i, "") + t))
+        kept: list[bool] = []
+        stop = [Request(r.prompt_ids, SamplingParams(max_new_tokens=40, stop_strings=("e",)), id=r.id) for r in reqs]
+        cut, _ = engine.generate(stop, on_token=lambda *_: kept.extend(s.stream is not None for s in engine.slots if s))
+    assert deferred and all(deferred) and kept and all(kept)
+    assert [o.text for o in once] == [o.text for o in whole] == [streamed.get(i, "") for i in range(3)]
+    assert any(any(ord(c) > 127 for c in o.text) for o in once)  # a multi-byte character came out
+    assert all("e" not in o.text for o in cut)
+
+
 def test_stop_strings_and_seeded_sampling(client, model):
     r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count from 1 to 20."}],
                                        max_tokens=64, temperature=0, stop=["5"])
