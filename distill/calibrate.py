@@ -26,6 +26,10 @@ from specrt.exporter.loaders.deepspec import load_dspark
 from specrt.models.dspark import DSparkDraft
 
 ECE_BINS = 20
+# a temperature other than 1 only where it lowers the ECE by more than this: late positions, where prefix survivals
+# are near 0, have ECEs of 1e-5..1e-3 at every temperature, and the lowest sat at a grid end (0.05 or 20: confidences
+# made hard 0/1, or flat) for a gain far below the sampling noise's
+ECE_TIE = 1e-3
 ACCEPTANCE = ("sampled", "greedy")
 DEFAULT_GRID = np.unique(np.append(np.exp(np.linspace(np.log(0.05), np.log(20.0), 241)), 1.0))
 
@@ -48,10 +52,10 @@ class Calibration:
 def ece(pred: np.ndarray, label: np.ndarray, bins: int = ECE_BINS) -> np.ndarray:
     """ECE of predictions [n, ...] against labels [n]: Σ_b (n_b/n)·|mean pred − mean label| over equal-width bins
     on [0, 1]; one value per trailing column of `pred` (so a whole temperature grid at once)."""
+    if len(pred) == 0:  # a position no block reaches
+        return np.zeros(int(np.prod(pred.shape[1:])))
     pred = pred.reshape(len(pred), -1)
     n, g = pred.shape
-    if n == 0:
-        return np.zeros(g)
     bin_of = np.minimum((pred * bins).astype(np.int64), bins - 1) + bins * np.arange(g)  # [n, g], per column
     pred_sum = np.bincount(bin_of.ravel(), weights=pred.ravel(), minlength=bins * g)
     label_sum = np.bincount(bin_of.ravel(), weights=np.repeat(label, g).astype(np.float64), minlength=bins * g)
@@ -66,7 +70,8 @@ def sts_temperatures(conf_logits: np.ndarray, accepted: np.ndarray, valid: np.nd
                      grid: np.ndarray | None = None, bins: int = ECE_BINS) -> Calibration:
     """STS on confidence logits [N,K], acceptance indicators [N,K] and a contiguous validity mask [N,K].
 
-    `grid`: candidate temperatures (default: 241 log-spaced in [0.05, 20], plus 1)."""
+    `grid`: candidate temperatures (default: 241 log-spaced in [0.05, 20], plus 1, which is kept where no other
+    lowers the ECE by more than ECE_TIE)."""
     grid = DEFAULT_GRID if grid is None else np.asarray(grid, np.float64)
     logits, valid = np.asarray(conf_logits, np.float64), np.asarray(valid, bool)
     label = np.cumprod(np.asarray(accepted, bool) & valid, axis=1).astype(np.float64)  # prefix accepted through k
@@ -75,7 +80,9 @@ def sts_temperatures(conf_logits: np.ndarray, accepted: np.ndarray, valid: np.nd
     for k in range(logits.shape[1]):
         rows = valid[:, k]
         scores = ece(prefix[rows, None] * sigmoid(logits[rows, k, None] / grid), label[rows, k], bins)
-        t_k = float(grid[np.argmin(scores)]) if rows.any() else 1.0
+        best, one = int(np.argmin(scores)), np.flatnonzero(grid == 1.0)
+        keep_one = len(one) and scores[one[0]] <= scores[best] + ECE_TIE
+        t_k = float(grid[best]) if rows.any() and not keep_one else 1.0
         prefix *= sigmoid(logits[:, k] / t_k)
         prefix_raw *= sigmoid(logits[:, k])
         out.temperatures.append(t_k)

@@ -14,7 +14,7 @@ from specrt.errors import SpecrtError
 from specrt.model_config import ModelConfig
 from specrt.distill import losses, train_dspark as td
 from specrt.distill.cache import CacheWriter, TargetCache
-from specrt.distill.calibrate import calibrate_dspark, ece, sts_temperatures
+from specrt.distill.calibrate import ECE_TIE, calibrate_dspark, ece, sts_temperatures
 from specrt.distill.train_mtp import train_mtp
 from specrt.exporter.export import export_artifact
 from specrt.exporter.loaders import expected_shapes, load_target
@@ -359,6 +359,21 @@ def test_sts_lowers_ece_of_an_overconfident_head():
     assert all(2.4 < t < 3.6 for t in cal.temperatures)
     assert all(a < 0.5 * b for a, b in zip(cal.ece_after, cal.ece_before))
     assert cal.counts == valid.sum(0).tolist()
+
+
+def test_sts_keeps_temperature_one_where_no_temperature_calibrates_better():
+    """Where prefix survivals are near 0 every temperature's ECE is tiny: the lowest used to sit at a grid end (0.05
+    here, for an ECE 2e-5 lower); a temperature other than 1 is chosen only for a gain above ECE_TIE."""
+    rng = np.random.default_rng(1)
+    logit = rng.normal(-4.0, 1.0, (4000, 3))  # rarely accepted, and calibrated as it is
+    accepted = rng.random(logit.shape) < 1 / (1 + np.exp(-logit))
+    cal = sts_temperatures(logit, accepted, np.ones(logit.shape, bool))
+    assert cal.temperatures == [1.0, 1.0, 1.0]
+    assert all(a <= b + ECE_TIE for a, b in zip(cal.ece_after, cal.ece_before))
+    valid = np.ones(logit.shape, bool)
+    valid[:, 2] = False  # a position no block reaches: temperature 1, nothing counted
+    cal = sts_temperatures(logit, accepted, valid)
+    assert cal.temperatures[2] == 1.0 and cal.counts[2] == 0 and cal.ece_after[2] == 0.0
 
 
 @pytest.mark.parametrize("acceptance", ["sampled", "greedy"])
