@@ -24,18 +24,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
-from pathlib import Path
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.plugins.confidence_truncate import survival
 from specrt.runtime.config import EngineConfig
 from specrt.runtime.profile import load_profile
-from specrt.runtime.schedulers import admission
 from specrt.runtime.prompts import encode_prompt, read_prompts_file
 from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.schedulers import admission
 from specrt.runtime.tokenizer import Tokenizer
 from specrt.tools.concurrency import serve
 from specrt.tools.profile import open_engine
