@@ -81,7 +81,7 @@ def sts_temperatures(conf_logits: np.ndarray, accepted: np.ndarray, valid: np.nd
         rows = valid[:, k]
         scores = ece(prefix[rows, None] * sigmoid(logits[rows, k, None] / grid), label[rows, k], bins)
         best, one = int(np.argmin(scores)), np.flatnonzero(grid == 1.0)
-        keep_one = len(one) and scores[one[0]] <= scores[best] + ECE_TIE
+        keep_one = one.size > 0 and scores[one[0]] <= scores[best] + ECE_TIE
         t_k = float(grid[best]) if rows.any() and not keep_one else 1.0
         prefix *= sigmoid(logits[:, k] / t_k)
         prefix_raw *= sigmoid(logits[:, k])

@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 import pytest
 
 from specrt.runtime.engine import Engine, Request
+from specrt.runtime.prompts import encode_prompt
 from specrt.runtime.sampling import SamplingParams
 from serving import metrics, post, running_server
 
@@ -102,8 +103,8 @@ def test_generate_detokenizes_once_what_it_would_stream(served_art):
     found as the text grows)."""
     prompts = ["Write the word café and three emoji.", "Say hello in Japanese and in Greek.", "List 3 colors."]
     with Engine(served_art, method="dspark+ngram") as engine:
-        reqs = [Request(engine.tokenizer.encode(engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])),
-                        SamplingParams(max_new_tokens=40), id=i) for i, p in enumerate(prompts)]
+        reqs = [Request(encode_prompt(engine.tokenizer, p), SamplingParams(max_new_tokens=40), id=i)
+                for i, p in enumerate(prompts)]
         deferred: list[bool] = []  # per step of each generate(): whether its slots detokenize token by token
         once, _ = engine.generate(reqs, on_token=lambda *_: deferred.extend(s.stream is None for s in engine.slots if s))
         streamed: dict[int, str] = {}
