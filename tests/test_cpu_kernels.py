@@ -210,8 +210,8 @@ def test_matmul_gguf_refuses_bad_attributes_and_shapes(ops_lib):
 def test_matmul_gguf_rows_do_not_depend_on_the_call(ops_lib, fmt, isa):
     """A row's product has the same bits whether it is multiplied alone or among 15 others: a verify of T tokens
     gives each token what decoding it alone gives (the greedy identity rests on it; ONNX Runtime's own MatMul and
-    MatMulNBits do not promise it, and on AVX2 CPUs a row alone takes another path). Under amx a row alone takes the
-    VNNI kernel and several rows the tile multiplies, 16 rows a pass (20: a second pass of 4)."""
+    MatMulNBits do not promise it, and on AVX2 CPUs a row alone takes another path). Under amx up to 15 rows take the
+    VNNI kernel and whole passes of 16 the tile multiplies (20: 16 on the tiles, 4 on VNNI)."""
     if not _supported(ops_lib, isa):
         pytest.skip(f"this CPU does not run the {isa} kernels")
     rng = np.random.default_rng(11)
@@ -242,6 +242,29 @@ def test_matmul_gguf_prefetching_changes_no_bits(ops_lib, fmt, isa, monkeypatch)
         outs[rows] = [session.run(None, {"A": a[:m]})[0] for m in range(1, 10)]
     for m, (y, z) in enumerate(zip(outs["1"], outs["9"]), 1):
         np.testing.assert_array_equal(y, z, err_msg=f"M={m}")
+
+
+@pytest.mark.parametrize("isa", ["avx512vnni", "amx"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_matmul_gguf_wide_vectors_change_no_bits(ops_lib, fmt, isa, monkeypatch):
+    """On AVX-512 VNNI, packed weights go two groups (16 rows) per 512-bit vector where $SPECRT_OPS_WIDE allows (by
+    default on Intel CPUs; read when a kernel is made), else 8 rows per 256-bit one: the same bits either way, for
+    one group alone (N = 7), a pair with a short second group (13), and an odd last group of a thread's share (203);
+    under amx for the rows below its tile multiplies' minimum."""
+    if not _supported(ops_lib, isa):
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    rng = np.random.default_rng(13)
+    for n in (7, 13, 203):
+        raw, deq = _weights(fmt, n, 576, rng)
+        a = rng.normal(size=(16, 576)).astype(np.float32)
+        outs = {}
+        for wide in ("0", "1"):
+            monkeypatch.setenv("SPECRT_OPS_WIDE", wide)
+            session = _session(ops_lib, fmt, 576, n, isa, constant=raw)
+            outs[wide] = [session.run(None, {"A": a[:m]})[0] for m in (*range(1, 10), 16)]
+        for m, y, z in zip((*range(1, 10), 16), outs["0"], outs["1"]):
+            np.testing.assert_array_equal(y, z, err_msg=f"N={n}, M={m}")
+        _check(outs["1"][-1], a, raw, deq, fmt, f"wide, N={n}")
 
 
 def _gather_session(lib, fmt: str, k: int, v: int):

@@ -64,6 +64,7 @@ struct MatMulGGUFKernel {
                                  ORT_INVALID_ARGUMENT);
         isa_ = specrt::ops::best_isa();
         prefetch_from_ = specrt::ops::prefetch_rows();
+        wide_ = specrt::ops::wide_vectors();
         // weights that are an initializer are repacked once, 8 rows at a time (gguf_kernels.h, Packed)
         int constant = 0;
         Ort::ConstValue w = ki.GetTensorConstantInput(1, &constant);
@@ -133,7 +134,8 @@ private:
         const Job& j = *static_cast<Job*>(data);
         const specrt::ops::Packed& p = j.self->packed_;
         const int64_t g0 = static_cast<int64_t>(t) * kGroupsPerTask, g1 = std::min(g0 + kGroupsPerTask, p.groups);
-        specrt::ops::matmul_packed(j.self->isa_, p, *j.acts, g0, g1, j.self->n_, j.y, j.self->prefetch_from_);
+        specrt::ops::matmul_packed(j.self->isa_, p, *j.acts, g0, g1, j.self->n_, j.y, j.self->prefetch_from_,
+                                   j.self->wide_);
     }
 
     // swiglu over packed weights whose N/2 is a whole number of groups: gate's groups [g0, g1), up's the same groups
@@ -143,9 +145,9 @@ private:
         const specrt::ops::Packed& p = j.self->packed_;
         const int64_t n = j.self->n_, half = n / 2, half_groups = half / specrt::ops::kGroup;
         const int64_t g0 = static_cast<int64_t>(t) * kGroupsPerTask, g1 = std::min(g0 + kGroupsPerTask, half_groups);
-        specrt::ops::matmul_packed(j.self->isa_, p, *j.acts, g0, g1, n, j.y, j.self->prefetch_from_);
+        specrt::ops::matmul_packed(j.self->isa_, p, *j.acts, g0, g1, n, j.y, j.self->prefetch_from_, j.self->wide_);
         specrt::ops::matmul_packed(j.self->isa_, p, *j.acts, g0 + half_groups, g1 + half_groups, n, j.y,
-                                   j.self->prefetch_from_);
+                                   j.self->prefetch_from_, j.self->wide_);
         specrt::ops::swiglu(j.self->isa_, j.y, j.acts->m, half, g0 * specrt::ops::kGroup, g1 * specrt::ops::kGroup,
                             j.out);
     }
@@ -155,6 +157,7 @@ private:
     bool swiglu_ = false;
     specrt::ops::Isa isa_ = specrt::ops::Isa::Scalar;
     int prefetch_from_ = 4;
+    bool wide_ = false;
     specrt::ops::Packed packed_;  // empty: W is not an initializer, or the scalar reference runs
 };
 

@@ -7,9 +7,6 @@
 // as the VNNI kernel's; then, per activation row, the same float operations in the same order on the same lanes
 // (dot x (d_w d_a), then the minimum x d_a s_a), 16 weight rows per vector instead of 8. So an output has the same
 // bits on either kernel, whichever rows share the call.
-// GCC 12's AVX-512 headers pass an undefined vector as the unused merge source of their unmasked forms, which it then
-// reports as maybe uninitialized at every use
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "gguf_simd.inc"
 
 #include <cstring>
@@ -24,7 +21,6 @@ struct alignas(64) TileConfig {
     uint8_t rows[16] = {};
 };
 
-constexpr int kAmxRows = 16;      // activation rows per tile pass (a tile's most)
 // Blocks staged at once: their codes (512 bytes a block) and dots (up to 1 KiB) stay in L1 (a longer row: in parts)
 constexpr int kMaxBlocks = 16;
 
@@ -42,17 +38,6 @@ void configure(int mr) {
     }
     _tile_storeconfig(&have);
     if (std::memcmp(&have, &want, sizeof want) != 0) _tile_loadconfig(&want);
-}
-
-inline __m512i join(const uint8_t* lo, const uint8_t* hi) {  // 32 bytes of each record, one vector
-    return _mm512_inserti64x4(_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo))),
-                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi)), 1);
-}
-
-inline __m512 join_ph(const uint8_t* lo, const uint8_t* hi) {  // 8 fp16 of each record as 16 floats
-    return _mm512_castpd_ps(_mm512_insertf64x4(
-        _mm512_zextpd256_pd512(_mm256_castps_pd(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo))))),
-        _mm256_castps_pd(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)))), 1));
 }
 
 // One block's multiply: dots[mr x 16] = the activation rows' block x the 16 weight rows' codes, activations in tile

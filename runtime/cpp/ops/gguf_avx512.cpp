@@ -1,5 +1,5 @@
-// The AVX-512 VNNI row kernel (vpdpbusd on 256-bit vectors; compiled with the AVX-512 flags, called only where the
-// CPU has avx512vnni, avx512vl and avx512bw).
+// The AVX-512 VNNI kernels (vpdpbusd on 256-bit vectors, and on 512-bit ones for packed weights where
+// wide_vectors(); compiled with the AVX-512 flags, called only where the CPU has avx512vnni, avx512vl and avx512bw).
 #include "gguf_simd.inc"
 #include "attention.inc"
 #include "elementwise.inc"
@@ -16,6 +16,10 @@ void attention_avx512(const AttentionShape& s, const float* q, const void* k, co
 void packed_vnni(const Packed& w, const int8_t* q, const float* d, const int32_t* s, const float* ds, int64_t m,
                  int64_t g0, int64_t g1, int64_t n_total, float* y, int prefetch_from) {
     packed_simd<true>(w, q, d, s, ds, m, g0, g1, n_total, y, prefetch_from);
+}
+void packed_vnni_wide(const Packed& w, const int8_t* q, const float* d, const int32_t* s, const float* ds, int64_t m,
+                      int64_t g0, int64_t g1, int64_t n_total, float* y, int prefetch_from) {
+    packed_simd512(w, q, d, s, ds, m, g0, g1, n_total, y, prefetch_from);
 }
 void quantize_vnni(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, int32_t* s) {
     quantize_blocks(x, b0, b1, q, d, s);

@@ -103,6 +103,8 @@ void packed_avx2(const Packed& w, const int8_t* q, const float* d, const int32_t
                  int64_t g0, int64_t g1, int64_t n_total, float* y, int prefetch_from);
 void packed_vnni(const Packed& w, const int8_t* q, const float* d, const int32_t* s, const float* ds, int64_t m,
                  int64_t g0, int64_t g1, int64_t n_total, float* y, int prefetch_from);
+void packed_vnni_wide(const Packed& w, const int8_t* q, const float* d, const int32_t* s, const float* ds, int64_t m,
+                      int64_t g0, int64_t g1, int64_t n_total, float* y, int prefetch_from);
 #ifdef SPECRT_OPS_AMX
 void packed_amx(const Packed& w, const int8_t* q, const float* d, const int32_t* s, const float* ds, int64_t m,
                 int64_t g0, int64_t g1, int64_t n_total, float* y, int prefetch_from);  // gguf_amx.cpp
@@ -168,9 +170,9 @@ bool supported(Isa isa) {
 }
 
 Isa best_isa() {
-    // AMX where the CPU has it and Linux grants the tiles: its multiplies take only products of 9 or more rows (a
-    // batch of requests' verify or decoding step), the same bits as VNNI's (gguf_amx.cpp); SPECRT_OPS_ISA asks for a
-    // lower one.
+    // AMX where the CPU has it and Linux grants the tiles: its multiplies take a product's rows 16 at a time (a batch
+    // of requests' verify or decoding step), the same bits as VNNI's (gguf_amx.cpp); SPECRT_OPS_ISA asks for a lower
+    // one.
     Isa best = Isa::Scalar;
     for (Isa isa : {Isa::Avx2, Isa::Avx512Vnni, Isa::Amx})
         if (supported(isa)) best = isa;
@@ -182,16 +184,32 @@ Isa best_isa() {
     return best;
 }
 
+namespace {
+
+bool intel_cpu() {
+    static const bool intel = [] {
+        unsigned a, b, c, d;  // vendor "GenuineIntel" in EBX, EDX, ECX
+        return __get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e;
+    }();
+    return intel;
+}
+
+}  // namespace
+
 int prefetch_rows() {
     if (const char* env = std::getenv("SPECRT_OPS_PREFETCH_ROWS")) {
         const int n = std::atoi(env);
         if (n >= 1 && n <= 9) return n;
     }
-    static const bool intel = [] {
-        unsigned a, b, c, d;  // vendor "GenuineIntel" in EBX, EDX, ECX
-        return __get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e;
-    }();
-    return intel ? 1 : 4;
+    return intel_cpu() ? 1 : 4;
+}
+
+bool wide_vectors() {
+    if (const char* env = std::getenv("SPECRT_OPS_WIDE")) {
+        if (std::strcmp(env, "0") == 0) return false;
+        if (std::strcmp(env, "1") == 0) return true;
+    }
+    return intel_cpu();
 }
 
 void quantize(Isa isa, const float* x, int64_t m, int64_t k, Activations& out) {
@@ -375,12 +393,19 @@ void dequantize_row(Format f, const uint8_t* row, int64_t blocks, float* out) {
 }
 
 void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, int64_t g1, int64_t n_total, float* y,
-                   int prefetch_from) {
-    auto kernel = isa >= Isa::Avx512Vnni ? packed_vnni : packed_avx2;
+                   int prefetch_from, bool wide) {
+    auto kernel = isa >= Isa::Avx512Vnni ? (wide ? packed_vnni_wide : packed_vnni) : packed_avx2;
+    int64_t done = 0;  // activation rows multiplied so far
 #ifdef SPECRT_OPS_AMX
-    if (isa == Isa::Amx && a.m >= kAmxMinRows) kernel = packed_amx;
+    if (isa == Isa::Amx && a.m >= kAmxRows) {  // whole passes of 16 rows on the tiles (the same bits as VNNI's)
+        done = a.m / kAmxRows * kAmxRows;
+        packed_amx(w, a.q.data(), a.d.data(), a.s.data(), a.ds.data(), done, g0, g1, n_total, y, prefetch_from);
+    }
 #endif
-    kernel(w, a.q.data(), a.d.data(), a.s.data(), a.ds.data(), a.m, g0, g1, n_total, y, prefetch_from);
+    if (done == a.m) return;
+    const int64_t at = done * a.blocks;  // the rest's first (row, block)
+    kernel(w, a.q.data() + at * kBlock, a.d.data() + at, a.s.data() + at, a.ds.data() + at, a.m - done, g0, g1,
+           n_total, y + done * n_total, prefetch_from);
 }
 
 namespace {

@@ -14,7 +14,7 @@
 namespace specrt::ops {
 
 enum class Format { Q4_0, Q4_1, Q8_0 };
-// In rising order; Amx is Avx512Vnni with AMX's tile multiplies for packed products of kAmxMinRows rows or more.
+// In rising order; Amx is Avx512Vnni with AMX's tile multiplies for packed products, 16 rows at a time (kAmxRows).
 enum class Isa { Scalar, Avx2, Avx512Vnni, Amx };
 
 constexpr int kBlock = 32;
@@ -84,19 +84,27 @@ struct Packed {
 // it). $SPECRT_OPS_PREFETCH_ROWS = 1..9 (9: never) says otherwise; read at each call (an op reads it once, when
 // its session is made).
 int prefetch_rows();
+// Whether packed products on AVX-512 VNNI take two groups at a time, 16 weight rows per 512-bit vector (the same
+// bits as 8 per 256-bit one): by default on Intel CPUs, whose cores issue 512-bit vpdpbusd as often as 256-bit
+// ones (a 2-core Xeon: the default model's verify of 8 tokens 0.91x the time, of 4 0.94x, a decoding step 0.98x);
+// not elsewhere (on a 2-core EPYC a 512-bit vpdpbusd issued half as often: no gain). $SPECRT_OPS_WIDE = 0 or 1 says
+// otherwise; read at each call (an op reads it once, when its session is made).
+bool wide_vectors();
 constexpr int kGroup = 8;
-// Isa::Amx: fewer activation rows take the VNNI kernel. A tile multiply costs the same whatever its rows: alone on
-// one thread (scripts/kernel_ab.sh, SmolLM2's shapes, a 2-core Xeon) AMX takes 1.02-1.08x VNNI's time at 4 rows,
-// 0.86-0.99x at 5, 0.71-0.74x at 8, 0.50-0.66x at 16; in the default model's verify call on 2 threads (specrt
-// profile), where the weights stream from memory, ~1.06x at 5 rows, even at 8, 0.86-0.91x at 16, 0.83x at 32.
-constexpr int kAmxMinRows = 9;
+// Isa::Amx: the tile multiplies take a call's rows in whole passes of 16 (a tile's most), the rest take the VNNI
+// kernel. A tile multiply costs the same whatever its rows: alone on one thread (scripts/kernel_ab.sh, SmolLM2's
+// shapes, a 2-core Xeon) AMX took 1.02-1.08x the 8-lane VNNI kernel's time at 4 rows, 0.71-0.74x at 8, 0.50-0.66x
+// at 16; in the default model's calls on 2 threads (specrt profile), where the weights stream from memory, against
+// the 16-lane VNNI kernel (wide_vectors()): 0.96-0.99x at 16, 32, 48 and 64 rows, but 1.03-1.07x at 10 and 12 and
+// 1.08-1.14x at 20, 24 and 40 (a last pass of 4 or 8 rows on the tiles).
+constexpr int kAmxRows = 16;
 constexpr int packed_record(Format f) {
     return f == Format::Q4_0 ? 16 + 128 : f == Format::Q4_1 ? 32 + 128 : 16 + 256;
 }
 void pack(Format f, const uint8_t* w, int64_t n, int64_t blocks, Packed& out);
 // y[i, n] for the rows of groups [g0, g1) of packed weights and all M activation rows; y is [M, n_total].
 void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, int64_t g1, int64_t n_total, float* y,
-                   int prefetch_from = prefetch_rows());
+                   int prefetch_from = prefetch_rows(), bool wide = wide_vectors());
 
 // y[i, n] for rows n in [n0, n1) of weights w ([N, blocks * block_bytes]) and all M activation rows; y is [M, N].
 void matmul_rows(Isa isa, Format f, const uint8_t* w, const Activations& a, int64_t n0, int64_t n1, int64_t n_total,
