@@ -85,10 +85,11 @@ struct Packed {
 // its session is made).
 int prefetch_rows();
 // Whether packed products on AVX-512 VNNI take two groups at a time, 16 weight rows per 512-bit vector (the same
-// bits as 8 per 256-bit one): by default on Intel CPUs, whose cores issue 512-bit vpdpbusd as often as 256-bit
-// ones (a 2-core Xeon: the default model's verify of 8 tokens 0.91x the time, of 4 0.94x, a decoding step 0.98x);
-// not elsewhere (on a 2-core EPYC a 512-bit vpdpbusd issued half as often: no gain). $SPECRT_OPS_WIDE = 0 or 1 says
-// otherwise; read at each call (an op reads it once, when its session is made).
+// bits as 8 per 256-bit one): by default on Intel CPUs (measured on a 2-core Xeon whose cores issue a 512-bit
+// vpdpbusd as often as a 256-bit one: the default model's verify of 8 tokens 0.91x the time, of 4 0.94x, a decoding
+// step 0.98x; Intel cores with a single 512-bit multiply port, not measured, may gain nothing); not elsewhere (on a
+// 2-core EPYC a 512-bit vpdpbusd issued half as often). $SPECRT_OPS_WIDE = 0 or 1 says otherwise; read at each call
+// (an op reads it once, when its session is made).
 bool wide_vectors();
 constexpr int kGroup = 8;
 // Isa::Amx: the tile multiplies take a call's rows in whole passes of 16 (a tile's most), the rest take the VNNI
