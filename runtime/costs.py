@@ -18,9 +18,12 @@ with what each round actually cost:
                     rarely accepted then looks as if it paid
     exploration     a cost-aware scheduler stops admitting drafts where the table says the next one does not
                     pay, so a table that overstates a verify would never be corrected by the rounds it
-                    prevents: `wants` lets the scheduler admit one pair past its stopping point, once every
-                    EXPLORE_EVERY rounds, until that cell has been seen SEEN times. Verify lengths never affect
-                    which tokens are committed, so exploring costs time, never exactness.
+                    prevents: `exploring` lets the scheduler admit one pair past its stopping point, once every
+                    EXPLORE_EVERY rounds, until that cell has been seen SEEN times. The same holds below the
+                    stopping point: a table that overstates the decoding step (a profile made on a slower host)
+                    makes every round draft, and a round that drafts never measures a step; so where the cell
+                    past the stopping point is known, the exploration verifies one pair fewer instead. Verify
+                    lengths never affect which tokens are committed, so exploring costs time, never exactness.
 
 `describe()` says which table decided: its source, the observations, and the table before and after, in
 decoding steps.

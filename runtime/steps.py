@@ -38,8 +38,10 @@ def admission(a: Array, active: Array, fixed_ms: Array | float, verify_ms: Array
     past P cost verify_ms[P]); `fixed_ms`: the draft side of the round. Every active slot verifies its anchor and
     commits a bonus token, so the round starts at (active slots) tokens; each admitted (slot, k) pair adds one
     token and a[slot, k] expected tokens. Pairs are taken in order of survival (ties: lower k, then lower slot)
-    while the rate improves; the first pair that does not improve it ends admission, unless `explore` [P + 1]
-    marks the call it would make as a cell whose cost the table wants measured: then that pair is admitted too.
+    while the rate improves; the first pair that does not improve it ends admission. `explore` [P + 1] marks the
+    calls whose cost the table wants measured: if it marks the call of one pair fewer, the last pair admitted is left
+    out (a cost believed too high below the stopping point, the decoding step's above all, is never measured by the
+    rounds it makes longer); else, if it marks the call that first pair would make, that pair is admitted too.
     Sums run in the order pairs are admitted, in float64, so every array library gives the same lengths."""
     xp = namespace(a)
     n, g = a.shape
@@ -56,16 +58,19 @@ def admission(a: Array, active: Array, fixed_ms: Array | float, verify_ms: Array
     rate = expected / (fixed_ms + cost)
     better = (rate[1:] > rate[:-1]) & (v > 0)
     m = xp.sum(xp.cumulative_prod(xp.astype(better, xp.int64)))  # pairs admitted before the first non-improvement
-    explored = xp.zeros((), dtype=xp.bool, device=dev)
+    more = fewer = xp.zeros((), dtype=xp.bool, device=dev)
     if explore is not None:
+        last = explore.shape[0] - 1
         nxt = xp.clip(m, max=n * g - 1)
-        cell = xp.clip(xp.take(tokens, xp.reshape(nxt + 1, (1,)))[0], max=explore.shape[0] - 1)
-        explored = (m < n * g) & (xp.take(v, xp.reshape(nxt, (1,)))[0] > 0) & explore[cell]
+        cell = xp.clip(xp.take(tokens, xp.reshape(nxt + 1, (1,)))[0], max=last)
+        below = xp.clip(xp.take(tokens, xp.reshape(xp.clip(m - 1, min=0), (1,)))[0], max=last)
+        fewer = (m > 0) & explore[below]
+        more = ~fewer & (m < n * g) & (xp.take(v, xp.reshape(nxt, (1,)))[0] > 0) & explore[cell]
     rank = xp.zeros(n * g, dtype=xp.int64, device=dev)
     rank[order] = xp.arange(n * g, device=dev)
-    taken = rank < m + xp.astype(explored, xp.int64)
+    taken = rank < m + xp.astype(more, xp.int64) - xp.astype(fewer, xp.int64)
     lengths = xp.sum(xp.astype(xp.reshape(taken, (g, n)), xp.int64), axis=0)
-    return lengths, xp.take(rate, xp.reshape(m, (1,)))[0], explored
+    return lengths, xp.take(rate, xp.reshape(m, (1,)))[0], more | fewer
 
 
 def admit(a: Array, budget: Array | int) -> Array:

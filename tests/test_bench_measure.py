@@ -213,6 +213,28 @@ def test_a_wrong_table_corrects_itself_within_dozens_of_rounds():
     assert table.verify_ms(1, 2) == pytest.approx(11.0, rel=0.15)
 
 
+def test_a_table_that_overstates_the_decoding_step_corrects_itself():
+    """A profile made on a slower host says a decoding step costs 13 ms; really it costs 10, and a verify of 2 tokens
+    the 13 the profile says. On the stale table one draft a round pays (1.25 tokens for 13.5 ms against 1 for 13),
+    on the true one it does not (1.25 for 13 against 1 for 10): every round drafts, so no round is a decoding step
+    to correct the table by, unless an exploration verifies one pair fewer than the table's choice."""
+    true = {1: 10.0, 2: 13.0, 3: 16.0, 4: 19.0, 5: 22.0}
+    stale = {1: 13.0, 2: 13.5, 3: 16.0, 4: 19.0, 5: 22.0}
+    a = np.array([[0.25, 0.1, 0.04, 0.01]], np.float32)
+    active = np.array([True])
+    assert admission(a, active, 0.0, _profile(true))[0][0] == 0
+    assert admission(a, active, 0.0, _profile(stale))[0][0] == 1
+    table = CostTable(_profile(stale), "test")
+    chosen = []
+    for _ in range(60):
+        lengths = admission(a, active, 0.0, table, explore=True)[0]
+        chosen.append(int(lengths[0]))
+        table.observe_verify(1, int(lengths[0]) + 1, true[int(lengths[0]) + 1])
+    assert chosen[:EXPLORE_EVERY] == [1] * EXPLORE_EVERY  # exploration waits its turn
+    assert chosen[-10:] == [0] * 10, chosen
+    assert table.step_ms(1) == pytest.approx(10.0)
+
+
 def test_table_follows_a_machine_that_slowed_down():
     table = CostTable(_profile({1: 10.0, 2: 12.0, 4: 14.0}, draft=2.0), "test")
     for _ in range(40):

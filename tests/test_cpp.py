@@ -337,6 +337,32 @@ def test_default_model_every_method_is_token_identical(specrt_cpp, served_art):
         assert got["outputs"] == want, method
 
 
+def test_cpp_admission_is_the_pythons(cpp_build):
+    """The C++ Algorithm 1 on its own (runtime/cpp/tests/admission_test.cpp) gives runtime/steps.py's lengths, rate
+    and exploration on the random cases tests/test_schedulers.py checks the Python one on (survivals with ties and
+    zeros, idle rows, convex curves, explorations above and below the stopping point)."""
+    from specrt.runtime import steps
+    from test_schedulers import admission_case
+
+    cases, want = [], []
+    for seed in range(200):
+        a, active, fixed, curve, explore = admission_case(seed)
+        n, g = a.shape
+        lengths, rate, explored = steps.admission(a, active, fixed, curve, explore)
+        want.append({"lengths": lengths.tolist(), "rate": float(rate), "explored": bool(explored)})
+        cases.append(" ".join([f"{n} {g} {fixed!r} {len(curve) - 1}", *(repr(float(x)) for x in a.ravel()),
+                               *(str(int(x)) for x in active), *(repr(float(x)) for x in curve),
+                               "0" if explore is None else "1 " + " ".join(str(int(x)) for x in explore)]))
+    assert sum(w["explored"] for w in want) > 20  # the cases explore, in both directions (test_schedulers.py)
+    r = subprocess.run([str(cpp_build / "admission_test")], input="\n".join(cases) + "\n", capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    got = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(got) == len(want)
+    for i, (g_, w) in enumerate(zip(got, want)):
+        assert g_ == w, (i, cases[i])
+
+
 @pytest.mark.parametrize("draft", ["good", "bad", "disjoint", "onehot"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
                                     SamplingParams(temperature=1.3, top_p=0.8)], ids=["t1", "topk", "topp"])

@@ -102,17 +102,24 @@ def _admission_by_pairs(a, active, fixed_ms, curve, explore=None):
     rows = np.flatnonzero(active)
     expected, tokens = float(len(rows)), len(rows)
     best = expected / (fixed_ms + curve[min(tokens, len(curve) - 1)])
-    explored = False
+    last = nxt = None  # the row of the last pair admitted; the first pair not admitted
     cand = [(float(a[r, k]), k, r) for r in rows for k in range(gamma) if a[r, k] > 0]
     for value, k, r in sorted(cand, key=lambda c: (-c[0], c[1], c[2])):
         rate = (expected + value) / (fixed_ms + curve[min(tokens + 1, len(curve) - 1)])
         if rate <= best:
-            if explore is not None and explore[min(tokens + 1, len(explore) - 1)]:
-                lengths[r], explored = k + 1, True
+            nxt = (k, r)
             break
         best, expected, tokens = rate, expected + value, tokens + 1
-        lengths[r] = k + 1
-    return lengths, best, explored
+        lengths[r], last = k + 1, r
+    if explore is None:
+        return lengths, best, False
+    if last is not None and explore[min(tokens - 1, len(explore) - 1)]:  # one pair fewer (a row's pairs: in k order)
+        lengths[last] -= 1
+        return lengths, best, True
+    if nxt is not None and explore[min(tokens + 1, len(explore) - 1)]:  # one pair more
+        lengths[nxt[1]] = nxt[0] + 1
+        return lengths, best, True
+    return lengths, best, False
 
 
 class _Curve:
@@ -131,13 +138,9 @@ class _Curve:
         self.explorations += 1
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_admission_is_algorithm_1_on_numpy_and_torch(seed):
-    """steps.admission (sorted pairs, running sums in admission order) equals Algorithm 1 pair by pair, on numpy
-    and on torch tensors alike: survivals with ties and zeros, idle rows, convex and flat cost curves, exploration;
-    steps.admit equals ConfidenceTruncate's budget-mode reference."""
-    from specrt.runtime import steps
-
+def admission_case(seed: int) -> tuple[np.ndarray, np.ndarray, float, np.ndarray, np.ndarray | None]:
+    """A random round for Algorithm 1 (also tests/test_cpp.py's): survivals [n, g] with ties and zeros, active rows
+    (some idle), the draft side's ms, a convex verify curve, and on odd seeds the cells to explore."""
     rng = np.random.default_rng(seed)
     n, g = int(rng.integers(1, 9)), int(rng.integers(1, 8))
     a = np.cumprod(rng.choice([0.0, 0.3, 0.5, 0.9, 0.95, 1.0], (n, g)), axis=1).astype(np.float32)
@@ -145,6 +148,18 @@ def test_admission_is_algorithm_1_on_numpy_and_torch(seed):
     curve = np.cumsum(rng.uniform(0.0, 4.0, n * (g + 1) + 1)) + 10.0
     fixed = float(rng.uniform(0, 5))
     explore = rng.random(len(curve)) < 0.5 if seed % 2 else None
+    return a, active, fixed, curve, explore
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_admission_is_algorithm_1_on_numpy_and_torch(seed):
+    """steps.admission (sorted pairs, running sums in admission order) equals Algorithm 1 pair by pair, on numpy
+    and on torch tensors alike: survivals with ties and zeros, idle rows, convex and flat cost curves, exploration;
+    steps.admit equals ConfidenceTruncate's budget-mode reference."""
+    from specrt.runtime import steps
+
+    a, active, fixed, curve, explore = admission_case(seed)
+    n, g = a.shape
     want, rate, explored = _admission_by_pairs(a, active, fixed, curve, explore)
     got = steps.admission(a, active, fixed, curve, explore)
     assert got[0].tolist() == want.tolist() and float(got[1]) == rate and bool(got[2]) == explored

@@ -5,6 +5,7 @@
 
 #include "costs.h"
 #include "engine.h"
+#include "steps.h"
 
 namespace specrt {
 
@@ -144,16 +145,7 @@ private:
 std::unique_ptr<Scheduler> make_scheduler(const std::string& name, int64_t gamma, std::vector<float> temperatures,
                                           double threshold, CostTable* costs);
 
-// Algorithm 1 on survivals a [n, g] of the `active` rows (runtime/steps.py admission): lengths [n], the round's
-// expected committed tokens per ms, and whether a pair was admitted to explore.
-struct Admission {
-    std::vector<int64_t> lengths;
-    double rate = 0.0;
-    bool explored = false;
-};
-Admission admission(const std::vector<float>& a, int64_t n, int64_t g, const std::vector<char>& active, double fixed_ms,
-                    const std::vector<double>& verify_ms, const std::vector<char>& explore);
-// The same on a cost table (runtime/schedulers.py admission).
+// Algorithm 1 (steps.h) on a cost table (runtime/schedulers.py admission).
 Admission admission(const std::vector<float>& a, int64_t n, int64_t g, const std::vector<char>& active, double fixed_ms,
                     CostTable& costs, bool explore);
 

@@ -1,0 +1,50 @@
+#include "steps.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace specrt {
+
+// The indices of `values` by decreasing value, ties in index order (a stable argsort of -values).
+std::vector<int64_t> descending(const std::vector<double>& values) {
+    std::vector<int64_t> order(values.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return values[a] > values[b]; });
+    return order;
+}
+
+Admission admission(const std::vector<float>& a, int64_t n, int64_t g, const std::vector<char>& active, double fixed_ms,
+                    const std::vector<double>& verify_ms, const std::vector<char>& explore) {
+    double base = 0.0;
+    for (char x : active) base += x ? 1.0 : 0.0;
+    std::vector<double> flat(n * g);  // k-major: equal survivals ordered by k, then slot
+    for (int64_t k = 0; k < g; ++k)
+        for (int64_t i = 0; i < n; ++i) flat[k * n + i] = active[i] ? static_cast<double>(a[i * g + k]) : 0.0;
+    const std::vector<int64_t> order = descending(flat);
+    const int64_t pairs = n * g, last = static_cast<int64_t>(verify_ms.size()) - 1;
+    std::vector<double> rate(pairs + 1);
+    double expected = base;
+    const int64_t start = static_cast<int64_t>(base);
+    for (int64_t j = 0; j <= pairs; ++j) {
+        if (j) expected += flat[order[j - 1]];
+        rate[j] = expected / (fixed_ms + verify_ms[std::min(start + j, last)]);
+    }
+    int64_t m = 0;  // pairs admitted before the first that does not improve the rate
+    while (m < pairs && rate[m + 1] > rate[m] && flat[order[m]] > 0) ++m;
+    Admission out;
+    int64_t taken = m;
+    if (!explore.empty()) {  // one pair fewer if the table wants that call measured, else one more (steps.py)
+        const int64_t top = static_cast<int64_t>(explore.size()) - 1;
+        if (m > 0 && explore[std::min(start + m - 1, top)])
+            taken = m - 1;
+        else if (m < pairs && flat[order[m]] > 0 && explore[std::min(start + m + 1, top)])
+            taken = m + 1;
+        out.explored = taken != m;
+    }
+    out.rate = rate[m];
+    out.lengths.assign(n, 0);
+    for (int64_t j = 0; j < taken; ++j) ++out.lengths[order[j] % n];
+    return out;
+}
+
+}  // namespace specrt
