@@ -9,6 +9,12 @@ with what each round actually cost:
                     profile that overstates a cost, three one that understates it, and one stall moves nothing.
                     Erring low is deliberate: a cost believed too low gets admitted and so measured, while one
                     believed too high would never be
+    forgetting      an observation older than FORGET observations of the whole table is dropped, and a cell
+                    left with none reads as unseen again. These hosts' speed swings by 30% within minutes: a cell
+                    measured while the host was slow, beside a decoding step measured since it got fast, would
+                    otherwise keep a verify looking dear for good (a hybrid's lookups stopped for a whole load
+                    run at one request: a 2-token verify believed ~1.7 steps is admitted for no lookup, and
+                    a call never made is never measured again)
     unseen cell     the profile's value scaled as the nearest observed cell below it in the same row was scaled
                     (the profile's shape, anchored where the rounds measured), or by the table's overall drift
                     (the running geometric mean of observed / profiled) where nothing in the row was observed
@@ -40,6 +46,7 @@ from specrt.runtime.profile import Profile, ceil_key
 PRIOR = 2  # the profile's value counts as this many observations
 WINDOW = 16  # observations kept per cell
 SEEN = 6  # observations after which a cell is no longer explored
+FORGET = 1024  # the table's observations after which one is dropped (checked every FORGET // 4)
 EXPLORE_EVERY = 8  # rounds between explorations
 LOG4 = math.log(4)
 
@@ -49,7 +56,7 @@ class CostTable:
 
     def __init__(self, profile: Profile, source: str) -> None:
         self.profile, self.source = profile, source
-        self.seen: dict[tuple, deque[float]] = {}  # cell -> its last observations (ms)
+        self.seen: dict[tuple, deque[tuple[int, float]]] = {}  # cell -> its last observations (number, ms)
         self.estimate: dict[tuple, float] = {}  # cell -> median of its observations and the prior
         self.log_drift, self.observations, self.explored_rounds = 0.0, 0, 0
         self._since_explore = 0
@@ -170,16 +177,36 @@ class CostTable:
         seen = self.seen.get(cell)
         if seen is None:
             seen = self.seen[cell] = deque(maxlen=WINDOW)
-        seen.append(ms)
+        self.observations += 1
+        seen.append((self.observations, ms))
         if len(seen) <= SEEN:  # a count exploring reads changed
             self._wants.clear()
-        values = sorted([profiled] * PRIOR + list(seen))
-        self.estimate[cell] = values[(len(values) - 1) // 2]  # the lower median: see above
-        self.observations += 1
+        self.estimate[cell] = _lower_median(profiled, seen)
         if profiled > 0:  # clipped: one stall moves the drift by at most log(4) / its weight
             ratio = max(-LOG4, min(LOG4, math.log(ms / profiled)))
             self.log_drift += (ratio - self.log_drift) / min(self.observations, 4 * WINDOW)
             self._drift = math.exp(self.log_drift)
+        if self.observations % (FORGET // 4) == 0:
+            self._forget()
+
+    def _forget(self) -> None:
+        """Drop the observations older than FORGET; a cell left with none reads as unseen (and is explored) again."""
+        old = self.observations - FORGET
+        for cell in [c for c, seen in self.seen.items() if seen[0][0] <= old]:
+            seen = self.seen[cell]
+            while seen and seen[0][0] <= old:
+                seen.popleft()
+            if seen:
+                self.estimate[cell] = _lower_median(self._profiled(cell), seen)
+            else:
+                del self.seen[cell], self.estimate[cell]
+        self._rows.clear()
+        self._curves.clear()
+        self._wants.clear()
+
+    def _profiled(self, cell: tuple) -> float:
+        kind, a, b = cell
+        return self.profile.verify[a][b] if kind == "verify" else self.profile.draft[a][b]
 
     # -- reporting --------------------------------------------------------------------------------------
 
@@ -197,3 +224,9 @@ class CostTable:
                 "observations": self.observations, "explored_rounds": self.explored_rounds,
                 "drift": round(math.exp(self.log_drift), 4), "initial": self.profile.summary(),
                 "refined": self.current().summary()}
+
+
+def _lower_median(profiled: float, seen: deque[tuple[int, float]]) -> float:
+    """The lower median of a cell's observations and PRIOR copies of the profile's value (see above)."""
+    values = sorted([profiled] * PRIOR + [ms for _, ms in seen])
+    return values[(len(values) - 1) // 2]

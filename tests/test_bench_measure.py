@@ -15,7 +15,7 @@ import pytest
 from specrt.tools import bench as b
 from specrt.tools.bench_stats import fmt, median_ci
 from specrt.tools.bench_workers import EngineSpec, Generation
-from specrt.runtime.costs import EXPLORE_EVERY, SEEN, CostTable
+from specrt.runtime.costs import EXPLORE_EVERY, FORGET, SEEN, CostTable
 from specrt.tools.machine import NOISY_CORES, QuietCheck
 from specrt.runtime.profile import PROFILE_FILE, Profile, load_profile, save_profile
 from specrt.runtime.schedulers import SPSScheduler, admission
@@ -248,6 +248,30 @@ def test_table_follows_a_machine_that_slowed_down():
     assert table.step_ms(1) < 25.0
     d = table.describe()
     assert d["drift"] == pytest.approx(2.0, rel=0.1) and d["refined"]["step_ms"] > d["initial"]["step_ms"]
+
+
+def test_a_cell_measured_on_a_slower_host_is_forgotten_once_the_host_speeds_up():
+    """A 2-token verify observed while the host ran 1.3x slow, then only decoding steps while it runs 0.9x (no lookup
+    admitted at the 2-token cost then believed, 1.73 steps, so no 2-token call to measure it again): after FORGET
+    observations the old ones are dropped and the cell reads as the profile's shape at the steps' speed, 1.2 steps,
+    where a lookup accepted 70% of the time is admitted again (a hybrid's lookups stopped for a whole load run)."""
+    table = CostTable(_profile({1: 5.0, 2: 6.0, 4: 8.0}), "test")
+    for _ in range(16):
+        table.observe_verify(1, 1, 5.0 * 1.3)
+        table.observe_verify(1, 2, 6.0 * 1.3)
+    assert table.verify_ms(1, 2) / table.verify_ms(1, 1) == pytest.approx(1.2)
+    a, active = np.array([[0.7, 0.5]], np.float32), np.array([True])
+    for _ in range(64):
+        table.observe_verify(1, 1, 5.0 * 0.9)
+    assert table.verify_ms(1, 2) / table.verify_ms(1, 1) == pytest.approx(7.8 / 4.5)  # kept: what it cost then
+    assert admission(a, active, 0.0, table)[0][0] == 0
+    for _ in range(FORGET + FORGET // 4):  # dropped within a quarter of FORGET of their turn
+        table.observe_verify(1, 1, 5.0 * 0.9)
+    assert table.verify_ms(1, 1) == pytest.approx(4.5)
+    assert table.verify_ms(1, 2) == pytest.approx(5.4)  # unseen again: the profile's shape, anchored on the step
+    assert table.verify_ms(1, 4) == pytest.approx(7.2)
+    assert admission(a, active, 0.0, table)[0][0] >= 1
+    assert len(table.seen[("verify", 1, 1)]) == 16 and ("verify", 1, 2) not in table.seen
 
 
 def test_engine_refines_a_wrong_stored_profile(art, tmp_path):

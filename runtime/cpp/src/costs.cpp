@@ -6,7 +6,15 @@
 namespace specrt {
 
 namespace {
-constexpr int kPrior = 2, kWindow = 16, kSeen = 6, kExploreEvery = 8;  // runtime/costs.py
+constexpr int kPrior = 2, kWindow = 16, kSeen = 6, kExploreEvery = 8, kForget = 1024;  // runtime/costs.py
+
+// The lower median of a cell's observations and kPrior copies of the profile's value.
+double lower_median(double profiled, const std::deque<std::pair<int64_t, double>>& seen) {
+    std::vector<double> values(kPrior, profiled);
+    for (const auto& [_, ms] : seen) values.push_back(ms);
+    std::sort(values.begin(), values.end());
+    return values[(values.size() - 1) / 2];
+}
 }
 
 // Each cell at least the one before it in its row: a verify of more tokens never costs less (runtime/costs.py `_row`).
@@ -91,17 +99,34 @@ void CostTable::observe(const Cell& cell, double profiled, double ms) {
     if (!(ms > 0 && std::isfinite(ms))) return;
     curves_.clear();
     auto& seen = seen_[cell];
-    seen.push_back(ms);
-    if (static_cast<int>(seen.size()) > kWindow) seen.pop_front();
-    std::vector<double> values(kPrior, profiled);
-    values.insert(values.end(), seen.begin(), seen.end());
-    std::sort(values.begin(), values.end());
-    estimate_[cell] = values[(values.size() - 1) / 2];  // the lower median
     ++observations_;
+    seen.emplace_back(observations_, ms);
+    if (static_cast<int>(seen.size()) > kWindow) seen.pop_front();
+    estimate_[cell] = lower_median(profiled, seen);
     if (profiled > 0) {  // clipped: one stall moves the drift by at most log(4) / its weight
         const double ratio = std::clamp(std::log(ms / profiled), -std::log(4.0), std::log(4.0));
         log_drift_ += (ratio - log_drift_) / static_cast<double>(std::min<int64_t>(observations_, 4 * kWindow));
     }
+    if (observations_ % (kForget / 4) == 0) forget();
+}
+
+// Drop the observations older than kForget; a cell left with none reads as unseen (and is explored) again.
+void CostTable::forget() {
+    const int64_t old = observations_ - kForget;
+    for (auto it = seen_.begin(); it != seen_.end();) {
+        auto& [cell, seen] = *it;
+        while (!seen.empty() && seen.front().first <= old) seen.pop_front();
+        if (seen.empty()) {
+            estimate_.erase(cell);
+            it = seen_.erase(it);
+            continue;
+        }
+        const auto& [kind, head, b, p] = cell;
+        const double profiled = kind == "verify" ? profile_.verify.at(b).at(p) : profile_.draft.at(head).at(b);
+        estimate_[cell] = lower_median(profiled, seen);
+        ++it;
+    }
+    curves_.clear();
 }
 
 }  // namespace specrt

@@ -1,7 +1,7 @@
 // The cost table the sps schedulers and the hybrids plan on (runtime/costs.py): the artifact's stored profile,
 // refined online from the rounds the engine times (lower medians of each cell's last WINDOW observations and PRIOR
 // copies of the profile's value; unseen cells scaled like the nearest observed one below, or by the overall drift;
-// each cell at least the one before it in its row),
+// each cell at least the one before it in its row; observations older than FORGET dropped),
 // and exploration: one pair past Algorithm 1's stopping point every EXPLORE_EVERY rounds, until a cell is seen SEEN
 // times. Verify lengths never change which tokens are committed, so none of this affects exactness.
 #pragma once
@@ -30,10 +30,11 @@ public:
 private:
     using Cell = std::tuple<std::string, std::string, int64_t, int64_t>;  // ("verify", "", b, p) or ("draft", head, b, 0)
     void observe(const Cell& cell, double profiled, double ms);
+    void forget();
     double cell_ms(int64_t b, int64_t p) const;  // one cell of batch b's row, before the row is made monotone
 
     Profile profile_;
-    std::map<Cell, std::deque<double>> seen_;
+    std::map<Cell, std::deque<std::pair<int64_t, double>>> seen_;  // (observation number, ms)
     std::map<Cell, double> estimate_;
     double log_drift_ = 0.0;
     int64_t observations_ = 0, since_explore_ = 0;
