@@ -12,9 +12,9 @@ with what each round actually cost:
     forgetting      an observation older than FORGET observations of the whole table is dropped, and a cell
                     left with none reads as unseen again. These hosts' speed swings by 30% within minutes: a cell
                     measured while the host was slow, beside a decoding step measured since it got fast, would
-                    otherwise keep a verify looking dear for good (a hybrid's lookups stopped for a whole load
-                    run at one request: a 2-token verify believed ~1.7 steps is admitted for no lookup, and
-                    a call never made is never measured again)
+                    otherwise keep a verify looking dear for good: a 2-token verify believed ~1.7 steps is
+                    admitted for no lookup, and a call never made is never measured again (one load run's hybrid
+                    verified no draft at one request, which this allows)
     unseen cell     the profile's value scaled as the nearest observed cell below it in the same row was scaled
                     (the profile's shape, anchored where the rounds measured), or by the table's overall drift
                     (the running geometric mean of observed / profiled) where nothing in the row was observed
@@ -27,8 +27,8 @@ with what each round actually cost:
                     prevents: `exploring` lets the scheduler admit one pair past its stopping point, once every
                     EXPLORE_EVERY rounds, until that cell has been seen SEEN times. The same holds below the
                     stopping point: a table that overstates the decoding step (a profile made on a slower host)
-                    makes every round draft, and a round that drafts never measures a step; so where the cell
-                    past the stopping point is known, the exploration verifies one pair fewer instead. Verify
+                    makes every round draft, and a round that drafts never measures a step; so an exploration
+                    verifies one pair fewer where that call's cell is wanted (first), else one pair more. Verify
                     lengths never affect which tokens are committed, so exploring costs time, never exactness.
 
 `describe()` says which table decided: its source, the observations, and the table before and after, in

@@ -115,6 +115,10 @@ void CostTable::forget() {
     const int64_t old = observations_ - kForget;
     for (auto it = seen_.begin(); it != seen_.end();) {
         auto& [cell, seen] = *it;
+        if (seen.front().first > old) {  // nothing to drop: its estimate stands
+            ++it;
+            continue;
+        }
         while (!seen.empty() && seen.front().first <= old) seen.pop_front();
         if (seen.empty()) {
             estimate_.erase(cell);
