@@ -14,7 +14,8 @@ KINDS: `sets` (one `specrt bench` report: a row per prompt set, a column per eng
 `versus` (the same report against each baseline), `acceptance` (conditional acceptance per draft position), `pooled` (each report's engines over all its prompts; with
 several reports, one row per report and engine), `headline` (the README's: the fastest exact method and `ar`
 against every baseline), `concurrency` (`specrt bench --concurrency`), `profile` (`specrt profile --json`: costs
-in decoding steps), `parity` (`specrt parity --json`, one row per file).
+in decoding steps), `parity` (`specrt parity --json`, one row per file), `ops` (`scripts/bench_ops.py --json`, the
+files' figures side by side in each cell).
 """
 from __future__ import annotations
 
@@ -154,8 +155,21 @@ def acceptance(files: list[str]) -> str:
     return "\n".join(out)
 
 
+def ops(files: list[str]) -> str:
+    """`scripts/bench_ops.py --json` reports: median microseconds per call of each op (the scalar reference left
+    out), a row per weight shape and M, the reports' figures side by side in a cell."""
+    reps = [_load(f)["rows"] for f in files]
+    names = [o for o in dict.fromkeys(r["op"] for r in reps[0]) if "scalar" not in o]
+    cells = [{(r["shape"], r["M"], r["op"]): r["us"] for r in rows} for rows in reps]
+    out = ["| shape | M | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
+    for shape, m in dict.fromkeys((r["shape"], r["M"]) for r in reps[0]):
+        row = [" / ".join(f"{c[(shape, m, o)]:.1f}" for c in cells) if (shape, m, o) in cells[0] else "" for o in names]
+        out.append(f"| {shape} | {m} | " + " | ".join(row) + " |")
+    return "\n".join(out)
+
+
 KINDS = {"acceptance": acceptance, "sets": sets, "versus": versus, "pooled": pooled, "headline": headline, "concurrency": concurrency,
-         "profile": profile, "parity": parity}
+         "profile": profile, "parity": parity, "ops": ops}
 
 
 def render(text: str, where: str) -> str:
