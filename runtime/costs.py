@@ -160,18 +160,19 @@ class CostTable:
     def observe_verify(self, batch: int, tokens: int, ms: float) -> None:
         """A verify (or decode) call of `batch` slots over `tokens` tokens in all took `ms`."""
         b, p = self._cell(batch, tokens)
-        self._observe(("verify", b, p), self.profile.verify[b][p], ms)
+        self._observe(("verify", b, p), ms)
         self._since_explore += 1
 
     def observe_draft(self, head: str, batch: int, ms: float) -> None:
         """A call of `head`'s draft graph for `batch` slots took `ms`."""
         b = self._draft_cell(head, batch)
         if b is not None:
-            self._observe(("draft", head, b), self.profile.draft[head][b], ms)
+            self._observe(("draft", head, b), ms)
 
-    def _observe(self, cell: tuple, profiled: float, ms: float) -> None:
+    def _observe(self, cell: tuple, ms: float) -> None:
         if not (ms > 0 and math.isfinite(ms)):
             return
+        profiled = self._profiled(cell)
         self._rows.clear()
         self._curves.clear()
         seen = self.seen.get(cell)

@@ -191,6 +191,17 @@ def _profile(verify: dict[int, float], draft: float = 0.0) -> Profile:
                    draft={"dspark": {1: draft}} if draft else {})
 
 
+def _explored_rounds(a: np.ndarray, table: CostTable, true: dict[int, float], rounds: int) -> list[int]:
+    """Drafts admitted by sps with exploration in each of `rounds` rounds of one slot with survivals `a`, the table
+    observing each call at its true cost."""
+    chosen = []
+    for _ in range(rounds):
+        k = int(admission(a, np.array([True]), 0.0, table, explore=True)[0][0])
+        chosen.append(k)
+        table.observe_verify(1, k + 1, true[k + 1])
+    return chosen
+
+
 def test_a_wrong_table_corrects_itself_within_dozens_of_rounds():
     """The table says a verify of 2+ tokens costs 3 steps (nothing pays); really it costs 1.1. Run sps on
     drafts that survive with 0.8: exploration measures the next cell, and within a few dozen rounds sps
@@ -202,11 +213,7 @@ def test_a_wrong_table_corrects_itself_within_dozens_of_rounds():
     want = admission(a, active, 0.0, _profile(true))[0]
     assert want[0] == 4 and admission(a, active, 0.0, _profile(wrong))[0][0] == 0
     table = CostTable(_profile(wrong), "test")
-    chosen = []
-    for _ in range(60):
-        lengths = admission(a, active, 0.0, table, explore=True)[0]
-        chosen.append(int(lengths[0]))
-        table.observe_verify(1, int(lengths[0]) + 1, true[int(lengths[0]) + 1])
+    chosen = _explored_rounds(a, table, true, 60)
     assert chosen[:EXPLORE_EVERY] == [0] * EXPLORE_EVERY  # exploration waits its turn
     assert chosen[-10:] == [4] * 10, chosen
     assert table.explored_rounds >= SEEN // 2 and table.describe()["observations"] == 60
@@ -225,11 +232,7 @@ def test_a_table_that_overstates_the_decoding_step_corrects_itself():
     assert admission(a, active, 0.0, _profile(true))[0][0] == 0
     assert admission(a, active, 0.0, _profile(stale))[0][0] == 1
     table = CostTable(_profile(stale), "test")
-    chosen = []
-    for _ in range(60):
-        lengths = admission(a, active, 0.0, table, explore=True)[0]
-        chosen.append(int(lengths[0]))
-        table.observe_verify(1, int(lengths[0]) + 1, true[int(lengths[0]) + 1])
+    chosen = _explored_rounds(a, table, true, 60)
     assert chosen[:EXPLORE_EVERY] == [1] * EXPLORE_EVERY  # exploration waits its turn
     assert chosen[-10:] == [0] * 10, chosen
     assert table.step_ms(1) == pytest.approx(10.0)

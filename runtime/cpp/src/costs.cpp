@@ -84,7 +84,7 @@ std::vector<char> CostTable::exploring(int64_t batch, int64_t tokens) const {
 void CostTable::observe_verify(int64_t batch, int64_t tokens, double ms) {
     const int64_t b = ceil_key(profile_.verify, batch);
     const int64_t p = ceil_key(profile_.verify.at(b), tokens);
-    observe({"verify", "", b, p}, profile_.verify.at(b).at(p), ms);
+    observe({"verify", "", b, p}, ms);
     ++since_explore_;
 }
 
@@ -92,19 +92,26 @@ void CostTable::observe_draft(const std::string& head, int64_t batch, double ms)
     auto h = profile_.draft.find(head);
     if (h == profile_.draft.end()) return;
     const int64_t b = ceil_key(h->second, batch);
-    observe({"draft", head, b, 0}, h->second.at(b), ms);
+    observe({"draft", head, b, 0}, ms);
 }
 
-void CostTable::observe(const Cell& cell, double profiled, double ms) {
+// The stored profile's value of a cell.
+double CostTable::profiled(const Cell& cell) const {
+    const auto& [kind, head, b, p] = cell;
+    return kind == "verify" ? profile_.verify.at(b).at(p) : profile_.draft.at(head).at(b);
+}
+
+void CostTable::observe(const Cell& cell, double ms) {
     if (!(ms > 0 && std::isfinite(ms))) return;
+    const double prior = profiled(cell);
     curves_.clear();
     auto& seen = seen_[cell];
     ++observations_;
     seen.emplace_back(observations_, ms);
     if (static_cast<int>(seen.size()) > kWindow) seen.pop_front();
-    estimate_[cell] = lower_median(profiled, seen);
-    if (profiled > 0) {  // clipped: one stall moves the drift by at most log(4) / its weight
-        const double ratio = std::clamp(std::log(ms / profiled), -std::log(4.0), std::log(4.0));
+    estimate_[cell] = lower_median(prior, seen);
+    if (prior > 0) {  // clipped: one stall moves the drift by at most log(4) / its weight
+        const double ratio = std::clamp(std::log(ms / prior), -std::log(4.0), std::log(4.0));
         log_drift_ += (ratio - log_drift_) / static_cast<double>(std::min<int64_t>(observations_, 4 * kWindow));
     }
     if (observations_ % (kForget / 4) == 0) forget();
@@ -125,9 +132,7 @@ void CostTable::forget() {
             it = seen_.erase(it);
             continue;
         }
-        const auto& [kind, head, b, p] = cell;
-        const double profiled = kind == "verify" ? profile_.verify.at(b).at(p) : profile_.draft.at(head).at(b);
-        estimate_[cell] = lower_median(profiled, seen);
+        estimate_[cell] = lower_median(profiled(cell), seen);
         ++it;
     }
     curves_.clear();

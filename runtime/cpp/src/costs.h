@@ -29,7 +29,8 @@ public:
 
 private:
     using Cell = std::tuple<std::string, std::string, int64_t, int64_t>;  // ("verify", "", b, p) or ("draft", head, b, 0)
-    void observe(const Cell& cell, double profiled, double ms);
+    void observe(const Cell& cell, double ms);
+    double profiled(const Cell& cell) const;
     void forget();
     double cell_ms(int64_t b, int64_t p) const;  // one cell of batch b's row, before the row is made monotone
 
