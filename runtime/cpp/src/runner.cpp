@@ -120,6 +120,7 @@ int pool_threads = 0;  // the global pool's size, fixed by the first engine of t
 Ort::Env& ort_env(int threads) {
     // ONNX Runtime has one environment per process: its global thread pool is sized for the first engine opened;
     // an engine asking for another count later runs sessions with threads of their own
+    load_onnxruntime();
     static Ort::Env env = [threads] {
         pool_threads = threads > 0 ? threads : default_threads();
         Ort::ThreadingOptions tp;

@@ -101,6 +101,9 @@ private:
 // The process's ONNX Runtime environment, with a global intra-op pool of `threads` (0: the cores this process may run
 // on) sized by the first call; global_pool_threads() says its size.
 Ort::Env& ort_env(int threads);
+// ONNX Runtime's library, loaded once (onnxruntime_loader.cpp); throws Error(SPECRT_ERROR_RUNTIME) naming where it
+// looked when it is not found or too old. ort_env() calls it first.
+void load_onnxruntime();
 int global_pool_threads();
 int default_threads();
 
