@@ -8,7 +8,7 @@ from pathlib import Path
 
 import specrt
 from specrt import artifact as io
-from specrt import ops_library
+from specrt import native
 from specrt.errors import SpecrtError
 from specrt.configs.fetch import PRESETS
 
@@ -61,7 +61,7 @@ PRESET_DRAFT_VOCAB = 2048
 
 def preset_kernels() -> str:
     """A preset's kernels: specrt's (libspecrt_ops) where they are built, else ONNX Runtime's stock ops."""
-    return "specrt" if ops_library.available() else "stock"
+    return "specrt" if native.available() else "stock"
 
 
 def preset_format(name: str) -> dict[str, str]:

@@ -37,7 +37,7 @@ from onnx import TensorProto, helper, numpy_helper
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 from specrt.blocks import BLOCK, BLOCK_BYTES
-from specrt.runtime.backends.ort import ops_library
+from specrt.native import ops_library
 
 
 def read_bandwidth(threads: int, mib: int = 512) -> float:

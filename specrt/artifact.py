@@ -253,7 +253,7 @@ class ExportSettings:
     accuracy_level: int = 4  # quantized weights: MatMulNBits activations, 0 = fp32 (exact numerics), 4 = int8
     draft_vocab: int = 0  # draft heads (DSpark LM / Markov heads, MTP head) score only this many tokens (0: all)
     # stock: ONNX Runtime's own ops; specrt: the GGUF blocks (as the file's bytes) and attention through specrt's
-    # kernels (libspecrt_ops, specrt.ops_library), each output row computed the same whatever the call's rows
+    # kernels (libspecrt_ops, specrt.native), each output row computed the same whatever the call's rows
     kernels: str = "stock"
     # the target's KV cache: "" (the graph's dtype), or float16 / bfloat16 under a float32 graph (half the memory;
     # each element widened exactly when specrt::CacheAttention reads it, so only with kernels "specrt")

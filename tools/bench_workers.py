@@ -28,7 +28,6 @@ BASELINES = ("hf", "llama.cpp", "openvino", "openvino-lookup", *CPP_BASELINES)
 # Baselines with their own arithmetic (quantized weights, their own kernels and caches): their tokens are reported
 # (first difference), never required to equal specrt ar's. hf runs the same fp32 weights and must match.
 REPORTED_ONLY = ("llama.cpp", "openvino", "openvino-lookup")  # (the cpp baselines must match ar's tokens exactly)
-CPP_BUILD = "build it: docs/cpp.md (scripts/cpp_deps.sh, then cmake), or set SPECRT_CPP_LIB to its libspecrt.so"
 LLAMA_CPP_INSTALL = "pip install 'specrt[llama]' (builds llama.cpp from source, ~15 min on 2 cores)"
 OPENVINO_INSTALL = "pip install 'specrt[openvino]'"
 # llama.cpp built for a CPU with AMX runs its AMX kernels, which crash in ggml_backend_amx_mul_mat on some such
@@ -179,17 +178,19 @@ def _llama_cpp(spec: EngineSpec):
 
 
 def cpp_library() -> Path:
-    """libspecrt.so: $SPECRT_CPP_LIB, else the checkout's build/cpp (docs/cpp.md)."""
-    lib = Path(os.environ.get("SPECRT_CPP_LIB") or Path(__file__).resolve().parents[1] / "build" / "cpp" / "libspecrt.so")
-    if not lib.is_file():
-        raise SpecrtError(f"the cpp baselines need specrt's C++ runtime ({lib} is missing): {CPP_BUILD}")
-    return lib
+    """libspecrt.so: $SPECRT_CPP_LIB, else the package's (specrt/native.py)."""
+    from specrt.native import cpp_library as packaged
+
+    return packaged()
 
 
 def _cpp(spec: EngineSpec):
     """A method of specrt's C++ runtime, through its C API (ctypes): one request at a time, stepped."""
     import ctypes as C
 
+    from specrt.native import cpp_environ
+
+    os.environ.update(cpp_environ())  # where libspecrt finds this environment's ONNX Runtime
     lib = C.CDLL(str(cpp_library()))
 
     class Options(C.Structure):

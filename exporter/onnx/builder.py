@@ -14,14 +14,14 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from specrt.blocks import gguf_key
-from specrt.ops_library import KERNEL_OPS
+from specrt.native import KERNEL_OPS
 
 OPSET = 23
 ALIGN = 4096  # page-aligned offsets let ONNX Runtime memory-map the weights
 
 PLUGIN_DOMAIN = "specrt"  # specrt's ops (plugins/): an ONNX local function for ORT, a TensorRT plugin for engines
 # specrt's ONNX Runtime kernels (runtime/cpp/ops, libspecrt_ops: KERNEL_OPS) are in the same domain: graphs
-# exported with `--kernels specrt` need the library (specrt.ops_library)
+# exported with `--kernels specrt` need the library (specrt.native)
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits, GatherBlockQuantized): quantized weights
 
 _ONNX_DTYPE = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16,

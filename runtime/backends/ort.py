@@ -21,7 +21,7 @@ import onnx
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.ops_library import ops_library, uses_kernels
+from specrt.native import ops_library, uses_kernels
 from specrt.runtime.backends import SHARED_POOL_ENV
 
 try:
