@@ -201,7 +201,7 @@ def test_compare_cli(arts):
     assert any(line.split()[:2] == ["mtp", "propose"] for line in lines)
     res = cli.invoke(main, ["compare", art, "--threads", "1", "--json", "--bucket-seed", "3"])
     assert res.exit_code == 0, res.output
-    report = json.loads(res.output)
+    report = json.loads(res.stdout)
     assert report["ok"] and report["reference"] == "ort" and report["seed"] == 3
     assert {r["family"] for r in report["results"]} == {"target", "dspark", "mtp"}
     res = cli.invoke(main, ["compare", art, "--threads", "1", "--atol", "0"])  # nothing is bit-exact

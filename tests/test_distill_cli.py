@@ -62,11 +62,11 @@ def distilled(target, tmp_path_factory) -> dict:
     r = invoke("distill", target, "--head", "dspark", "--prompts", prompts, "--out", out["dspark"], "--work", work,
                "--block", 3, "--markov-rank", 8, *COMMON)
     assert r.exit_code == 0, r.output
-    out["dspark_report"] = json.loads(r.output)
+    out["dspark_report"] = json.loads(r.stdout)
     out["mtimes"] = {f: (work / f).stat().st_mtime_ns for f in STAGE_FILES}
     r = invoke("distill", target, "--head", "mtp", "--prompts", prompts, "--out", out["mtp"], "--work", work, *COMMON)
     assert r.exit_code == 0, r.output
-    out["mtp_report"] = json.loads(r.output)
+    out["mtp_report"] = json.loads(r.stdout)
     return out
 
 
@@ -122,7 +122,7 @@ def test_more_responses_per_prompt_reuse_the_first_and_train_on_all(target, dist
     r = invoke("distill", target, "--head", "dspark", "--prompts", distilled["prompts"], "--out", tmp_path / "ck",
                "--work", work, "--block", 3, "--markov-rank", 8, "--responses-per-prompt", 2, *COMMON)
     assert r.exit_code == 0, r.output
-    report = json.loads(r.output)
+    report = json.loads(r.stdout)
     assert (work / "responses.jsonl").read_bytes() == first  # generated once, by the earlier run
     assert (work / "cache" / "features.bin").stat().st_mtime_ns == single_cache  # an MTP run after still has it
     greedy, sampled = read_responses(work / "responses.jsonl"), read_responses(work / "responses.1.jsonl")
@@ -159,7 +159,7 @@ def test_distilled_heads_export_and_bench_identically(target, distilled, tmp_pat
     r = invoke("bench", art, "--prompts", a, "--prompts", b, "--methods", "dspark,mtp", "--max-new-tokens", 16,
                "--scheduler", "fixed", "--plot", plot, "--json")
     assert r.exit_code == 0, r.output
-    report = json.loads(r.output)
+    report = json.loads(r.stdout)
     assert report["identical"] and report["prompts"] == 5
     assert [(row["dataset"], row["method"]) for row in report["results"]] == \
         [(s, m) for s in ("set_a", "set_b") for m in ("ar", "dspark", "mtp")]

@@ -115,7 +115,7 @@ def test_cli(art, tmp_path):
     r = CliRunner().invoke(main, ["profile", str(art), "--threads", "1", "--position", "20", "--repeats", "1",
                                   "--json", "--plot", str(tmp_path / "p.png")])
     assert r.exit_code == 0, r.output
-    report = json.loads(r.output)
+    report = json.loads(r.stdout)
     assert report["in_steps"]["verify_steps"]["1"] == 1.0 and (tmp_path / "p.png").stat().st_size > 0
     assert load_profile(art, threads=1) is not None
     r = CliRunner().invoke(main, ["profile", str(art), "--position", "70"])

@@ -99,7 +99,7 @@ def test_check_passes(repo):
     result = CliRunner().invoke(main, ["triton", "--check", str(repo)])
     assert result.exit_code == 0, result.output
     result = CliRunner().invoke(main, ["triton", "--check", str(repo), "--json"])
-    assert json.loads(result.output)["problems"] == []
+    assert json.loads(result.stdout)["problems"] == []
 
 
 def test_check_finds_problems(repo, tmp_path):
@@ -198,7 +198,7 @@ def test_cli_writes(art, tmp_path):
     result = CliRunner().invoke(main, ["triton", str(art), "--out", str(tmp_path / "r"), "--instances", "2",
                                        "--json"])
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
     assert [m["name"] for m in report["models"]][0] == "specrt"
     assert "count: 2" in (tmp_path / "r/specrt/config.pbtxt").read_text()
     result = CliRunner().invoke(main, ["triton", str(art), "--out", str(tmp_path / "r"), "--force"])

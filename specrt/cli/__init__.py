@@ -42,6 +42,7 @@ from specrt.cli.run import demo, parity, run  # noqa: E402  (after main: they re
 from specrt.cli.bench import bench, compare, profile  # noqa: E402  (after main: they register on it)
 from specrt.cli.serve import loadtest, serve, triton  # noqa: E402  (after main: they register on it)
 from specrt.cli.distill import distill  # noqa: E402  (after main: they register on it)
+from specrt.cli.doctor import doctor  # noqa: E402  (after main: they register on it)
 
 main.add_command(export)
 main.add_command(build)
@@ -57,3 +58,4 @@ main.add_command(serve)
 main.add_command(loadtest)
 main.add_command(triton)
 main.add_command(distill)
+main.add_command(doctor)

@@ -9,7 +9,7 @@ import click
 
 from specrt.errors import SpecrtError
 from specrt.runtime.config import BACKENDS, DEFAULT_SCHEDULER, DTYPES, METHODS, SCHEDULERS, TORCH_SCHEDULER
-from specrt.cli.options import scheduler_for
+from specrt.cli.options import say_kernels, scheduler_for
 
 
 @click.command()
@@ -94,6 +94,7 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
         if plot is not None:
             report["plot"] = str(cc.plot(report, plot))
         click.echo(json.dumps(report) if as_json else cc.format_rows(report))
+        say_kernels(artifact, backend)
         if not report["identical"]:
             raise SpecrtError("methods produced different greedy tokens")
         return
@@ -117,6 +118,7 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
         click.echo(table)
         if warning:
             click.echo(f"specrt: warning: {warning}", err=True)
+    say_kernels(artifact, backend)
     if not report["identical"]:
         bad_sets = ", ".join(d["dataset"] for d in report["datasets"] if not d["identical"])
         click.echo(f"specrt: error: methods produced different greedy tokens (on {bad_sets})", err=True)

@@ -30,9 +30,9 @@ from specrt.cli.options import export_options, export_settings
               help="Quantized weights: activations of MatMulNBits in fp32 (0, exact numerics) or int8 (4, faster).")
 @click.option("--kernels", type=click.Choice(["stock", "specrt"]), default=None,
               help="stock: ONNX Runtime's own ops; specrt: the GGUF's blocks as the file's bytes and attention run "
-                   "by specrt's CPU kernels (libspecrt_ops, built by the README's C++ commands; each output row "
+                   "by specrt's CPU kernels (libspecrt_ops, built when specrt is installed; each output row "
                    "computed alone, so verifying T tokens gives each the bits decoding it does), needs --weights "
-                   "gguf --attention cpu. [default: specrt for a preset when libspecrt_ops is built, else stock]")
+                   "gguf --attention cpu. [default: specrt for a preset when this install has libspecrt_ops, else stock]")
 @click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="How the target's KV cache stores keys and values: float16 / bfloat16 halve its memory (each key "
                    "and value rounded once, when written; read widened exactly), with --kernels specrt. "
@@ -64,6 +64,7 @@ def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feed
     fmt = preset_format(model)
     weights = weights or fmt["weights"]
     opts["attention"] = opts["attention"] or fmt["attention"]
+    without_library = kernels is None and fmt["kernels"] == "stock" and fmt["weights"] == "gguf"  # a preset's
     kernels = kernels or fmt["kernels"]
 
     shipped = {}
@@ -95,6 +96,10 @@ def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feed
         except SpecrtError as e:
             click.echo(f"specrt: warning: no cost profile stored ({e}); runs will measure a quick one", err=True)
     click.echo(f"wrote {path}")
+    if without_library:
+        from specrt import native
+
+        click.echo(f"specrt: {native.kernels_line('stock')}", err=True)
 
 
 

@@ -12,6 +12,17 @@ def scheduler_for(scheduler: str | None, backend: str) -> str:
     return scheduler or default_scheduler(backend)
 
 
+def say_kernels(artifact, backend: str = "ort") -> None:
+    """One line on stderr, after a command's work succeeded (so an error stays the one line it is): the kernels the
+    artifact's graphs ran on in ONNX Runtime (specrt's, which instruction set, or the stock ones, why and at what
+    cost). Nothing for the torch backend, which runs no ONNX graph."""
+    from specrt import artifact as io
+    from specrt import native
+
+    if backend not in ("ort", "onnxruntime"):
+        return
+    click.echo(f"specrt: {native.kernels_line(io.load_manifest(artifact).export.kernels)}", err=True)
+
 
 def engine_config(method: str, gamma: int | None, scheduler: str | None, threshold: float, ngram: int, backend: str,
                    device: str, dtype: str | None, threads: int | None, slots: int | None = None) -> EngineConfig:

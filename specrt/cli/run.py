@@ -7,10 +7,11 @@ from pathlib import Path
 
 import click
 
-from specrt import ops_library
+from specrt import native
 from specrt.errors import SpecrtError
 from specrt.runtime.config import DEFAULT_SCHEDULER, METHODS, EngineConfig
-from specrt.cli.options import engine_config, build_requests, sampling_options, sampling_params, engine_options
+from specrt.cli.options import (build_requests, engine_config, engine_options, sampling_options, sampling_params,
+                                say_kernels)
 
 
 @click.command()
@@ -44,6 +45,7 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
         outputs, stats = engine.generate(requests, on_text=on_text)
     if as_json:
         click.echo(json.dumps({"requests": [o.__dict__ for o in outputs], "stats": stats.to_dict()}))
+        say_kernels(artifact, backend)
         return
     if stream:
         click.echo()
@@ -51,8 +53,10 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
         for o in outputs:
             click.echo(f"[{o.id}] " + (o.text if engine.tokenizer else ",".join(map(str, o.output_ids))))
     s = stats.to_dict()
-    click.echo(f"-- {s['generated_tokens']} tokens, decode {s['decode_tokens_per_s']:.1f} tok/s, "
+    tau = f", tau {s['tau']:.2f} tokens per target call" if method != "ar" and s.get("tau") else ""
+    click.echo(f"-- {s['generated_tokens']} tokens, decode {s['decode_tokens_per_s']:.1f} tok/s{tau}, "
                f"prefill {s['prefill_ms']:.0f} ms", err=True)
+    say_kernels(artifact, backend)
 
 
 
@@ -93,7 +97,8 @@ def demo(prompt: str, max_new_tokens: int, method: str) -> None:
             manifest, art_dir, x = engine.manifest, engine.art_dir, engine.manifest.export
     (ar, s_ar), (spec, s_spec) = runs["ar"], runs[method]
     click.echo(f"\n>>> {prompt}\n{spec.text}\n")
-    click.echo(f"specrt ar ({x.weights} weights, {x.attention} attention, {x.kernels} kernels): "
+    click.echo(native.kernels_line(x.kernels))
+    click.echo(f"specrt ar ({x.weights} weights, {x.attention} attention): "
                f"{s_ar['generated_tokens']} tokens; "
                f"decode {s_ar['decode_tokens_per_s']:.1f} tokens/s")
     speedup = s_spec["decode_tokens_per_s"] / s_ar["decode_tokens_per_s"]

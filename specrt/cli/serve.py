@@ -9,7 +9,7 @@ import click
 
 from specrt.errors import SpecrtError
 from specrt.runtime.config import DEFAULT_SCHEDULER, METHODS, SCHEDULERS
-from specrt.cli.options import engine_config, engine_options
+from specrt.cli.options import engine_config, engine_options, say_kernels
 
 
 @click.command()
@@ -80,6 +80,7 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, slots: i
     loop = EngineLoop(engine)
     click.echo(f"specrt: serving {name!r} ({method}, {len(engine.slots)} slots, {backend}) on http://{host}:{port}"
                + (" (API key required)" if api_key else ""), err=True)
+    say_kernels(artifact, backend)
     try:
         uvicorn.run(create_app(loop, name, limits), host=host, port=port, log_level=log_level,
                     timeout_graceful_shutdown=3, http=guard.guarded_protocol(limits))
@@ -203,6 +204,7 @@ def triton(artifact: Path | None, out: Path | None, check: Path | None, backend:
         server.bundle()  # before writing anything
     report = write_repository(artifact, out, backend=backend, instances=instances, method=method, gamma=gamma,
                               scheduler=scheduler, max_tokens=max_tokens, threads=threads, force=force)
+    say_kernels(artifact, backend)
     if serve_it:
         _serve_triton(out, report, address=address, ports=(http_port, grpc_port, metrics_port), as_json=as_json)
         return
