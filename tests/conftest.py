@@ -75,13 +75,39 @@ def tiny_model_dir(tmp_path_factory):
     return make
 
 
+def shared_dir(tmp_path_factory) -> Path:
+    """A folder every worker of this test run sees (pytest-xdist: the one above the workers' own), so what a session
+    fixture makes once is made once per run, not once per worker."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """`make(path)` run by the first worker to ask (the others wait for it, then share the result); returns path."""
+    import fcntl
+
+    root = shared_dir(tmp_path_factory)
+    out, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            if out.exists():  # a worker that failed half-way
+                import shutil
+
+                shutil.rmtree(out)
+            make(out)
+            done.touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def served_art(tmp_path_factory, request) -> Path:
     """`specrt export smollm2` (the default model with its shipped heads) at batch 4, 512 positions: what the
-    server tests serve. On specrt's CPU kernels (libspecrt_ops, built by conftest's cpp_build) as the README's
-    build gives a user: their rows are computed alone, so a server's batch gives each request the tokens a direct
-    run gives it. ONNX Runtime's stock kernels do not promise that (on an AVX2-only CPU a 1-row MatMulNBits call
-    and the same row among several differ in the last bits), so they serve here only where nothing can be built."""
+    server tests serve (made once per run, read by every worker). On specrt's CPU kernels (libspecrt_ops, built
+    by conftest's cpp_build) as the README's build gives a user: their rows are computed alone, so a server's batch
+    gives each request the tokens a direct run gives it. ONNX Runtime's stock kernels do not promise that (on an
+    AVX2-only CPU a 1-row MatMulNBits call and the same row among several differ in the last bits), so they serve
+    here only where nothing can be built."""
     from click.testing import CliRunner
 
     from specrt.cli import main
@@ -91,41 +117,50 @@ def served_art(tmp_path_factory, request) -> Path:
         kernels = "specrt"
     except pytest.skip.Exception:
         kernels = "stock"
-    out = tmp_path_factory.mktemp("smollm2_served") / "art"
-    r = CliRunner().invoke(main, ["export", "smollm2", "--out", str(out), "--batch", "4", "--max-seq-len", "512",
-                                  "--kernels", kernels, "--quiet"])
-    assert r.exit_code == 0, r.output
-    return out
+
+    def export(out: Path) -> None:
+        r = CliRunner().invoke(main, ["export", "smollm2", "--out", str(out), "--batch", "4", "--max-seq-len", "512",
+                                      "--kernels", kernels, "--quiet"])
+        assert r.exit_code == 0, r.output
+
+    return made_once(tmp_path_factory, f"smollm2_served_{kernels}", export)
 
 
-# The C++ runtime and the custom-op library (runtime/cpp), built once per session with CMake against ONNX Runtime's
-# headers (scripts/cpp_deps.sh: Debian's libonnxruntime-dev 1.21 through a private APT configuration) and the
-# onnxruntime wheel's library. SPECRT_CPP_SANITIZE=1: with AddressSanitizer and UndefinedBehaviorSanitizer, into
-# build/cpp-asan (docs/cpp.md).
+# The C++ runtime, the custom-op library and their test programs (runtime/cpp), built once per session by the build
+# `pip install` runs (scripts/native_build.py: CMake against ONNX Runtime's headers, fetched once from Debian's archive).
+# SPECRT_CPP_SANITIZE=1: with AddressSanitizer and UndefinedBehaviorSanitizer, into build/cpp-asan (docs/cpp.md).
 CPP_SANITIZE = os.environ.get("SPECRT_CPP_SANITIZE") == "1"
 CPP_BUILD = Path(__file__).parents[1] / "build" / ("cpp-asan" if CPP_SANITIZE else "cpp")
 
 
+def _native_build():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("specrt_native_build",
+                                                  Path(__file__).parents[1] / "scripts" / "native_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def cpp_build() -> Path:
-    import shutil
     import subprocess
-    import sys
 
-    root = Path(__file__).parents[1]
-    missing = [t for t in ("cmake", "g++", "apt-get", "dpkg-deb") if shutil.which(t) is None]
-    if missing:
-        pytest.skip(f"building the C++ runtime needs {', '.join(missing)} (Debian: apt-get install cmake g++)")
-
-    def run(cmd: list, what: str) -> None:
-        r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900)
-        if r.returncode:
-            pytest.fail(f"{what} failed:\n{(r.stdout + r.stderr)[-3000:]}")
-
-    deps = root / "build" / "cpp-deps"
-    run([root / "scripts" / "cpp_deps.sh", deps], "scripts/cpp_deps.sh (ONNX Runtime's headers)")
-    run(["cmake", "-S", root / "runtime" / "cpp", "-B", CPP_BUILD, f"-DSPECRT_DEPS={deps}",
-         f"-DPython3_EXECUTABLE={sys.executable}", f"-DSPECRT_SANITIZE={'ON' if CPP_SANITIZE else 'OFF'}"],
-        "cmake configure")
-    run(["cmake", "--build", CPP_BUILD, "-j2"], "cmake --build")
+    native = _native_build()
+    try:
+        native.build(CPP_BUILD, sanitize=CPP_SANITIZE)
+    except native.Unbuildable as e:
+        pytest.skip(f"the C++ runtime cannot be built here: {e}")
+    except subprocess.CalledProcessError as e:
+        pytest.fail(f"building runtime/cpp failed:\n{(e.stdout + e.stderr)[-3000:]}")
     return CPP_BUILD
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory) -> Path:
+    """specrt's wheel, built from this checkout as `pip wheel .` builds it (once per run: parallel workers share the
+    folder above their own temporary ones)."""
+    from venvs import build_wheel
+
+    return build_wheel(shared_dir(tmp_path_factory) / "specrt-wheel")

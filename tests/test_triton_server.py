@@ -1,6 +1,7 @@
 """A real Triton Inference Server: `specrt triton ART --out REPO --serve` runs the tritonserver that the nvidia-pytriton
-wheel bundles, on the CPU, from an environment of its own (`pip install -c requirements/triton-server.lock -e
-'.[cpu,triton-server]'`: numpy 1.26, which the bundled Python backend stub needs), on loopback ports, with the
+wheel bundles, on the CPU, from an environment of its own (specrt's wheel installed as a user installs it, `pip install
+-c requirements/triton-server.lock 'specrt[cpu,triton-server]'`: numpy 1.26, which the bundled Python backend stub
+needs; the wheel's own kernels), on loopback ports, with the
 default model (DSpark, fixed lengths, two instances of one thread each). Checked against a direct engine
 run in this process (the default model exported at batch 4, conftest's `served_art`): HTTP generate and generate_stream, the README's gRPC streaming client, the vLLM request schema,
 input_ids / token_ids / drafted, a seeded sampled request, bad requests, cancellation, 16 streaming clients for 30 s,
@@ -64,9 +65,9 @@ def _free_ports(n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def server(served_art, tmp_path_factory):
+def server(served_art, tmp_path_factory, wheel):
     work = tmp_path_factory.mktemp("triton_server")
-    bin_dir = make_venv(work / "venv", "cpu,triton-server", LOCK)
+    bin_dir = make_venv(work / "venv", "cpu,triton-server", LOCK, wheel=wheel)
     art = served_art
     http, grpc, metrics = _free_ports(3)
     log = open(work / "serve.log", "w")
