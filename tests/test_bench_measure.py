@@ -143,11 +143,11 @@ def test_bench_cli_with_llama_cpp_in_its_own_process(art, tmp_path):
 
 
 def test_quiet_check_flags_another_busy_process(art, tmp_path):
-    """A process burning a core during the run is seen (per request, beside what the bench itself used)."""
+    """A process burning a core during the run is seen (per request, beside what the bench itself used). Whether a
+    run without it is quiet is not asserted: the suite's own other workers, or anything else on a shared machine, may
+    be busy then (the accounting itself is tested below)."""
     p = prompts_file(tmp_path / "p.jsonl", *PROMPTS)
     args = ("bench", art, "--prompts", p, "--max-new-tokens", 60, "--repeats", 3, "--threads", 1, "--json")
-    quiet = cli(*args)
-    assert quiet.exit_code == 0, quiet.stderr
     burner = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<90: pass"])
     try:
         time.sleep(0.3)
@@ -160,7 +160,6 @@ def test_quiet_check_flags_another_busy_process(art, tmp_path):
     assert q["windows"] >= 1 and q["requests"] == 12
     assert q["quiet"] is False and q["noisy_windows"] > 0 and q["other_cores_max"] > NOISY_CORES, q
     assert "another process used" in q["warning"]
-    assert json.loads(quiet.stdout)["quiet"]["other_cores_mean"] < q["other_cores_mean"]
 
 
 def test_quiet_check_accounting():

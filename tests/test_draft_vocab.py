@@ -24,6 +24,7 @@ from specrt.runtime.engine import Engine, Request
 from specrt.runtime.sampling import SamplingParams
 
 from test_speculative import _exact_pair_probs, _pvalue, peaked  # noqa: F401 (a fixture)
+from power import ALPHA, samples_for
 
 FIXTURE = Path(__file__).parent / "fixtures" / "deepspec_dspark_tiny"
 VOCAB = 512  # the fixture's
@@ -168,9 +169,9 @@ def test_sampling_keeps_the_target_distribution(peaked, tmp_path):  # noqa: F811
     prompt = [5, 9, 14, 3]
     probs = _exact_pair_probs(target, prompt, params)
     outs, _ = Engine(art, method="dspark", threads=1).generate(
-        [Request(prompt_ids=prompt, params=params, id=i) for i in range(20_000)])
+        [Request(prompt_ids=prompt, params=params, id=i) for i in range(samples_for(probs))])  # tests/power.py
     pairs = np.array([o.output_ids[:2] for o in outs])
-    assert _pvalue(pairs, probs) > 1e-3
+    assert _pvalue(pairs, probs) > ALPHA
     assert (pairs[:, 1] >= 8).any()  # tokens outside the draft vocabulary still come (from the residual)
 
 

@@ -16,6 +16,7 @@ from specrt.runtime.profile import Profile, save_profile
 from specrt.runtime.sampling import SamplingParams
 
 from test_speculative import _exact_pair_probs, _pvalue, peaked, tiny_arts  # noqa: F401 (fixtures)
+from power import ALPHA, samples_for
 
 
 def _store_profile(art: Path, draft_ms: float = 1.0) -> None:
@@ -155,9 +156,10 @@ def test_hybrid_sampled_tokens_follow_the_target_distribution(peaked):
     art = peaked["bad"]
     _store_profile(art)
     engine = Engine(art, method="dspark+ngram", scheduler="sps", threads=1)
-    outs, stats = engine.generate([Request(prompt_ids=prompt, params=params, id=i) for i in range(12_000)])
+    outs, stats = engine.generate([Request(prompt_ids=prompt, params=params, id=i)
+                                   for i in range(samples_for(probs))])  # tests/power.py
     pairs = np.array([o.output_ids[:2] for o in outs])
-    assert _pvalue(pairs, probs) > 1e-3
+    assert _pvalue(pairs, probs) > ALPHA
     assert engine.drafter.rounds[LOOKUP] > 0 and engine.drafter.rounds[HEAD] > 0, engine.drafter.rounds
 
 

@@ -19,6 +19,7 @@ from specrt.runtime import schedulers
 from specrt.runtime.schedulers import (AcceptanceHistory, AsyncSPSScheduler, Load, SPSScheduler, make_scheduler)
 
 from test_speculative import _exact_pair_probs, _prompts, _pvalue, peaked, tiny_arts  # noqa: F401 (fixtures)
+from power import ALPHA, samples_for
 
 FIXTURE = Path(__file__).parent / "fixtures" / "deepspec_dspark_tiny"
 
@@ -239,9 +240,10 @@ def test_sampled_tokens_follow_the_target_distribution(peaked, scheduler):
     for method, art in cases:
         _store_cheap_drafts_profile(art)
         engine = Engine(art, method=method, scheduler=scheduler, threads=1)
-        outs, stats = engine.generate([Request(prompt_ids=prompt, params=params, id=i) for i in range(12_000)])
+        outs, stats = engine.generate([Request(prompt_ids=prompt, params=params, id=i)
+                                       for i in range(samples_for(probs))])  # tests/power.py
         pairs = np.array([o.output_ids[:2] for o in outs])
-        assert _pvalue(pairs, probs) > 1e-3, f"{method}/{scheduler}"
+        assert _pvalue(pairs, probs) > ALPHA, f"{method}/{scheduler}"
         lengths = {ell for ell, _, _ in stats.rounds}
         assert len(lengths) > 1 or method == "mtp", lengths  # the schedule varies from round to round
 

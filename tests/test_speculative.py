@@ -20,6 +20,7 @@ from specrt.exporter.loaders.mtp import random_mtp_checkpoint, save_mtp_checkpoi
 from specrt.runtime.engine import Engine, Request
 from specrt.runtime.profile import Profile
 from specrt.runtime.sampling import SamplingParams
+from power import ALPHA, samples_for
 
 FIXTURE = Path(__file__).parent / "fixtures" / "deepspec_dspark_tiny"
 
@@ -301,17 +302,17 @@ def _pvalue(pairs: np.ndarray, probs: np.ndarray) -> float:
                                     SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_new_tokens=3, seed=12,
                                                    ignore_eos=True)], ids=["t1", "filtered"])
 def test_sampled_tokens_follow_the_target_distribution(peaked, params):
-    """10k requests per method: the (first, second) generated tokens follow p(x1) p(x2|x1) exactly (the
-    second token comes from a speculative round), for AR, a good draft and a bad draft."""
+    """The (first, second) generated tokens follow p(x1) p(x2|x1) exactly (the second token comes from a speculative
+    round), for AR, a good draft and a bad draft; as many requests per method as the test needs (tests/power.py)."""
     prompt = [5, 9, 14, 3]
     probs = _exact_pair_probs(peaked["target"], prompt, params)
-    n = 10_000
+    n = samples_for(probs)
     for method, art in (("ar", peaked["good"]), ("mtp", peaked["good"]), ("dspark", peaked["bad"]),
                         ("ngram", peaked["good"])):
         outs, stats = _generate(art, method, [prompt] * n, params)
         pairs = np.array([o[:2] for o in outs])
         p = _pvalue(pairs, probs)
-        assert p > 1e-3, f"{method}: chi-square p = {p:.2e}"
+        assert p > ALPHA, f"{method}: chi-square p = {p:.2e}"
         if method == "mtp":
             assert stats.to_dict()["tau"] > 1.1  # the good head gets drafts accepted
         if method == "ngram" and params.top_k == 0:  # one-hot drafts looked up in the prompt: some accepted,
@@ -320,25 +321,27 @@ def test_sampled_tokens_follow_the_target_distribution(peaked, params):
 
 
 def test_sampled_tokens_follow_the_target_distribution_on_the_device(peaked):
-    """The torch backend's device rounds (rejection sampling on the device, with top-k and top-p): 6k requests per
-    method, a good head, a bad head and one-hot lookups; the (first, second) tokens follow p(x1) p(x2|x1)."""
+    """The torch backend's device rounds (rejection sampling on the device, with top-k and top-p): enough requests per
+    method (tests/power.py), a good head, a bad head and one-hot lookups; the (first, second) tokens follow
+    p(x1) p(x2|x1)."""
     params = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, max_new_tokens=3, seed=13, ignore_eos=True)
     prompt = [5, 9, 14, 3]
     probs = _exact_pair_probs(peaked["target"], prompt, params)
     for method, art in (("mtp", peaked["good"]), ("dspark", peaked["bad"]), ("ngram", peaked["good"])):
         engine = Engine(art, method=method, threads=1, backend="torch")
         assert engine.device_rounds is not None, engine.device_note
-        outs, stats = engine.generate([Request(prompt_ids=prompt, params=params, id=i) for i in range(6_000)])
+        outs, stats = engine.generate([Request(prompt_ids=prompt, params=params, id=i)
+                                       for i in range(samples_for(probs))])
         assert engine.device_rounds.syncs == stats.steps  # every round ran on the device
         p = _pvalue(np.array([o.output_ids[:2] for o in outs]), probs)
-        assert p > 1e-3, f"{method}: chi-square p = {p:.2e}"
+        assert p > ALPHA, f"{method}: chi-square p = {p:.2e}"
         if method == "mtp":
             assert stats.to_dict()["tau"] > 1.1  # the good head's sampled drafts get accepted on the device
 
 
 def test_hybrid_sampled_tokens_follow_the_target_distribution_on_the_device(peaked):
     """dspark+ngram under sps on the device: lookup rows (one-hot drafts) and head rows (a bad head's distributions)
-    chosen per slot on the device, in one batch; 6k requests."""
+    chosen per slot on the device, in one batch; as many requests as the test needs (tests/power.py)."""
     from specrt.runtime.hybrid import HEAD, LOOKUP
 
     params = SamplingParams(temperature=1.0, max_new_tokens=3, seed=43, ignore_eos=True)
@@ -348,10 +351,10 @@ def test_hybrid_sampled_tokens_follow_the_target_distribution_on_the_device(peak
     profile = Profile(backend="torch", threads=1, position=16, machine="test", created="", verify=verify,
                       draft={"dspark": {1: 1.0}})
     engine = Engine(peaked["bad"], method="dspark+ngram", scheduler="sps", threads=1, backend="torch", profile=profile)
-    outs, stats = engine.generate([Request(prompt_ids=prompt, params=params, id=i) for i in range(6_000)])
+    outs, stats = engine.generate([Request(prompt_ids=prompt, params=params, id=i) for i in range(samples_for(probs))])
     assert engine.device_rounds.syncs == stats.steps  # every round ran on the device
     p = _pvalue(np.array([o.output_ids[:2] for o in outs]), probs)
-    assert p > 1e-3, f"chi-square p = {p:.2e}"
+    assert p > ALPHA, f"chi-square p = {p:.2e}"
     assert engine.drafter.rounds[LOOKUP] > 0 and engine.drafter.rounds[HEAD] > 0, engine.drafter.rounds
 
 
