@@ -55,14 +55,13 @@ def _packaged(name: str, env: str | None, what: str) -> Path:
         return path
     record = build_record()
     why = record.get("reason") or f"{path} is missing"
-    raise SpecrtError(f"{what} needs {name}, which this install does not have ({why}): {REBUILD}"
-                      + (f", or set ${env}" if env else ""))
+    raise SpecrtError(f"{what}: {name} is not in this install ({why}): {REBUILD}" + (f", or set ${env}" if env else ""))
 
 
 def ops_library(needed_by: str = "this artifact") -> Path:
     """libspecrt_ops: $SPECRT_OPS_LIB, else the package's; a SpecrtError naming the fix."""
     return _packaged("libspecrt_ops.so", ENV, f"{needed_by} runs on specrt's CPU kernels (exported with --kernels "
-                                              "specrt) and")
+                                              "specrt)")
 
 
 def cpp_library() -> Path:
@@ -72,7 +71,7 @@ def cpp_library() -> Path:
 
 def cpp_program() -> Path:
     """specrt-cpp, the C runtime's example program."""
-    return _packaged("specrt-cpp", None, "specrt-cpp")
+    return _packaged("specrt-cpp", None, "the C runtime's example program")
 
 
 def onnxruntime_library() -> Path | None:
