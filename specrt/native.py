@@ -1,4 +1,4 @@
-"""specrt's native code, carried by the package in specrt/_native (compiled from runtime/cpp when specrt is built:
+"""specrt's native code, carried by the package in specrt/_native (compiled from cpp when specrt is built:
 setup.py): libspecrt_ops, the ONNX Runtime kernels that graphs exported with `specrt export --kernels specrt` need
 (their specrt::MatMulGGUF, GatherGGUF, RMSNorm, SkipRMSNorm, CacheAttention and PackedAttention nodes); libspecrt,
 the C runtime; specrt-cpp, its example program. $SPECRT_OPS_LIB and $SPECRT_CPP_LIB override the library paths.
@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 from specrt.errors import SpecrtError
@@ -32,7 +31,7 @@ STOCK_COST = ("ONNX Runtime's stock ones, which decode about half as fast as spe
 
 def native_dir() -> Path:
     """specrt/_native of this install (the source tree's, for an editable one)."""
-    return Path(str(resources.files("specrt") / "_native"))
+    return Path(__file__).resolve().parent / "_native"
 
 
 def build_record() -> dict:

@@ -377,7 +377,7 @@ def test_debug_flag_shows_traceback(art):
 
 
 def test_the_cli_offers_exactly_the_registries():
-    """Methods, schedulers, backends and dtypes are named once (runtime/config.py); every command's choices are
+    """Methods, schedulers, backends and dtypes are named once (specrt/runtime/config.py); every command's choices are
     those names, and the implementations cover them."""
     import click
 
@@ -414,3 +414,14 @@ def test_a_method_is_parsed_once_into_a_typed_value():
                           (dict(gamma=True), "--gamma must be >= 1")]:
         with pytest.raises(SpecrtError, match=fragment):
             EngineConfig(**bad)
+
+
+def test_python_m_from_a_folder_holding_a_clone_named_specrt(tmp_path):
+    """`python -m specrt.cli` where the working folder holds a clone named `specrt` (which Python takes as a
+    namespace package before an editable install's finder): the commands still run from the installed sources."""
+    (tmp_path / "specrt").symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
+    for args in (["--help"], ["doctor", "--json"]):
+        r = subprocess.run([sys.executable, "-m", "specrt.cli", *args], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert json.loads(r.stdout)["kernels"]["build"] is not None
