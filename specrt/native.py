@@ -1,4 +1,4 @@
-"""specrt's native code, carried by the package in specrt/_native (compiled from cpp when specrt is built:
+"""specrt's native code, carried by the package in specrt/_native (compiled from cpp/ when specrt is built:
 setup.py): libspecrt_ops, the ONNX Runtime kernels that graphs exported with `specrt export --kernels specrt` need
 (their specrt::MatMulGGUF, GatherGGUF, RMSNorm, SkipRMSNorm, CacheAttention and PackedAttention nodes); libspecrt,
 the C runtime; specrt-cpp, its example program. $SPECRT_OPS_LIB and $SPECRT_CPP_LIB override the library paths.
@@ -24,9 +24,9 @@ KERNEL_OPS = ("MatMulGGUF", "GatherGGUF", "RMSNorm", "SkipRMSNorm", "CacheAttent
 ENV = "SPECRT_OPS_LIB"
 REBUILD = "reinstall specrt where cmake and g++ are installed (`pip install 'specrt[cpu]'`, or `pip install .` in a clone)"
 # what ONNX Runtime's stock kernels cost, measured (docs/kernels.md): said wherever they run in place of specrt's
-STOCK_COST = ("ONNX Runtime's stock ones, which decode about half as fast as specrt's on the CPUs measured and, on "
-              "AVX2-only CPUs, can give a verified token other bits than decoding gives it (greedy speculative output "
-              "may then differ from plain decoding's)")
+STOCK_COST = ("ONNX Runtime's stock ones, which decoded about half as fast as specrt's where both were measured (an "
+              "AVX2 EPYC) and, on AVX2-only CPUs, can give a verified token other bits than decoding gives it (greedy "
+              "speculative output may then differ from plain decoding's)")
 
 
 def native_dir() -> Path:
