@@ -58,9 +58,24 @@ def _packaged(name: str, env: str | None, what: str) -> Path:
 
 
 def ops_library(needed_by: str = "this artifact") -> Path:
-    """libspecrt_ops: $SPECRT_OPS_LIB, else the package's; a SpecrtError naming the fix."""
-    return _packaged("libspecrt_ops.so", ENV, f"{needed_by} runs on specrt's CPU kernels (exported with --kernels "
+    """libspecrt_ops: $SPECRT_OPS_LIB, else the package's; a SpecrtError naming the fix, also for a file that is not
+    the library (which ONNX Runtime would refuse with a traceback)."""
+    path = _packaged("libspecrt_ops.so", ENV, f"{needed_by} runs on specrt's CPU kernels (exported with --kernels "
                                               "specrt)")
+    _isa(str(path))
+    return path
+
+
+@functools.cache
+def _isa(path: str) -> str:
+    """The instruction set the library at `path` picks on this CPU (loading it once, as ONNX Runtime will)."""
+    try:
+        lib = ctypes.CDLL(path)
+        lib.specrt_ops_isa.restype = ctypes.c_char_p
+        return lib.specrt_ops_isa().decode()
+    except (OSError, AttributeError) as e:
+        raise SpecrtError(f"{path} is not specrt's kernels library (libspecrt_ops.so): "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 def cpp_library() -> Path:
@@ -111,20 +126,13 @@ class Kernels:
     reason: str | None  # why there is no library (None when there is one)
 
 
-@functools.cache
 def kernels() -> Kernels:
-    try:
-        path = ops_library()
-    except SpecrtError:
+    """This install's kernels library and its instruction set here, or why there is none (a bad $SPECRT_OPS_LIB is a
+    SpecrtError, not an absence)."""
+    if not os.environ.get(ENV) and not (native_dir() / "libspecrt_ops.so").is_file():
         return Kernels(None, None, build_record().get("reason") or "libspecrt_ops.so is missing")
-    try:
-        lib = ctypes.CDLL(str(path))
-        lib.specrt_ops_isa.restype = ctypes.c_char_p
-        isa = lib.specrt_ops_isa().decode()
-    except (OSError, AttributeError) as e:
-        raise SpecrtError(f"{path} is not specrt's kernels library (libspecrt_ops.so): "
-                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    return Kernels(path, isa, None)
+    path = ops_library()
+    return Kernels(path, _isa(str(path)), None)
 
 
 def available() -> bool:

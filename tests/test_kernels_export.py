@@ -238,6 +238,24 @@ def test_missing_library_is_one_clear_error(arts, monkeypatch, tmp_path):
     Engine(arts["stock"]).close()  # stock-op artifacts need no library
 
 
+@pytest.mark.parametrize("which", ["text file", "libc"])
+def test_a_library_that_is_not_the_kernels_is_one_clear_error(arts, monkeypatch, tmp_path, which):
+    """$SPECRT_OPS_LIB naming a file that is not libspecrt_ops: one line, not ONNX Runtime's traceback."""
+    import ctypes.util
+
+    if which == "text file":
+        lib = tmp_path / "passwd"
+        lib.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    else:
+        found = ctypes.util.find_library("c")
+        lib = next((p for p in ("/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib64/libc.so.6") if Path(p).is_file()), None)
+        if lib is None:
+            pytest.skip(f"no libc file to name here ({found})")
+    monkeypatch.setenv("SPECRT_OPS_LIB", str(lib))
+    assert_one_line_error(cli("run", arts["specrt"], "--input-ids", "1,70,71", "--max-new-tokens", "2"),
+                          "is not specrt's kernels library (libspecrt_ops.so)")
+
+
 def test_kernels_need_gguf_blocks_on_the_cpu(sources, tmp_path):
     assert_one_line_error(cli("export", sources[0], "--out", tmp_path / "a", "--weights", "int4", "--attention", "cpu",
                               "--kernels", "specrt", "--no-profile", "--quiet"),
