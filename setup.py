@@ -1,4 +1,4 @@
-"""specrt's build: the Python package (pyproject.toml) and its native code, compiled from cpp with CMake by
+"""specrt's build: the Python package (pyproject.toml) and its native code, compiled from runtime/cpp with CMake by
 `pip install .`, `pip wheel .` and `pip install -e .` alike (scripts/native_build.py):
 
     specrt/_native/libspecrt_ops.so   the ONNX Runtime kernels graphs exported with --kernels specrt need
@@ -30,7 +30,7 @@ _spec.loader.exec_module(native)
 
 
 class BuildNative(build_ext):
-    """Builds cpp (no Python extension: the package's shared libraries and program) into specrt/_native."""
+    """Builds runtime/cpp (no Python extension: the package's shared libraries and program) into specrt/_native."""
 
     def run(self) -> None:
         import os
@@ -53,7 +53,7 @@ class BuildNative(build_ext):
                   "ONNX Runtime's stock kernels (`specrt doctor` says what that costs)", file=sys.stderr)
         except subprocess.CalledProcessError as e:
             tail = "\n".join((e.stdout + e.stderr).splitlines()[-40:])
-            sys.exit(f"specrt: compiling cpp failed ({' '.join(e.cmd[:3])} ...):\n{tail}")
+            sys.exit(f"specrt: compiling runtime/cpp failed ({' '.join(e.cmd[:3])} ...):\n{tail}")
         else:
             # an editable install links to the build folder, so a rebuild there (cmake, the suite's) is what it runs
             place = (lambda src, dst: dst.symlink_to(src)) if editable else shutil.copy2

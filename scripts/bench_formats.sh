@@ -9,8 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p docs/formats
-SETS=(--prompts specrt/datasets/gsm8k.jsonl --prompts specrt/datasets/humaneval.jsonl --prompts specrt/datasets/math500.jsonl
-      --prompts specrt/datasets/mbpp.jsonl --prompts specrt/datasets/mt-bench.jsonl)
+SETS=(--prompts datasets/gsm8k.jsonl --prompts datasets/humaneval.jsonl --prompts datasets/math500.jsonl
+      --prompts datasets/mbpp.jsonl --prompts datasets/mt-bench.jsonl)
 for FORMAT in ${FORMATS:-gguf int4 int8 float}; do
     ART=art/smollm2-$FORMAT
     [ -f "$ART/manifest.json" ] || specrt export smollm2 --out "$ART" --weights "$FORMAT" --attention cpu \

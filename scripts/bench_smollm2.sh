@@ -9,8 +9,8 @@ ART=${ART:-art/smollm2-gguf-b1}
 [ -f "$ART/manifest.json" ] || specrt export smollm2 --out "$ART" --batch 1 --force >&2
 BASELINE=()
 python -c "import llama_cpp" 2>/dev/null && BASELINE=(--baseline llama.cpp)
-specrt bench "$ART" --prompts specrt/datasets/gsm8k.jsonl --prompts specrt/datasets/humaneval.jsonl \
-    --prompts specrt/datasets/math500.jsonl --prompts specrt/datasets/mbpp.jsonl --prompts specrt/datasets/mt-bench.jsonl \
+specrt bench "$ART" --prompts datasets/gsm8k.jsonl --prompts datasets/humaneval.jsonl \
+    --prompts datasets/math500.jsonl --prompts datasets/mbpp.jsonl --prompts datasets/mt-bench.jsonl \
     --limit 20 --max-new-tokens 256 --methods ar,ngram,mtp,dspark --threads 2 "${BASELINE[@]}" \
     --plot docs/bench_smollm2.png "$@"
 # measured: `time scripts/bench_smollm2.sh --json > docs/bench_smollm2.json` (38 min on 2 cores)

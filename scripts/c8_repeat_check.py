@@ -23,7 +23,7 @@ def main() -> int:
     art = sys.argv[1] if len(sys.argv) > 1 else "art/b8"
     tokenizer = Engine(art).tokenizer
     prompts = [encode_prompt(tokenizer, t) for name in ("humaneval", "gsm8k")
-               for t in read_prompts_file(ROOT / "specrt" / "datasets" / f"{name}.jsonl", 8)]
+               for t in read_prompts_file(ROOT / "datasets" / f"{name}.jsonl", 8)]
     params = SamplingParams(max_new_tokens=64)
     for rep in range(2):
         for method, scheduler in CONFIGS:

@@ -6,7 +6,7 @@
 #                                  DEST/include/pcre2.h (Debian's libpcre2-dev of the installed libpcre2-8-0's version:
 #                                  the tokenizer's pre-tokenizer regex runs on the system's PCRE2 library)
 # through a private APT configuration (its own state, lists and cache under DEST/apt) signed by Debian's archive
-# keyring. The library is the onnxruntime wheel's libonnxruntime.so (cpp/CMakeLists.txt finds it).
+# keyring. The library is the onnxruntime wheel's libonnxruntime.so (runtime/cpp/CMakeLists.txt finds it).
 set -euo pipefail
 dest=$(realpath -m "${1:?usage: scripts/cpp_deps.sh DEST}")
 [ -f "$dest/include/onnxruntime/onnxruntime_cxx_api.h" ] && [ -f "$dest/include/nlohmann/json.hpp" ] \

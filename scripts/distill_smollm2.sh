@@ -6,8 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORK=${WORK:-work/distill-smollm2}
-PROMPTS=(--prompts specrt/datasets/gsm8k.jsonl --prompts specrt/datasets/humaneval.jsonl --prompts specrt/datasets/math500.jsonl
-         --prompts specrt/datasets/mbpp.jsonl --prompts specrt/datasets/mt-bench.jsonl)
+PROMPTS=(--prompts datasets/gsm8k.jsonl --prompts datasets/humaneval.jsonl --prompts datasets/math500.jsonl
+         --prompts datasets/mbpp.jsonl --prompts datasets/mt-bench.jsonl)
 # --weights float: the committed heads were distilled on the GGUF's fp32 dequantization (the default became the
 # preset's served 4-bit format later)
 COMMON=(--limit 720 --max-new-tokens 256 --sampling greedy --weights float --work "$WORK" --force)

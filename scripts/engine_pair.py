@@ -67,7 +67,7 @@ def main() -> int:
     ap.add_argument("--scheduler", default="sps")
     ap.add_argument("--target", choices=("own", "session"), default="own")
     ap.add_argument("--no-head", action="store_true")
-    ap.add_argument("--prompts", type=Path, default=ROOT / "specrt" / "datasets" / "mt-bench.jsonl")
+    ap.add_argument("--prompts", type=Path, default=ROOT / "datasets" / "mt-bench.jsonl")
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--passes", type=int, default=4)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What a draft head's acceptance allows at batch 1: its best speed against `ar` on the artifact's profiled costs.
 
-    python scripts/head_bound.py ART --prompts specrt/datasets/humaneval.jsonl [--prompts ...] [--head dspark]
+    python scripts/head_bound.py ART --prompts datasets/humaneval.jsonl [--prompts ...] [--head dspark]
                                  [--limit 6] [--max-new-tokens 256] [--threads 2] [--json]
 
 Decodes the prompts greedily with the head drafting its whole block every round (`fixed`), which records how many
@@ -10,7 +10,7 @@ acceptances on this text). Then, on the artifact's cost profile for --threads (`
 tokens in decoding steps, and the head's draft call), it prices three kinds of schedule over the same rounds:
 
     k drafts    every round verifies k drafts (k = 0 is `ar`): what a scheduler without per-round information gets
-    sps         every round verifies what Algorithm 1 (`--scheduler sps`, specrt/runtime/schedulers.py `admission`) admits
+    sps         every round verifies what Algorithm 1 (`--scheduler sps`, runtime/schedulers.py `admission`) admits
                 on the head's own calibrated confidences and the profile, the head called every round (a head with
                 a confidence head only): what this head's confidences are worth to a scheduler without a gate
     oracle      every round verifies exactly the drafts that will be accepted (and drafts only if one will): no

@@ -58,7 +58,7 @@ def main() -> int:
     ap.add_argument("art", type=Path)
     ap.add_argument("engines", nargs="+", help="METHOD/SCHEDULER, e.g. ar/fixed dspark/sps")
     ap.add_argument("--concurrency", type=int, default=1)
-    ap.add_argument("--prompts", type=Path, default=ROOT / "specrt" / "datasets" / "mt-bench.jsonl")
+    ap.add_argument("--prompts", type=Path, default=ROOT / "datasets" / "mt-bench.jsonl")
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--passes", type=int, default=4)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two builds of specrt's kernels paired in one process: a git revision's cpp/ops (default HEAD) against the
+# Two builds of specrt's kernels paired in one process: a git revision's runtime/cpp/ops (default HEAD) against the
 # working tree's, on SmolLM2's weight shapes at M = 1, 2, 4, 8, 16 activation rows, then its attention (T = 1, 2, 3, 4,
 # 8 query tokens over L = 136, 320, 900 keys, and 136 and 320 of a bias 256 and 512 keys wide, the rest masked: a cache
 # allocated past the position; every task of a call as attention_plan cuts it), one thread, the best
@@ -12,7 +12,7 @@
 # in turn (a machine whose speed drifts moves both), this tree's GMAC/s (attention: ns per query head and key), and
 # "same" when both builds' outputs are the same bits ("DIFF": the change alters results, which a pure speed change
 # must not). Compiled with the flags
-# cpp/CMakeLists.txt gives libspecrt_ops; needs g++ and a CPU with AVX2. Run it on a quiet machine.
+# runtime/cpp/CMakeLists.txt gives libspecrt_ops; needs g++ and a CPU with AVX2. Run it on a quiet machine.
 set -euo pipefail
 rev=${1:-HEAD}
 pairs=${2:-21}
@@ -20,7 +20,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/base"
-git -C "$root" archive "$rev" cpp/ops | tar -x -C "$work/base" --strip-components=3
+git -C "$root" archive "$rev" runtime/cpp/ops | tar -x -C "$work/base" --strip-components=3
 flags=(-O3 -std=c++17 -ffp-contract=off)
 avx2=(-mavx2 -mfma -mf16c)
 avx512=(-mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512vnni)
@@ -38,8 +38,8 @@ build() {  # build TREE PREFIX [DEFINES...]: the kernels' translation units (the
     fi
 }
 build "$work/base" base -Dspecrt=specrt_base
-build "$root/cpp/ops" ours
-g++ "${flags[@]}" -I"$root/cpp/ops" -I"$work" "$root/cpp/tools/kernel_ab.cpp" "$work"/*.o \
+build "$root/runtime/cpp/ops" ours
+g++ "${flags[@]}" -I"$root/runtime/cpp/ops" -I"$work" "$root/runtime/cpp/tools/kernel_ab.cpp" "$work"/*.o \
     -o "$work/kernel_ab"
 echo "base: $rev ($(git -C "$root" rev-parse --short "$rev")); this tree: $root"
 "$work/kernel_ab" "$pairs"

@@ -4,7 +4,7 @@
                                  [--ngram 1,2,3,4,6] [--cap 2,4,7] [--json]
 
 Decodes each prompt with `ar` (greedy), then replays the text round by round for every (n, cap): the lookup
-(specrt/runtime/drafters.py `lookup`, the longest suffix up to n tokens) proposes up to `cap` drafts, the longest prefix
+(runtime/drafters.py `lookup`, the longest suffix up to n tokens) proposes up to `cap` drafts, the longest prefix
 equal to the greedy text is accepted, one bonus token follows. A round costs the artifact's stored profile's
 verify of 1 + drafts tokens at batch 1, in decoding steps. Greedy output does not depend on the drafts, so this is
 exactly the τ a fixed-length lookup would reach; the cost is the profile's, not a timing. `speedup` is tokens per
@@ -33,7 +33,7 @@ from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-SETS = [ROOT / "specrt" / "datasets" / f"{s}.jsonl" for s in ("humaneval", "mbpp", "gsm8k", "math500", "mt-bench")]
+SETS = [ROOT / "datasets" / f"{s}.jsonl" for s in ("humaneval", "mbpp", "gsm8k", "math500", "mt-bench")]
 
 
 def replay(prompt: list[int], out: list[int], max_n: int, cap: int, steps_of: dict[int, float]) -> tuple[int, float]:

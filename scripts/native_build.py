@@ -1,4 +1,4 @@
-"""Building cpp: what `pip install` (setup.py) and the test suite (tests/conftest.py) both run.
+"""Building runtime/cpp: what `pip install` (setup.py) and the test suite (tests/conftest.py) both run.
 
     headers()  ONNX Runtime's C/C++ API, nlohmann-json and PCRE2's headers: $SPECRT_CPP_DEPS if set, else fetched
                once by scripts/cpp_deps.sh (Debian's archive, checksummed) into $SPECRT_CACHE/cpp-deps
@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "cpp"
+SOURCE = ROOT / "runtime" / "cpp"
 # what the package carries (setup.py copies them into specrt/_native)
 PACKAGED = ("specrt_ops", "specrt", "specrt-cpp")
 FILES = {"specrt_ops": "libspecrt_ops.so", "specrt": "libspecrt.so", "specrt-cpp": "specrt-cpp"}
@@ -29,7 +29,7 @@ class Unbuildable(Exception):
 
 
 def missing_tools() -> str | None:
-    """Why cpp cannot be built here, or None."""
+    """Why runtime/cpp cannot be built here, or None."""
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"specrt's kernels are x86-64 Linux code (this is {sys.platform} {platform.machine()})"
     missing = [t for t in ("cmake",) if shutil.which(t) is None]
@@ -79,7 +79,7 @@ def headers() -> Path:
 
 def build(build_dir: Path, targets: tuple[str, ...] | None = None, *, sanitize: bool = False,
           python: str | None = None, jobs: int | None = None, log=None) -> Path:
-    """Configure and build cpp into `build_dir` (all targets, or `targets`); returns `build_dir`.
+    """Configure and build runtime/cpp into `build_dir` (all targets, or `targets`); returns `build_dir`.
     Raises Unbuildable when a tool or the headers are missing, CalledProcessError when compiling fails."""
     why = missing_tools()
     if why:
@@ -101,8 +101,8 @@ def build(build_dir: Path, targets: tuple[str, ...] | None = None, *, sanitize: 
 
 
 def _forget_other_source(build_dir: Path) -> None:
-    """A build folder configured from another source folder (a checkout that moved, or an older layout) is cleared:
-    CMake refuses to reuse it."""
+    """A build folder configured from another source folder (a checkout that moved) is cleared: CMake refuses to
+    reuse it."""
     cache = build_dir / "CMakeCache.txt"
     try:
         home = next((line.split("=", 1)[1] for line in cache.read_text().splitlines()

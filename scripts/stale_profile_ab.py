@@ -7,7 +7,7 @@ cost table and admission and with another revision's, interleaved in one process
 The stale copy (hard links to ART's files, a new profile.json) multiplies each batch-1 verify cell by --scale
 and the draft calls by --draft-scale: by default the shape of 2026-12-06's stale Xeon profile against its fresh
 one (a decoding step and 2-3 token verifies measured 21-37% dearer, 4-8 tokens right). The other revision's
-specrt/runtime/steps.py and specrt/runtime/costs.py are loaded from git and patched in for its engines. Each configuration opens
+runtime/steps.py and runtime/costs.py are loaded from git and patched in for its engines. Each configuration opens
 an engine, warms up on one prompt, then generates 256 tokens for 6 humaneval and 6 mbpp prompts; passes alternate
 the order. Prints each pass's tokens/s and the cost table's step before and after, then each configuration's median
 and its ratios to the `ar` pass of the same round, and whether every output equals `ar`'s. This machine's speed
@@ -68,10 +68,10 @@ def main() -> None:
     ap.add_argument("--scale", default="1:1.21,2:1.35,3:1.37,4:1.03,5:1.04,6:1.05,7:1.06,8:1.06")
     ap.add_argument("--draft-scale", type=float, default=1.18)
     args = ap.parse_args()
-    old_steps = _module(args.old_rev, "specrt/runtime/steps.py", "steps_old")
-    old_costs = _module(args.old_rev, "specrt/runtime/costs.py", "costs_old")
+    old_steps = _module(args.old_rev, "runtime/steps.py", "steps_old")
+    old_costs = _module(args.old_rev, "runtime/costs.py", "costs_old")
     code = {"new": (steps.admission, costs.CostTable), "old": (old_steps.admission, old_costs.CostTable)}
-    texts = read_prompts_file(ROOT / "specrt/datasets/humaneval.jsonl", 6) + read_prompts_file(ROOT / "specrt/datasets/mbpp.jsonl", 6)
+    texts = read_prompts_file(ROOT / "datasets/humaneval.jsonl", 6) + read_prompts_file(ROOT / "datasets/mbpp.jsonl", 6)
     with tempfile.TemporaryDirectory(dir=args.art.parent) as tmp:  # hard links: the same file system
         stale = Path(tmp) / "stale"
         _stale(args.art, stale, {int(k): float(v) for k, v in (p.split(":") for p in args.scale.split(","))},

@@ -20,7 +20,7 @@ from specrt.exporter.vocab import COUNTS_FILE, count_tokens, coverage, draft_voc
 from specrt.exporter.export import export_artifact
 from specrt import artifact as io
 
-DATASETS = [f"specrt/datasets/{n}.jsonl" for n in ("gsm8k", "humaneval", "math500", "mbpp", "mt-bench")]
+DATASETS = [f"datasets/{n}.jsonl" for n in ("gsm8k", "humaneval", "math500", "mbpp", "mt-bench")]
 
 
 def main() -> None:

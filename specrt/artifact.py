@@ -42,7 +42,7 @@ from specrt.model_config import ModelConfig
 
 FORMAT_VERSION = 4
 # Fields added to the manifest within a format version (readers ignore what they do not know); a cached default
-# artifact (specrt/tools/default_artifact.py) is re-exported when this moves. 2: tokenizer.chat (the chat template's text
+# artifact (tools/default_artifact.py) is re-exported when this moves. 2: tokenizer.chat (the chat template's text
 # around one user message, for the C++ runtime).
 MANIFEST_REVISION = 2
 # The exporter's graphs changed within a format version (the same inputs and outputs, the same manifest): a cached
@@ -53,8 +53,8 @@ GRAPHS_REVISION = 4
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.bin"
 TOKENIZER_DIR = "tokenizer"
-PROFILE_FILE = "profile.json"  # measured call costs (specrt/runtime/profile.py reads it, specrt/tools/profile.py measures)
-ENGINE_DIR = "engines"  # `specrt build`'s TensorRT engines (specrt/exporter/tensorrt_build.py)
+PROFILE_FILE = "profile.json"  # measured call costs (runtime/profile.py reads it, tools/profile.py measures)
+ENGINE_DIR = "engines"  # `specrt build`'s TensorRT engines (exporter/tensorrt_build.py)
 
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
@@ -341,7 +341,7 @@ class Manifest:
     model: ModelConfig
     export: ExportSettings
     graphs: dict[str, GraphSpec]  # by family: "target", and one per draft head
-    tokenizer: dict[str, Any] | None  # tokenizer/ files, chat template, special tokens (specrt/runtime/tokenizer.py)
+    tokenizer: dict[str, Any] | None  # tokenizer/ files, chat template, special tokens (runtime/tokenizer.py)
     sources: tuple[SourceFile, ...]
     weights: WeightsInfo
     name: str = ""
@@ -350,7 +350,7 @@ class Manifest:
     features: tuple[int | str, ...] = ()  # target feature sources: layer ids, "final"
     heads: dict[str, HeadSpec] = field(default_factory=dict)
     runtime_shapes: str = "symbolic"  # each family is one graph over named axes, run at its buckets
-    engines: dict[str, Any] = field(default_factory=dict)  # `specrt build`: TensorRT engines (specrt/exporter/tensorrt_build.py)
+    engines: dict[str, Any] = field(default_factory=dict)  # `specrt build`: TensorRT engines (exporter/tensorrt_build.py)
 
     @property
     def gamma(self) -> int:
@@ -586,7 +586,7 @@ def check_graph_io(graph: GraphSpec, declared: dict[str, tuple[Dim, ...]], file:
 #   outputs  draft_tokens[B,K] i64, draft_logits[B,K,V] (Markov-corrected), draft_probs[B,K,V] f32
 #            (the distribution each token was drawn from: softmax(draft_logits / T), T=1 where T=0),
 #            confidence_logits[B,K] (only with a confidence head), present.{i}.*
-#   with a confidence head, also specrt::ConfidenceTruncate (specrt/plugins/confidence_truncate.py) on it:
+#   with a confidence head, also specrt::ConfidenceTruncate (plugins/confidence_truncate.py) on it:
 #   inputs   truncate_threshold[] f32, truncate_budget[] i64 (-1: threshold mode)
 #   outputs  survival[B,K] f32 (calibrated prefix survival), verify_lengths[B] i64
 #

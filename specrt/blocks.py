@@ -1,4 +1,4 @@
-"""How an artifact stores a block-quantized weight (written by specrt/exporter/onnx/quant.py, read back by the torch backend).
+"""How an artifact stores a block-quantized weight (written by exporter/onnx/quant.py, read back by the torch backend).
 
 A quantized [N, K] weight `W` (Hugging Face [out, in] layout) is stored as com.microsoft MatMulNBits inputs
 under derived names, blocks of 32 along K:

@@ -1,4 +1,4 @@
-"""specrt's native code, carried by the package in specrt/_native (compiled from cpp/ when specrt is built:
+"""specrt's native code, carried by the package in specrt/_native (compiled from runtime/cpp when specrt is built:
 setup.py): libspecrt_ops, the ONNX Runtime kernels that graphs exported with `specrt export --kernels specrt` need
 (their specrt::MatMulGGUF, GatherGGUF, RMSNorm, SkipRMSNorm, CacheAttention and PackedAttention nodes); libspecrt,
 the C runtime; specrt-cpp, its example program. $SPECRT_OPS_LIB and $SPECRT_CPP_LIB override the library paths.

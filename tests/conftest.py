@@ -126,7 +126,7 @@ def served_art(tmp_path_factory, request) -> Path:
     return made_once(tmp_path_factory, f"smollm2_served_{kernels}", export)
 
 
-# The C++ runtime, the custom-op library and their test programs (cpp), built once per session by the build
+# The C++ runtime, the custom-op library and their test programs (runtime/cpp), built once per session by the build
 # `pip install` runs (scripts/native_build.py: CMake against ONNX Runtime's headers, fetched once from Debian's archive).
 # SPECRT_CPP_SANITIZE=1: with AddressSanitizer and UndefinedBehaviorSanitizer, into build/cpp-asan (docs/cpp.md).
 CPP_SANITIZE = os.environ.get("SPECRT_CPP_SANITIZE") == "1"
@@ -153,7 +153,7 @@ def cpp_build() -> Path:
     except native.Unbuildable as e:
         pytest.skip(f"the C++ runtime cannot be built here: {e}")
     except subprocess.CalledProcessError as e:
-        pytest.fail(f"building cpp failed:\n{(e.stdout + e.stderr)[-3000:]}")
+        pytest.fail(f"building runtime/cpp failed:\n{(e.stdout + e.stderr)[-3000:]}")
     return CPP_BUILD
 
 

@@ -6,7 +6,7 @@ The deviation is Cohen's effect size w = sqrt(sum((p' - p)^2 / p)) of the emitte
 the test's statistic then follows a noncentral chi-square with noncentrality n w^2, so the power at n samples is
 P(chi2(df, n w^2) > the central chi2(df)'s 1 - ALPHA quantile). The default W = 0.15 is about half the deviation of
 the classic rejection-sampling bug (after a rejection, drawing from p instead of the residual max(p - q, 0)) in the
-toy case of test_schedulers' admission test (w = 0.32 there). Checked with that bug put into specrt/runtime/acceptance.py:
+toy case of test_schedulers' admission test (w = 0.32 there). Checked with that bug put into runtime/acceptance.py:
 at these sizes it fails test_speculative's host and device tests and test_draft_vocab's (chi-square p < 1e-20);
 the scheduler and hybrid tests, whose heads are bad (their residual is nearly p) or whose drafts are lookups, did
 not catch it at their earlier 12,000 requests either: they test that the schedule keeps the distribution.

@@ -377,7 +377,7 @@ def test_debug_flag_shows_traceback(art):
 
 
 def test_the_cli_offers_exactly_the_registries():
-    """Methods, schedulers, backends and dtypes are named once (specrt/runtime/config.py); every command's choices are
+    """Methods, schedulers, backends and dtypes are named once (runtime/config.py); every command's choices are
     those names, and the implementations cover them."""
     import click
 
@@ -418,7 +418,7 @@ def test_a_method_is_parsed_once_into_a_typed_value():
 
 def test_python_m_from_a_folder_holding_a_clone_named_specrt(tmp_path):
     """`python -m specrt.cli` where the working folder holds a clone named `specrt` (which Python takes as a
-    namespace package before an editable install's finder): the commands still run from the installed sources."""
+    namespace package before an editable install's finder, so `specrt.__file__` is None): the commands still run."""
     (tmp_path / "specrt").symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
     for args in (["--help"], ["doctor", "--json"]):
         r = subprocess.run([sys.executable, "-m", "specrt.cli", *args], cwd=tmp_path, capture_output=True, text=True,

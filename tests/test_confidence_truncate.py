@@ -1,6 +1,6 @@
 """specrt::ConfidenceTruncate: the ONNX local function ONNX Runtime runs, the node in the exported DSpark graph,
 and the OpenAI-Triton kernel behind the TensorRT plugin (on CPU through Triton's interpreter), all against the
-numpy reference of specrt/plugins/confidence_truncate.py."""
+numpy reference of plugins/confidence_truncate.py."""
 from __future__ import annotations
 
 import os

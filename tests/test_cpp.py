@@ -1,4 +1,4 @@
-"""The C++ runtime (cpp: libspecrt and its C API, specrt.h), built here with CMake against ONNX Runtime's
+"""The C++ runtime (runtime/cpp: libspecrt and its C API, specrt.h), built here with CMake against ONNX Runtime's
 headers (scripts/cpp_deps.sh: Debian's libonnxruntime-dev 1.21 through a private APT configuration) and the
 onnxruntime wheel's library, driven through `specrt-cpp` (which uses only the C API) and ctest's C program:
 
@@ -229,7 +229,7 @@ def test_every_method_and_scheduler_is_token_identical_to_python(specrt_cpp, hea
 
 def test_a_head_alone_is_gated_under_sps(specrt_cpp, head_arts, tmp_path):
     """Under sps a head alone drafts only on rounds where it promises more than a plain decoding step, as in Python
-    (specrt/runtime/hybrid.py without lookups): on a profile where its draft call costs 1e6 ms it is called only to explore
+    (runtime/hybrid.py without lookups): on a profile where its draft call costs 1e6 ms it is called only to explore
     (the 32nd round without it), under fixed on every round; both give plain decoding's tokens."""
     art = tmp_path / "art"
     shutil.copytree(head_arts["tiny"], art)
@@ -246,7 +246,7 @@ def test_a_head_alone_is_gated_under_sps(specrt_cpp, head_arts, tmp_path):
         assert fixed["head_calls"] == fixed["rounds"] > 0, method
         assert 1 <= sps["head_calls"] <= 2 < sps["rounds"], (method, sps["head_calls"], sps["rounds"])
     # three requests in flight: an exploration drafts for the slot with the fewest pending rows, the other two keep
-    # their rows for the head's next call (specrt/runtime/hybrid.py `_held`); the tokens stay plain decoding's
+    # their rows for the head's next call (runtime/hybrid.py `_held`); the tokens stay plain decoding's
     prompts = [prompt[:n] for n in (len(prompt), 5, len(prompt) // 2)]
     want, _, _ = _python_run(art, prompts, 80, method="ar")
     for method in ("dspark", "mtp"):
@@ -308,7 +308,7 @@ def test_sampled_tokens_follow_the_target_distribution(specrt_cpp, head_arts, ti
 
 
 def test_c_api_from_c(specrt_cpp, tiny_arts):
-    """ctest's C program (cpp/tests/c_api_test.c, compiled as C99): add / step / abort, generate, and errors
+    """ctest's C program (runtime/cpp/tests/c_api_test.c, compiled as C99): add / step / abort, generate, and errors
     for bad calls, the engine working after each."""
     env = {**os.environ, "SPECRT_TEST_ARTIFACT": str(tiny_arts["llama-cpu"])}
     r = subprocess.run(["ctest", "--test-dir", str(BUILD), "--output-on-failure"], capture_output=True, text=True,
@@ -338,7 +338,7 @@ def test_default_model_every_method_is_token_identical(specrt_cpp, served_art):
 
 
 def test_cpp_admission_is_the_pythons(cpp_build):
-    """The C++ Algorithm 1 on its own (cpp/tests/admission_test.cpp) gives specrt/runtime/steps.py's lengths, rate
+    """The C++ Algorithm 1 on its own (runtime/cpp/tests/admission_test.cpp) gives runtime/steps.py's lengths, rate
     and exploration on the random cases tests/test_schedulers.py checks the Python one on (survivals with ties and
     zeros, idle rows, convex curves, explorations above and below the stopping point)."""
     from specrt.runtime import steps
@@ -367,9 +367,9 @@ def test_cpp_admission_is_the_pythons(cpp_build):
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
                                     SamplingParams(temperature=1.3, top_p=0.8)], ids=["t1", "topk", "topp"])
 def test_cpp_rejection_sampling_commits_tokens_from_the_target_distribution(specrt_cpp, draft, params):
-    """The C++ accept_sampled on its own (cpp/tests/acceptance_test.cpp), as tests/test_acceptance.py checks
+    """The C++ accept_sampled on its own (runtime/cpp/tests/acceptance_test.cpp), as tests/test_acceptance.py checks
     the Python one: whatever the draft distribution (close to the target, unrelated, disjoint from it, one-hot), the
-    first and second committed tokens follow the target's distribution, computed here by specrt/runtime/sampling.py from the
+    first and second committed tokens follow the target's distribution, computed here by runtime/sampling.py from the
     same logits; a draft close to the target is mostly accepted, a disjoint one never."""
     from scipy.stats import chisquare
 
@@ -404,7 +404,7 @@ def test_cpp_rejection_sampling_commits_tokens_from_the_target_distribution(spec
 
 # -- text in, text out -----------------------------------------------------------------------------------------------
 
-DATASETS = ROOT / "specrt" / "datasets"  # copies of the shared prompt sets (datasets/README.md)
+DATASETS = ROOT / "datasets"  # copies of the shared prompt sets (datasets/README.md)
 EDGE_TEXTS = ["héllo wörld 你好 🤖 <|im_start|>user\nhi<|im_end|>", "  leading  spaces\n\n\ttabs \r\n", "x" * 3000,
               "it's we're I'll DON'T", "١٢٣ 12345 ½ ⅔", "<|im_end|><|im_end|>a<|endoftext|>", " ", "\u00a0\u2003nbsp",
               "e\u0301 combining", "emoji 👩‍👩‍👧 flags 🇫🇷"]
@@ -421,7 +421,7 @@ def _dataset_texts() -> list[str]:
 
 def _tokenize(file: Path, texts: list[str] | list[dict], add_special: bool = False, art: Path | None = None
               ) -> list[dict]:
-    """cpp/tests/tokenize.cpp on texts (or its other requests, as dicts), with `art`'s chat text."""
+    """runtime/cpp/tests/tokenize.cpp on texts (or its other requests, as dicts), with `art`'s chat text."""
     requests = [t if isinstance(t, dict) else {"text": t, "add_special": add_special} for t in texts]
     lines = "".join(json.dumps(q) + "\n" for q in requests)
     r = subprocess.run([str(BUILD / "tokenize"), str(file), *([str(art)] if art else [])], input=lines,

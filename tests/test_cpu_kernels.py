@@ -1,4 +1,4 @@
-"""specrt's custom ONNX Runtime operators (cpp/ops, libspecrt_ops), loaded by ONNX Runtime's Python API as a
+"""specrt's custom ONNX Runtime operators (runtime/cpp/ops, libspecrt_ops), loaded by ONNX Runtime's Python API as a
 user of the artifact would load them (SessionOptions.register_custom_ops_library).
 
 specrt::MatMulGGUF multiplies activations by weights in GGUF's own blocks (the bytes `gguf.quants.quantize` writes,

@@ -1,4 +1,4 @@
-"""Device-resident rounds (specrt/runtime/device_round.py) on the torch backend, here on the CPU: round-for-round identical
+"""Device-resident rounds (runtime/device_round.py) on the torch backend, here on the CPU: round-for-round identical
 to ONNX Runtime's host loop where the host's choices are deterministic (fixed and threshold lengths, across
 admissions, mixed greedy/sampled batches with seeded draws, and budgets); AR's tokens under every scheduler and both
 hybrids, whose cost-aware choices the host loop makes on online timings; one synchronisation per round; static

@@ -1,4 +1,4 @@
-"""specrt/serve/loop.py: the thread that owns the engine for the server and the Triton model.
+"""serve/loop.py: the thread that owns the engine for the server and the Triton model.
 
 Requests submitted from many threads get the tokens of a direct engine run; the per-token draft marks agree
 with the rounds the engine reports; aborts (queued or running) end a request and free its slot; a failing

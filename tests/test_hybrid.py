@@ -1,5 +1,5 @@
 """Cheaper drafts: the greedy variants of the draft graphs, and the drafter that combines n-gram lookups with a
-head (specrt/runtime/hybrid.py): exact in greedy and sampled decoding, and a skipped head catches up on what it missed."""
+head (runtime/hybrid.py): exact in greedy and sampled decoding, and a skipped head catches up on what it missed."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -59,7 +59,7 @@ def test_bench_llama_cpp_matches_its_own_loop_run_alone(tmp_path):
     art = default_artifact(progress=False)
     manifest = io.load_manifest(art)
     tok = Tokenizer.from_dir(art / io.TOKENIZER_DIR, manifest.tokenizer)
-    humaneval = Path(__file__).parents[1] / "specrt" / "datasets" / "humaneval.jsonl"
+    humaneval = Path(__file__).parents[1] / "datasets" / "humaneval.jsonl"
     ids = [encode_prompt(tok, t) for t in read_prompts_file(humaneval, PROMPTS)]
     gguf, eos = str(artifact_source(manifest)), json.dumps(sorted(manifest.eos_ids))
 

@@ -1,7 +1,7 @@
 """`specrt serve` against hostile and careless clients: body and connection limits, slow clients, malformed
 JSON, cross-site requests, DNS rebinding, the API key, a callback-free failure path, and a schema-driven fuzzer.
 
-Each test here failed before the server had specrt/serve/guard.py (or the protocol checks it names); every server is a
+Each test here failed before the server had serve/guard.py (or the protocol checks it names); every server is a
 real `specrt serve` process on loopback over a tiny random model with a word-level tokenizer and a chat template.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Parity of the gpt-fast style target (specrt/models/llama.py) with transformers, plus cache semantics."""
+"""Parity of the gpt-fast style target (models/llama.py) with transformers, plus cache semantics."""
 from __future__ import annotations
 
 import json

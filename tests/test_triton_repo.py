@@ -69,7 +69,7 @@ def test_layout(art, repo):
     names = sorted(p.name for p in repo.iterdir() if p.name != ".specrt-output.json")
     assert names == ["specrt", "specrt_dspark", "specrt_dspark_greedy", "specrt_target"]
     assert (repo / "specrt/1/model.py").read_text() == (
-        Path(__file__).parents[1] / "specrt/serve/triton/model.py").read_text()
+        Path(__file__).parents[1] / "serve/triton/model.py").read_text()
     assert (repo / "specrt/1/artifact/manifest.json").is_file()
     # the graphs' external weights sit beside each debugging model, hard-linked (same filesystem here)
     for name in names[1:]:
@@ -223,7 +223,7 @@ def test_serve_refuses_what_the_bundled_server_cannot_run(art, tmp_path):
 def test_model_py_puts_its_environment_first(tmp_path, monkeypatch):
     """specrt_env.json's existing site folders go ahead of the stub's own sys.path (with their .pth files run);
     missing folders and another Python's environment are skipped."""
-    spec = importlib.util.spec_from_file_location("model_env_probe", Path(__file__).parents[1] / "specrt/serve/triton/model.py")
+    spec = importlib.util.spec_from_file_location("model_env_probe", Path(__file__).parents[1] / "serve/triton/model.py")
     source = spec.loader.get_source("model_env_probe")
     namespace: dict = {"__file__": str(tmp_path / "model.py")}
     exec(compile(source.split("_add_environment(Path(__file__)")[0], "model.py", "exec"), namespace)

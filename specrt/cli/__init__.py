@@ -34,7 +34,7 @@ class _Group(click.Group):
 def main(ctx: click.Context, debug: bool) -> None:
     """Export LLMs with draft heads into fixed-shape graphs and run them with lossless speculative decoding."""
     ctx.obj = {"debug": debug}
-    own_process_defaults()  # the command's process is specrt's: one ONNX Runtime thread pool (specrt/runtime/backends/ort.py)
+    own_process_defaults()  # the command's process is specrt's: one ONNX Runtime thread pool (runtime/backends/ort.py)
 
 
 from specrt.cli.export import build, export, fetch_model, inspect  # noqa: E402  (after main: they register on it)

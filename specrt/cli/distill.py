@@ -22,7 +22,7 @@ def _layer_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--head", type=click.Choice(["dspark", "mtp"]), required=True, help="Which draft head to train.")
 @click.option("--prompts", "prompts", multiple=True, required=True, type=click.Path(path_type=Path),
               help='Training prompts, JSONL of {"turns": [...]} (repeatable). Rows equal to an eval row '
-                   "(the first 20 of each specrt/datasets/ file) are dropped.")
+                   "(the first 20 of each datasets/ file) are dropped.")
 @click.option("--out", "-o", required=True, type=click.Path(path_type=Path), help="Checkpoint directory to write.")
 @click.option("--work", type=click.Path(path_type=Path), default=None,
               help="Stage cache (target, responses, features, training state) [default: OUT.work]. "

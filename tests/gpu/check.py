@@ -45,7 +45,7 @@ from specrt.runtime.prompts import encode_prompt, read_prompts_file  # noqa: E40
 from specrt.runtime.sampling import SamplingParams  # noqa: E402
 
 FIXTURE = ROOT / "tests" / "fixtures" / "deepspec_dspark_tiny"
-DATASETS = ROOT / "specrt" / "datasets"
+DATASETS = ROOT / "datasets"
 ROWS: list[dict] = []
 
 

@@ -1,6 +1,6 @@
 """A stand-in for Triton's `triton_python_backend_utils`: only the transport (tensors, responses, senders).
 
-Enough of the Python backend's API for specrt/serve/triton/model.py to run outside tritonserver, injected as
+Enough of the Python backend's API for serve/triton/model.py to run outside tritonserver, injected as
 sys.modules["triton_python_backend_utils"] by the test; the engine behind it is the real one.
 """
 from __future__ import annotations

@@ -1,0 +1,91 @@
+"""Acceptance of drafted tokens by Leviathan/Chen rejection sampling, written once on the array API: the host round
+runs it on numpy for one slot at a time (`accept_sampled`), the device round on torch for all its slots at once
+(`accept_rows`). Greedy acceptance, a prefix match against the target's argmax, is runtime/steps.py's `accept`.
+
+Sampling: accept d_k with probability min(1, p(d_k) / q(d_k)); on the first rejection draw the bonus
+from norm(max(0, p - q)); if all are accepted draw it from p at the next position. The committed
+tokens then follow the target distribution p exactly, whatever the draft distribution q is.
+
+Each slot's uniforms are drawn from its request's rng before the round, in one order on both paths: gamma for the
+acceptance tests, then one for the bonus (after the head's draft noise), so a seeded request draws the same tokens
+on ONNX Runtime's host loop and on the torch backend's device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specrt.runtime.arrays import device, namespace
+from specrt.runtime.sampling import Array, SamplingParams, distribution, draw
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    accepted: int  # a: drafts accepted (a prefix of the proposal)
+    bonus: int  # the target's token at position a (correction or continuation)
+
+
+def accepts(u: Array, q_d: Array, p_d: Array) -> Array:
+    """The acceptance test of drafts x drawn from q, so q(x) > 0: probability min(1, p(x)/q(x)), i.e. u*q(x) < p(x)."""
+    return u * q_d < p_d
+
+
+def accept_rows(drafts: Array, p: Array, q: Array | None, onehot: Array | None, lengths: Array, u: Array, v: Array
+                ) -> tuple[Array, Array]:
+    """Rejection sampling for B slots at once. drafts [B, G]; p [B, G + 1, V] the target's distributions at each
+    verified position (float64); q [B, G, V] the distributions the drafts were drawn from (None: every draft one-hot,
+    such as n-gram lookups; `onehot` [B] marks one-hot rows beside q); lengths [B] drafts verified; u [B, G] and
+    v [B] uniforms. Returns accepted [B] and tokens [B, G + 1] (the accepted drafts, the bonus at index accepted)."""
+    xp = namespace(p)
+    b, g = drafts.shape
+    dev = device(p)
+    p_d = xp.take_along_axis(p[:, :g], drafts[..., None], axis=-1)[..., 0]
+    if q is None:
+        q_d = xp.ones_like(p_d)
+    else:
+        q_d = xp.astype(xp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0], xp.float64)
+        if onehot is not None:
+            q_d = xp.where(onehot[:, None], xp.ones_like(q_d), q_d)
+    ok = accepts(xp.astype(u, xp.float64), q_d, p_d) & (xp.arange(g, device=dev)[None, :] < lengths[:, None])
+    accepted = xp.sum(xp.cumulative_prod(xp.astype(ok, xp.int64), axis=1), axis=1) if g else xp.zeros_like(lengths)
+    at = accepted[:, None, None]
+    p_a = xp.take_along_axis(p, at, axis=1)[:, 0]  # [B, V]: the target at the first unaccepted position
+    pad = xp.zeros((b, 1), dtype=drafts.dtype, device=dev)
+    d_a = xp.take_along_axis(xp.concat([drafts, pad], axis=1), accepted[:, None], axis=1)
+    hot = xp.astype(xp.arange(p.shape[-1], device=dev)[None, :] == d_a, xp.float64)
+    if q is None:
+        q_a = hot
+    else:
+        rows = xp.concat([xp.astype(q, xp.float64), xp.zeros_like(p_a[:, None])], axis=1)
+        q_a = xp.take_along_axis(rows, at, axis=1)[:, 0]
+        if onehot is not None:
+            q_a = xp.where(onehot[:, None], hot, q_a)
+    residual = xp.clip(p_a - q_a, min=0.0)
+    mass = xp.sum(residual, axis=-1, keepdims=True)
+    rejected = (accepted < lengths)[:, None] & (mass > 1e-12)
+    bonus = draw(xp.where(rejected, residual / xp.where(mass > 0, mass, xp.ones_like(mass)), p_a), v)
+    tokens = xp.concat([drafts, bonus[:, None]], axis=1)
+    place = xp.arange(g + 1, device=dev)[None, :] == accepted[:, None]
+    return accepted, xp.where(place, bonus[:, None], tokens)
+
+
+def accept_sampled(drafts: np.ndarray, draft_probs: np.ndarray | None, target_logits: np.ndarray,
+                   params: SamplingParams, rng: np.random.Generator, *, gamma: int | None = None) -> Verdict:
+    """One slot on the host: drafts [l], draft_probs [l, V] the distribution each draft was drawn from (None for
+    one-hot drafts such as n-gram lookups), target_logits [l+1, V]. Draws `gamma` (default l) acceptance uniforms,
+    then one for the bonus. The target's distribution is computed only up to the first rejection (the rows after it
+    cannot change the verdict), then `accept_rows` decides."""
+    ell = len(drafts)
+    u = rng.random(ell if gamma is None else gamma)[:ell]
+    v = rng.random()
+    p = np.zeros((ell + 1, target_logits.shape[-1]))
+    for k in range(ell + 1):
+        p[k] = distribution(target_logits[k], params)
+        if k == ell or not accepts(u[k], 1.0 if draft_probs is None else float(draft_probs[k, drafts[k]]),
+                                   p[k, drafts[k]]):
+            break
+    q = None if draft_probs is None else draft_probs[None, :ell]
+    a, tokens = accept_rows(np.asarray(drafts, np.int64)[None], p[None], q, None, np.array([ell]), u[None],
+                            np.array([v]))
+    return Verdict(int(a[0]), int(tokens[0, a[0]]))

@@ -1,0 +1,108 @@
+"""The names an engine is configured with, defined once, and the one value every caller builds an engine from.
+
+    METHODS, SCHEDULERS, BACKENDS   the registries: the CLI's choices, the server, the Triton model and the tests
+                                    read them here (runtime/schedulers.py and runtime/backends check that their
+                                    implementations cover exactly these names)
+    Method.parse("dspark+ngram")    a method as a typed value: its draft head (or None) and whether it looks up
+                                    n-grams; nothing else parses a method name
+    EngineConfig(method=..., ...)   what `Engine(art, config)` runs: method, scheduler, gamma, backend, device,
+                                    dtype, threads, slots, ... validated on creation
+
+No heavy imports: the CLI reads this before it decides whether to load a runtime at all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specrt.errors import SpecrtError
+
+HEADS = ("dspark", "mtp")  # draft heads an artifact may carry (graph families named alike)
+METHODS = ("ar", "ngram", "mtp", "dspark", "dspark+ngram", "mtp+ngram")
+SCHEDULERS = ("fixed", "threshold", "sps", "sps-async")
+BACKENDS = ("ort", "torch", "tensorrt")
+DTYPES = ("float32", "float16", "bfloat16")  # the torch backend's compute precision (None: the graphs')
+# sps: the fastest exact scheduler measured for every method on the CPU (docs/benchmarks.md, "Cheaper drafts"); the torch
+# backend defaults to fixed lengths, which need no cost profile of its device (sps there needs `specrt profile
+# --backend torch` first)
+DEFAULT_SCHEDULER = "sps"
+TORCH_SCHEDULER = "fixed"
+
+
+def default_scheduler(backend: str) -> str:
+    return TORCH_SCHEDULER if backend == "torch" else DEFAULT_SCHEDULER
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """A decoding method: autoregressive, n-gram lookups, a draft head, or a head with lookups (a hybrid)."""
+
+    name: str
+    head: str | None  # "dspark" | "mtp" | None
+    ngram: bool  # drafts from n-gram lookups (alone, or beside the head)
+
+    @classmethod
+    def parse(cls, name: str) -> "Method":
+        if name not in METHODS:
+            raise SpecrtError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
+        first, _, rest = name.partition("+")
+        head = first if first in HEADS else None
+        return cls(name=name, head=head, ngram="ngram" in (first, rest))
+
+    @property
+    def speculative(self) -> bool:
+        return self.name != "ar"
+
+    @property
+    def hybrid(self) -> bool:
+        """A head and n-gram lookups, the better proposal taken per round (runtime/hybrid.py)."""
+        return self.head is not None and self.ngram
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How an engine runs an artifact; every name is checked against the registries on creation.
+
+    `gamma`: drafts verified per round at most (default: the artifact's); `slots`: request slots allocated up
+    front (a server), else sized to the queue whenever the engine is idle; `ngram`: the longest suffix n-gram
+    lookups match; `threshold`: the threshold scheduler's survival cut; `device`, `dtype`, `cuda_graphs`: the
+    torch backend's (and TensorRT's graphs); `gate_head`: under sps and sps-async a head alone (`dspark`, `mtp`) is
+    called only on rounds where it promises more than a decoding step (runtime/hybrid.py; the host decides, on the
+    torch backend's device rounds too)."""
+
+    method: str = "ar"
+    scheduler: str = "fixed"
+    gamma: int | None = None
+    backend: str = "ort"
+    threads: int | None = None
+    slots: int | None = None
+    ngram: int = 3
+    threshold: float = 0.3
+    device: str = "cpu"
+    dtype: str | None = None
+    cuda_graphs: bool = True
+    gate_head: bool = True
+
+    def __post_init__(self) -> None:
+        Method.parse(self.method)
+        if self.scheduler not in SCHEDULERS:
+            raise SpecrtError(f"unknown scheduler {self.scheduler!r}; choose one of {', '.join(SCHEDULERS)}")
+        if self.backend not in BACKENDS:
+            raise SpecrtError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise SpecrtError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        for name in ("gamma", "threads", "slots"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise SpecrtError(f"--{name} must be >= 1, got {value!r}")
+        if not isinstance(self.ngram, int) or self.ngram < 1:
+            raise SpecrtError(f"--ngram must be >= 1, got {self.ngram!r}")
+
+    @property
+    def parsed(self) -> Method:
+        return Method.parse(self.method)
+
+    @property
+    def plans_on_costs(self) -> bool:
+        """Whether its rounds plan on a cost profile (the sps schedulers, the hybrids)."""
+        m = self.parsed
+        return m.speculative and (self.scheduler.startswith("sps") or m.hybrid)

@@ -1,0 +1,152 @@
+// The round's parts: proposals, drafters (n-gram lookups, a draft head's graph, a head with lookups) and schedulers
+// (fixed, threshold, sps, sps-async), as runtime/drafters.py, runtime/hybrid.py, runtime/schedulers.py and
+// runtime/steps.py define them.
+#pragma once
+
+#include "costs.h"
+#include "engine.h"
+#include "steps.h"
+
+namespace specrt {
+
+// Drafts for slots [0, n): row i holds slot i's first counts[i] drafts (idle slots: 0).
+struct Proposal {
+    int64_t n = 0, width = 0;  // width: drafts per row at most
+    std::vector<int64_t> tokens, counts;
+    std::vector<float> survival;  // [n, width] the drafts' prefix survival where the drafter reports it
+    std::vector<float> confidence;  // [n, width] confidence logits (a DSpark head)
+    DraftDist q;  // the distributions sampled drafts were drawn from (none: one-hot drafts)
+    std::vector<char> onehot;  // rows drafted deterministically beside q (lookups in a hybrid)
+    std::string head;  // the head whose graph drafted this round ("": lookups only)
+};
+
+// The slots a drafter sees this round (nullptr: idle) and, per slot, the pending context rows to write first
+// (nullptr: none, always for an idle slot).
+struct Views {
+    std::vector<Slot*> slots;
+    std::vector<const Context*> ctx;
+};
+
+class Drafter {
+public:
+    virtual ~Drafter() = default;
+    int64_t steps = 0;
+    virtual void allocate(int64_t slots) = 0;
+    // A fresh slot's prompt context; returns the rows still pending for its first proposal.
+    virtual std::optional<Context> prefill(int64_t slot, Context ctx) = 0;
+    virtual Proposal propose(const Views& views) = 0;
+    virtual void observe(int64_t /*slot*/, int64_t /*verified*/, int64_t /*accepted*/) {}
+};
+
+// Per draft position, the conditional acceptance measured so far (a prior worth two tries).
+class AcceptanceHistory {
+public:
+    explicit AcceptanceHistory(int64_t gamma, double later = 0.5);
+    void observe(int64_t verified, int64_t accepted);
+    std::vector<float> survival() const;  // [gamma]: P(the first k + 1 drafts are all accepted)
+
+private:
+    std::vector<double> hits_, tries_;
+};
+
+// Up to `steps` tokens after the latest earlier occurrence of the longest suffix (n <= max_n); `matched`: that n
+// (0: none).
+std::vector<int64_t> lookup(const std::vector<int64_t>& history, size_t max_n, size_t steps, size_t* matched = nullptr);
+
+// Prompt lookup (runtime/drafters.py NGramDrafter): its drafts' survivals come from the acceptance measured so far
+// for lookups of the same match length.
+class NGramDrafter : public Drafter {
+public:
+    // `later`: the prior acceptance of the drafts after a lookup's first
+    NGramDrafter(int64_t steps, int64_t max_n, double later = 0.5);
+    void allocate(int64_t slots) override { match_.assign(slots, 0); }
+    std::optional<Context> prefill(int64_t, Context) override { return std::nullopt; }
+    Proposal propose(const Views& views) override;
+    void observe(int64_t slot, int64_t verified, int64_t accepted) override {
+        histories_[match_[slot]].observe(verified, accepted);
+    }
+
+private:
+    int64_t max_n_;
+    std::vector<AcceptanceHistory> histories_;  // per match length (0: none)
+    std::vector<int64_t> match_;  // each slot's last lookup's match length
+};
+
+class GraphDrafter : public Drafter {
+public:
+    GraphDrafter(const fs::path& dir, const Manifest& m, const HeadSpec& head, int threads);
+    void allocate(int64_t slots) override { runner_.allocate(slots); }
+    std::optional<Context> prefill(int64_t slot, Context ctx) override;
+    Proposal propose(const Views& views) override;
+
+    const HeadSpec& head() const { return head_; }
+    int64_t max_rows() const { return max_rows_; }
+
+private:
+    void fill(Tensors& feeds, const std::vector<const Context*>& ctx, const std::vector<int64_t>& anchors,
+              int64_t b);
+
+    HeadSpec head_;
+    Runner runner_;
+    std::vector<int32_t> column_;  // token -> draft-vocabulary column
+    int64_t max_rows_ = 1;
+};
+
+// Lookups and a head, per round whichever promises more (runtime/hybrid.py). Without lookups (`lookups` false) the
+// same choice gates a head alone under sps / sps-async: the head is called only on rounds where its realized rate
+// beats a plain decoding step's, and on explorations.
+class HybridDrafter : public Drafter {
+public:
+    HybridDrafter(std::unique_ptr<GraphDrafter> head, CostTable& costs, int64_t max_n, bool lookups = true);
+    void allocate(int64_t slots) override;
+    std::optional<Context> prefill(int64_t slot, Context ctx) override;
+    Proposal propose(const Views& views) override;
+    void observe(int64_t slot, int64_t verified, int64_t accepted) override;
+    int64_t head_rounds() const { return rounds_[1]; }
+
+private:
+    double head_rate(int64_t n, int64_t active) const;
+    void fold();
+    std::vector<char> held(const Views& views) const;
+
+    std::unique_ptr<GraphDrafter> head_;
+    CostTable& costs_;
+    NGramDrafter lookup_;  // its drafts survive as lookups of the same match length have been accepted
+    AcceptanceHistory head_history_;
+    std::vector<std::optional<Context>> backlog_;
+    std::vector<int64_t> source_;
+    std::vector<char> held_;  // per slot: left out of the last proposal's head call (an exploration's)
+    int64_t rounds_[2] = {0, 0}, since_head_ = 0;
+    int64_t explore_every_;  // rounds without the head before it is explored (doubles while explorations lose)
+    // the head rounds' active slot rounds and their tokens committed and verified (decayed sums, per head round),
+    // from the prior's
+    double slot_rounds_, committed_, verified_;
+    bool lookups_, last_head_ = false, explored_ = false;
+    std::vector<std::pair<int64_t, int64_t>> last_;
+};
+
+class Scheduler {
+public:
+    Scheduler(int64_t gamma, std::vector<float> temperatures) : gamma(gamma), temperatures_(std::move(temperatures)), history_(gamma) {}
+    virtual ~Scheduler() = default;
+    const int64_t gamma;
+    // Verify lengths [n] (0: a plain decode step), before the loop's cap.
+    virtual std::vector<int64_t> schedule(const Views& views, const Proposal& p) = 0;
+    void observe(int64_t verified, int64_t accepted) { history_.observe(verified, accepted); }
+
+protected:
+    std::vector<float> survival(const Proposal& p) const;  // [n, gamma], zero past each row's drafts
+
+private:
+    std::vector<float> temperatures_;
+    AcceptanceHistory history_;
+};
+
+std::unique_ptr<Scheduler> make_scheduler(const std::string& name, int64_t gamma, std::vector<float> temperatures,
+                                          double threshold, CostTable* costs);
+
+// Algorithm 1 (steps.h) on a cost table (runtime/schedulers.py admission).
+Admission admission(const std::vector<float>& a, int64_t n, int64_t g, const std::vector<char>& active, double fixed_ms,
+                    CostTable& costs, bool explore);
+
+}  // namespace specrt
