@@ -532,6 +532,8 @@ def load_manifest(art_dir: str | Path) -> Manifest:
         raise SpecrtError(f"{path} is not valid JSON: {e}") from None
     except RecursionError:
         raise SpecrtError(f"{path} is malformed: nested too deeply") from None
+    except ValueError as e:  # an integer past Python's digit limit (sys.set_int_max_str_digits)
+        raise SpecrtError(f"{path} is malformed: {str(e).splitlines()[0]}") from None
     except OSError as e:
         raise SpecrtError(f"cannot read {path}: {e.strerror or e}") from None
     if not isinstance(d, dict):

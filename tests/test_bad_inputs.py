@@ -511,6 +511,9 @@ def test_deep_manifest_and_broken_profile(art, tmp_path):
     (deep / io.MANIFEST).write_text('{"format_version": 4, "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
     assert_one_line_error(cli_process("inspect", deep), "nested too deeply")
     assert_one_line_error(cli_process("run", deep, "--input-ids", "1,2"), "nested too deeply")
+    digits = Path(shutil.copytree(art, tmp_path / "digits"))  # past Python's limit on an integer's digits
+    (digits / io.MANIFEST).write_text('{"format_version": ' + "9" * 5000 + "}")
+    assert_one_line_error(cli_process("run", digits, "--input-ids", "1,2"), "is malformed", "integer")
     prof = Path(shutil.copytree(art, tmp_path / "prof"))
     d = json.loads((prof / "profile.json").read_text())
     for entry in d["profiles"].values():
