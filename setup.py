@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -33,8 +34,6 @@ class BuildNative(build_ext):
     """Builds runtime/cpp (no Python extension: the package's shared libraries and program) into specrt/_native."""
 
     def run(self) -> None:
-        import os
-
         editable = self.inplace or getattr(self, "editable_mode", False)
         out = (ROOT if editable else Path(self.build_lib)) / "specrt" / "_native"
         out.mkdir(parents=True, exist_ok=True)

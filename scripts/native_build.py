@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "runtime" / "cpp"
 # what the package carries (setup.py copies them into specrt/_native)
-PACKAGED = ("specrt_ops", "specrt", "specrt-cpp")
-FILES = {"specrt_ops": "libspecrt_ops.so", "specrt": "libspecrt.so", "specrt-cpp": "specrt-cpp"}
+FILES = {"specrt_ops": "libspecrt_ops.so", "specrt": "libspecrt.so", "specrt-cpp": "specrt-cpp"}  # target: file
+PACKAGED = tuple(FILES)
 
 
 class Unbuildable(Exception):
@@ -33,15 +33,20 @@ def missing_tools() -> str | None:
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"specrt's kernels are x86-64 Linux code (this is {sys.platform} {platform.machine()})"
     missing = [t for t in ("cmake",) if shutil.which(t) is None]
-    if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
+    if not _compiler():
         missing.append("a C++ compiler (g++)")
     if missing:
         return f"{' and '.join(missing)} not found (Debian/Ubuntu: apt-get install cmake g++)"
     return None
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("SPECRT_CACHE") or Path.home() / ".cache" / "specrt")
+    """specrt's cache, as specrt/configs/fetch.py has it (this module imports nothing of specrt)."""
+    return Path(os.environ.get("SPECRT_CACHE") or Path.home() / ".cache" / "specrt").expanduser()
 
 
 @contextmanager
@@ -121,5 +126,4 @@ def versions() -> dict[str, str]:
             return subprocess.run(cmd, capture_output=True, text=True).stdout.splitlines()[0]
         except (OSError, IndexError):
             return "?"
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
-    return {"cmake": first_line(["cmake", "--version"]), "compiler": first_line([cxx, "--version"])}
+    return {"cmake": first_line(["cmake", "--version"]), "compiler": first_line([_compiler() or "c++", "--version"])}

@@ -98,9 +98,9 @@ def onnxruntime_library() -> Path | None:
     return None
 
 
-def cpp_environ(env: dict | None = None) -> dict:
-    """An environment in which libspecrt finds this Python's ONNX Runtime ($SPECRT_ONNXRUNTIME_LIB)."""
-    env = dict(os.environ if env is None else env)
+def cpp_environ() -> dict:
+    """This process's environment, in which libspecrt finds this Python's ONNX Runtime ($SPECRT_ONNXRUNTIME_LIB)."""
+    env = dict(os.environ)
     lib = onnxruntime_library()
     if lib and not env.get("SPECRT_ONNXRUNTIME_LIB"):
         env["SPECRT_ONNXRUNTIME_LIB"] = str(lib)
@@ -142,12 +142,11 @@ def available() -> bool:
 def kernels_line(artifact_kernels: str) -> str:
     """What a command running a graph says about its kernels: specrt's (where, which instruction set), or the stock
     ones, why, and what that costs."""
+    k = kernels()
     if artifact_kernels == "specrt":
-        k = kernels()
         if k.path is None:  # the engine's session fails with ops_library's error; say it first
             return f"kernels: specrt's, which this install does not have ({k.reason})"
         return f"kernels: specrt's ({k.isa}; {k.path})"
-    k = kernels()
     why = (f"this install has no libspecrt_ops: {k.reason}" if k.path is None
            else "the artifact was exported for them; --kernels specrt needs a GGUF's blocks: docs/cli.md")
     return f"kernels: {STOCK_COST} ({why})"

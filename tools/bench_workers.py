@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specrt.errors import SpecrtError
+from specrt.native import cpp_environ, cpp_library
 
 # specrt's C++ runtime (runtime/cpp, through its C API) running each method on the artifact itself
 CPP_BASELINES = tuple(f"cpp-{m}" for m in ("ar", "ngram", "dspark", "mtp", "dspark+ngram", "mtp+ngram"))
@@ -177,18 +178,9 @@ def _llama_cpp(spec: EngineSpec):
                               "version": getattr(llama_cpp, "__version__", "?"), "threads": n, "n_ctx": spec.n_ctx}
 
 
-def cpp_library() -> Path:
-    """libspecrt.so: $SPECRT_CPP_LIB, else the package's (specrt/native.py)."""
-    from specrt.native import cpp_library as packaged
-
-    return packaged()
-
-
 def _cpp(spec: EngineSpec):
     """A method of specrt's C++ runtime, through its C API (ctypes): one request at a time, stepped."""
     import ctypes as C
-
-    from specrt.native import cpp_environ
 
     os.environ.update(cpp_environ())  # where libspecrt finds this environment's ONNX Runtime
     lib = C.CDLL(str(cpp_library()))
