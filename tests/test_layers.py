@@ -1,10 +1,8 @@
 """specrt's layers import downward only, checked by import-linter's `layers` contract (pyproject.toml).
 
-The folders are mapped into `specrt.*` by setuptools' package-dir, a layout import-linter's graph builder (grimp)
-cannot walk: `specrt.runtime` is not a directory under `specrt/`. So the test lays the mapped folders out as the
-one package an installed wheel holds (every .py file, copied to `specrt/<subpackage>/...` in a temporary folder) and
-runs `lint-imports` on that copy with the project's contract. grimp reads every import statement, including those
-inside functions.
+The design card's top-level folders are linked into the package (specrt/runtime -> ../runtime, ...), so the checkout
+is the package tree: `lint-imports` runs in it as it is, and grimp, which reads every import statement (those inside
+functions too), walks the same files an installed wheel holds.
 """
 from __future__ import annotations
 
@@ -12,41 +10,45 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LINT = Path(sys.executable).with_name("lint-imports")
 
 
-def _lay_out(dest: Path) -> Path:
-    """Copy every mapped folder's sources into dest/specrt/... as pyproject's package-dir maps them."""
-    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    for package, folder in mapping.items():
-        for path in (ROOT / folder).rglob("*.py"):
-            out = dest.joinpath(*package.split("."), path.relative_to(ROOT / folder))
-            out.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(path, out)
-    return dest
+def _sources(tree: Path) -> list[Path]:
+    """Every .py file of the package under tree/specrt, through its links."""
+    return [Path(d, f) for d, _, files in os.walk(tree / "specrt", followlinks=True) for f in files
+            if f.endswith(".py")]
 
 
 def _lint(tree: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    return subprocess.run([str(LINT), str(ROOT / "pyproject.toml"), "--no-cache"], cwd=tree, env=env,
+    return subprocess.run([str(LINT), "--config", str(ROOT / "pyproject.toml"), "--no-cache"], cwd=tree, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
-def test_layers_import_downward(tmp_path):
-    r = _lint(_lay_out(tmp_path))
+def test_layers_import_downward_in_the_checkout():
+    r = _lint(ROOT)
     assert r.returncode == 0 and "1 kept, 0 broken" in r.stdout, r.stdout + r.stderr
     analysed = int(r.stdout.split("Analyzed ")[1].split()[0])
-    assert analysed == len(list(tmp_path.rglob("*.py")))  # every source file was seen (none hidden by the layout)
+    assert analysed == len(_sources(ROOT))  # every source file was seen (none hidden behind a link)
+
+
+def test_the_checkout_imports_as_it_installs():
+    """`from specrt.runtime.engine import Engine` in the checkout lands on runtime/engine.py."""
+    code = "import specrt.runtime.engine as m, specrt.cli as c; print(m.__file__); print(c.__file__)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    engine, cli = (Path(line).resolve() for line in r.stdout.split())
+    assert (engine, cli) == (ROOT / "runtime" / "engine.py", ROOT / "cli" / "__init__.py"), r.stderr
 
 
 def test_an_upward_import_inside_a_function_breaks_the_contract(tmp_path):
-    """The check can fail: the runtime importing the CLI in a function body is reported, with the line."""
-    tree = _lay_out(tmp_path)
-    engine = tree / "specrt" / "runtime" / "engine.py"
+    """The check can fail: the runtime importing the CLI in a function body is reported, with the line (on a copy
+    of the package, links resolved)."""
+    shutil.copytree(ROOT / "specrt", tmp_path / "specrt", ignore=shutil.ignore_patterns("_native", "__pycache__"))
+    engine = tmp_path / "specrt" / "runtime" / "engine.py"
     engine.write_text(engine.read_text() + "\n\ndef _upward():\n    from specrt.cli import main\n    return main\n")
-    r = _lint(tree)
+    r = _lint(tmp_path)
     assert r.returncode != 0 and "BROKEN" in r.stdout and "specrt.runtime.engine -> specrt.cli" in r.stdout, r.stdout
