@@ -144,7 +144,7 @@ def profile(artifact: Path, backend: str, device: str, dtype: str | None, thread
             repeats: int, plot: Path | None, as_json: bool) -> None:
     """Measure the draft call and the verify call (against verified tokens) on this machine; store the table in
     ARTIFACT (profile.json) for the schedulers."""
-    from specrt.tools.profile import measure
+    from specrt.runtime.measure import measure
     from specrt.runtime.profile import save_profile
     from specrt.tools.plots import plot_profile
 

@@ -87,7 +87,7 @@ def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feed
     path = export_artifact(resolve_model(model, progress=not quiet), out, settings, draft=draft, mtp=mtp,
                            mtp_feedback=mtp_feedback, token_counts=token_counts, progress=not quiet, force=force)
     if not no_profile:
-        from specrt.tools.profile import measure
+        from specrt.runtime.measure import measure
         from specrt.runtime.profile import save_profile
 
         # the table sps and the hybrids plan on, measured carefully once here (the runtime refines it online)

@@ -29,7 +29,7 @@ from specrt.cli.options import (build_requests, engine_config, engine_options, s
 def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, scheduler, threshold, ngram, backend,
         device, dtype, threads, trace, as_json, **sampling) -> None:
     """Generate with an exported artifact."""
-    from specrt.tools.profile import open_engine
+    from specrt.runtime.engine import Engine
 
     params = sampling_params(**sampling)
     if method == "ar":
@@ -38,7 +38,7 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
                 click.echo(f"specrt: warning: {flag} is ignored with --method ar (it does not draft)", err=True)
         trace = gamma = None
     config = engine_config(method, gamma, scheduler, threshold, ngram, backend, device, dtype, threads)
-    with open_engine(artifact, config, trace=trace) as engine:
+    with Engine.open(artifact, config, trace=trace) as engine:
         requests = build_requests(engine, prompt, input_ids, prompts, limit, raw, params)
         stream = len(requests) == 1 and not as_json and engine.tokenizer is not None
         on_text = (lambda _id, delta: (sys.stdout.write(delta), sys.stdout.flush())) if stream else None
@@ -80,13 +80,13 @@ def demo(prompt: str, max_new_tokens: int, method: str) -> None:
     from specrt.tools.default_artifact import default_artifact
     from specrt.runtime.engine import Request
     from specrt.runtime.prompts import encode_prompt
-    from specrt.tools.profile import open_engine
+    from specrt.runtime.engine import Engine
     from specrt.runtime.sampling import SamplingParams
 
     art = default_artifact(progress=True)
     runs = {}
     for m in dict.fromkeys(("ar", method)):
-        with open_engine(art, EngineConfig(method=m, scheduler=DEFAULT_SCHEDULER)) as engine:
+        with Engine.open(art, EngineConfig(method=m, scheduler=DEFAULT_SCHEDULER)) as engine:
             ids = encode_prompt(engine.tokenizer, prompt)
             engine.generate([Request(prompt_ids=ids, params=SamplingParams(max_new_tokens=max_new_tokens))])  # warm-up:
             # every call shape the run will use is compiled and every cache page touched once, for both methods

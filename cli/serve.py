@@ -50,7 +50,7 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, slots: i
     import uvicorn
 
     from specrt import artifact as io
-    from specrt.tools.profile import open_engine
+    from specrt.runtime.engine import Engine
     from specrt.serve import guard
     from specrt.serve.app import create_app
     from specrt.serve.loop import EngineLoop
@@ -74,7 +74,7 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, slots: i
     limits = guard.Limits(max_body_bytes=max_body_bytes, header_timeout_s=header_timeout,
                           body_timeout_s=body_timeout, max_connections=max_connections, api_key=api_key,
                           cors_origins=tuple(cors_origins), allowed_hosts=guard.allowed_hosts(host, allowed_hosts))
-    engine = open_engine(artifact, engine_config(method, gamma, scheduler, threshold, ngram, backend, device, dtype,
+    engine = Engine.open(artifact, engine_config(method, gamma, scheduler, threshold, ngram, backend, device, dtype,
                                                   threads, slots=slots or manifest.export.batch))
     name = model_name or manifest.name or artifact.resolve().name
     loop = EngineLoop(engine)

@@ -18,7 +18,24 @@ from specrt.errors import SpecrtError
 
 HEADS = ("dspark", "mtp")  # draft heads an artifact may carry (graph families named alike)
 METHODS = ("ar", "ngram", "mtp", "dspark", "dspark+ngram", "mtp+ngram")
-SCHEDULERS = ("fixed", "threshold", "sps", "sps-async")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerTraits:
+    """What a scheduler's rule needs and does (runtime/schedulers.py implements each name's rule)."""
+
+    reads_survival: bool  # its lengths come from the proposal's prefix survivals
+    plans_on_costs: bool  # it plans on the cost profile (`specrt profile`)
+    gates_head: bool  # under it a head alone is called only on the rounds it promises to pay for (`gate_head`)
+
+
+SCHEDULER_TRAITS = {
+    "fixed": SchedulerTraits(reads_survival=False, plans_on_costs=False, gates_head=False),
+    "threshold": SchedulerTraits(reads_survival=True, plans_on_costs=False, gates_head=False),
+    "sps": SchedulerTraits(reads_survival=True, plans_on_costs=True, gates_head=True),
+    "sps-async": SchedulerTraits(reads_survival=True, plans_on_costs=True, gates_head=True),
+}
+SCHEDULERS = tuple(SCHEDULER_TRAITS)
 BACKENDS = ("ort", "torch", "tensorrt")
 DTYPES = ("float32", "float16", "bfloat16")  # the torch backend's compute precision (None: the graphs')
 # sps: the fastest exact scheduler measured for every method on the CPU (docs/benchmarks.md, "Cheaper drafts"); the torch
@@ -105,4 +122,4 @@ class EngineConfig:
     def plans_on_costs(self) -> bool:
         """Whether its rounds plan on a cost profile (the sps schedulers, the hybrids)."""
         m = self.parsed
-        return m.speculative and (self.scheduler.startswith("sps") or m.hybrid)
+        return m.speculative and (SCHEDULER_TRAITS[self.scheduler].plans_on_costs or m.hybrid)

@@ -34,6 +34,7 @@ longer than one propose call takes is written through the head's prefill bucket 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,14 +44,13 @@ from torch import Tensor
 from specrt import artifact as io
 from specrt.runtime.backends.graphs import GraphedCall, GraphStats
 from specrt.runtime import calls, steps
-from specrt.runtime.acceptance import accept_rows
+from specrt.runtime.acceptance import Verdict, accept_rows
 from specrt.runtime.sampling import SamplingParams, warp
 from specrt.runtime.backends.base import DeviceRunner
-from specrt.runtime.drafters import Context, Drafter
-from specrt.runtime.hybrid import HEAD, LOOKUP, HybridDrafter, pick
-from specrt.runtime.schedulers import Costs, Scheduler, verify_curve
-
-SURVIVALS = ("threshold", "sps", "sps-async")  # schedulers that read survivals
+from specrt.runtime.drafters import Context, Drafter, Proposal
+from specrt.runtime.hybrid import pick
+from specrt.runtime.schedulers import Costs, Load, Scheduler, verify_curve
+from specrt.runtime.speculative import Outcome, Round
 
 
 @dataclass
@@ -74,13 +74,17 @@ class DeviceRounds:
         from where no confidence head gives them); `costs`: what the sps schedulers plan on; `capture`: each round
         bucket in one CUDA graph (default: on CUDA)."""
         self.target, self.drafter, self.scheduler, self.costs = target, drafter, scheduler, costs
-        self.hybrid = isinstance(drafter, HybridDrafter)
-        graph = drafter.head if self.hybrid else drafter if drafter is not None and drafter.calls is not None else None
+        graph = drafter.graph if drafter is not None else None
         self.graph_drafter = graph  # the GraphDrafter whose head runs here (None: AR, n-gram lookups)
         self.head = graph.runner if graph is not None else None
-        self.ngram = drafter is not None and (self.hybrid or graph is None)  # the host's lookups come down
+        # the host's lookups come down: a drafter that looks up, or chooses whether to call its head
+        self.ngram = drafter is not None and (drafter.picks or drafter.backlog_rounds > 1 or graph is None)
+        self.picks = drafter is not None and drafter.picks  # per slot, lookups or the head's block (`pick`)
+        self.backlog = drafter is not None and drafter.backlog_rounds > 1  # rounds without the head wait
         self.gamma = gamma if drafter is not None else 0
-        self.policy = scheduler.name if scheduler is not None and self.gamma else "fixed"
+        traits = scheduler.traits if scheduler is not None and self.gamma else None
+        self.reads_survival = traits is not None and traits.reads_survival
+        self.plans_on_costs = traits is not None and traits.plans_on_costs
         self.threshold = threshold
         self.device = target.device
         self.capture = self.device.type == "cuda" if capture is None else capture
@@ -89,8 +93,8 @@ class DeviceRounds:
         self.offset = graph.offset if graph is not None else 0
         self.confident = self.head is not None and io.SURVIVAL in {o.name for o in self.head.spec.host_outputs()}
         t = self.gamma + 1
-        # context rows a slot may hold: one round's, or a hybrid's backlog (at most explore_max rounds without the head)
-        self.rows = (drafter.explore_max + 1) * t if self.hybrid else t
+        # context rows a slot may hold: one round's, or a backlog's (rounds without the head)
+        self.rows = (drafter.backlog_rounds if drafter is not None else 1) * t
         self.graph_stats = GraphStats()
         self.target_vocab = next(o for o in target.spec.outputs if o.name == io.LOGITS).shape[-1]
         self.syncs = 0  # host synchronisations: one per round
@@ -160,6 +164,26 @@ class DeviceRounds:
 
     # -- rounds ---------------------------------------------------------------------------------------
 
+    def run(self, slots: list, load: Load) -> Round:
+        """The engine's executor call, as the host's (`Speculator.round`): one round over slots [0, n), each slot's
+        outcome, the scheduler and drafter told how it fared."""
+        t0 = time.perf_counter()
+        res = self.round(len(slots), slots)
+        verify_s = time.perf_counter() - t0
+        outcomes: list[Outcome | None] = []
+        for i, s in enumerate(slots):
+            if s is None:
+                outcomes.append(None)
+                continue
+            a, ell = int(res.accepted[i]), int(res.lengths[i])
+            tokens = res.tokens[i, :a + 1].tolist()
+            if self.drafter is not None:
+                self.scheduler.observe(ell, a)
+                self.drafter.observe(i, ell, a)
+            outcomes.append(Outcome(ell, Verdict(a, tokens[-1]), tokens, None))  # context rows stay on the device
+        proposal = Proposal(tokens=res.drafts, counts=res.counts, probs=None, confidence_logits=res.confidence)
+        return Round(proposal, outcomes, draft_s=0.0, verify_s=verify_s)
+
     def round(self, n: int, slots: list) -> RoundResult:
         """One round over slots [0, n) (rounded up to a bucket); `slots[i]`: slot i's request state (None: idle; a
         sampled one draws its uniforms from its rng here, in the host loop's order)."""
@@ -167,21 +191,19 @@ class DeviceRounds:
         host = {key: x.numpy() for key, x in self._in_host.items()}  # filled in place: no allocation per round
         host["active"][:] = False
         host["active"][:n] = [s is not None for s in slots]
-        with_head = self.head is not None
-        if self.hybrid:
-            lookups, a_lookup, with_head = self.drafter.choose(slots)
-            host["survival"][:n, :self.gamma] = a_lookup[:, :self.gamma]
-        elif self.ngram:
-            lookups = self.drafter.propose(slots)
-            if self.policy in SURVIVALS:
-                host["survival"][:n] = self.scheduler.survival(lookups)
-        if self.ngram:
-            host["drafts"][:], host["counts"][:] = 0, 0
-            host["drafts"][:n, :lookups.tokens.shape[1]], host["counts"][:n] = lookups.tokens, lookups.counts
-        if with_head and not self.confident and (self.hybrid or self.policy in SURVIVALS):
-            history = self.drafter.head_history if self.hybrid else self.scheduler.history
-            host["head_survival"][:] = history.survival()[:self.gamma]
-        if self.policy in ("sps", "sps-async"):
+        with_head = False
+        if self.drafter is not None:
+            plan = self.drafter.plan(slots, self.scheduler)  # what only the host knows
+            with_head = plan.head and self.head is not None
+            if plan.survival is not None:
+                host["survival"][:n, :self.gamma] = plan.survival[:, :self.gamma]
+            if self.ngram:
+                host["drafts"][:], host["counts"][:] = 0, 0
+                found = plan.lookups
+                host["drafts"][:n, :found.tokens.shape[1]], host["counts"][:n] = found.tokens, found.counts
+            if with_head and not self.confident and plan.head_survival is not None:
+                host["head_survival"][:] = plan.head_survival[:self.gamma]
+        if self.plans_on_costs:
             host["curve"][:] = verify_curve(self.costs, n, len(host["curve"]) - 1)
             host["draft_ms"][...] = self.costs.draft_ms(self.graph_drafter.head.name, n) if with_head else 0.0
         filters = [False, False]
@@ -214,8 +236,8 @@ class DeviceRounds:
         active = host["active"][:n]
         grown = np.where(active, h["accepted"] + 1, 0)
         self.pending[:n] = np.where(active, grown, self.pending[:n]) if with_head else self.pending[:n] + grown
-        if self.hybrid:  # who drafted each slot's row: the history its outcome updates
-            self.drafter.source[:n] = np.where(h["lookup"], LOOKUP, HEAD) if with_head else LOOKUP
+        if self.drafter is not None:  # who drafted each slot's row: the history its outcome updates
+            self.drafter.drafted_by(h["lookup"] if with_head else np.ones(n, bool))
         return RoundResult(h["accepted"], h["tokens"], h["lengths"], h["drafts"], h["counts"],
                            h.get("confidence") if with_head else None)
 
@@ -260,19 +282,11 @@ class DeviceRounds:
         return GraphedCall(fn, capture=True, stats=self.graph_stats, warmup=1, warm=warm_once)
 
     def _lengths(self, a: Tensor, counts: Tensor, active: Tensor, x: dict[str, Tensor]) -> Tensor:
-        """The scheduler's lengths [b] from survivals a [b, γ] (zero past counts), as the host's schedulers
-        (runtime/schedulers.py) compute them."""
-        if self.policy == "threshold":
-            return steps.threshold(a, float(np.float32(self.threshold)))
-        if self.policy in ("sps", "sps-async"):
-            lengths = steps.admission(a, active, x["draft_ms"], x["curve"])[0]
-            if self.policy == "sps":
-                return lengths
-            planned = lengths.sum()
-            budget = torch.where(self.capacity >= 0, self.capacity, planned)
-            self.capacity.copy_(planned)  # the next round's capacity
-            return steps.admit(torch.where(active[:, None], a, 0.0), budget)
-        return counts
+        """The scheduler's lengths [b] from survivals a [b, γ] (zero past counts): its rule
+        (runtime/schedulers.py), the one the host's schedule computes."""
+        if self.scheduler is None:
+            return counts
+        return self.scheduler.rule(a, counts, active, x["draft_ms"], x["curve"], self.capacity)
 
     def _round_fn(self, b: int, sampled: bool, filters: tuple[bool, bool], with_head: bool, drafting: bool = True):
         """The round over slots [0, b) as a function of static tensors only (what a CUDA graph captures): the
@@ -299,7 +313,7 @@ class DeviceRounds:
             calls.head.settings(hin)  # the op reports survival; the schedule is cut below
             ctx = calls.ContextRows(ctx_features[:, :t], ctx_next[:, :t], ctx_pos, ctx_rows)
             fill = self.graph_drafter.calls.propose
-        append = self.hybrid and head is None  # a round without the head: its rows join the backlog
+        append = self.backlog and head is None  # a round without the head: its rows join the backlog
         slot_rows = torch.arange(tt, device=self.device)[None, :]
 
         def fn() -> dict[str, Tensor]:
@@ -321,7 +335,7 @@ class DeviceRounds:
                     out["confidence"].copy_(d[io.CONFIDENCE_LOGITS])
                 if sampled:
                     q = self._full_vocabulary(d[io.DRAFT_PROBS][:, :g])
-                if self.hybrid:  # per slot, the lookups or the head's block (runtime/hybrid.py `pick`)
+                if self.picks:  # per slot, the lookups or the head's block (runtime/hybrid.py `pick`)
                     lookup = pick(x["survival"][:, :g], a, x["counts"])
                     proposed = torch.where(lookup[:, None], x["drafts"], proposed)
                     counts = torch.where(lookup, x["counts"], counts)

@@ -75,10 +75,26 @@ class SlotView(Protocol):
         """Prompt + output token ids so far (the anchor last)."""
 
 
+@dataclass
+class DraftPlan:
+    """What only the host knows about a round's drafts, for a round that runs elsewhere (the device round): the
+    lookups found (None: the drafter looks nothing up), their survivals [n, steps] where the scheduler reads them,
+    whether the head is called, and the head's survivals [steps] measured so far (for heads without a confidence
+    head)."""
+
+    lookups: Proposal | None
+    survival: np.ndarray | None
+    head: bool
+    head_survival: np.ndarray | None = None
+
+
 class Drafter(Protocol):
     steps: int  # drafts per proposal at most
     needs_features: bool  # whether slots must carry target features as context rows
     calls: ModuleType | None  # the contract of its graph family (runtime/calls), None: it runs no graph of its own
+    graph: GraphDrafter | None  # the head whose graph drafts (its own, a hybrid's), None: lookups only
+    picks: bool  # per slot, the lookups or the head's block, whichever survives better (`hybrid.pick`)
+    backlog_rounds: int  # rounds of context rows a slot may hold (> 1: rounds without the head wait in a backlog)
 
     def allocate(self, slots: int) -> None:
         """Allocate per-slot state (a draft KV cache) for `slots` slots, once."""
@@ -92,12 +108,20 @@ class Drafter(Protocol):
     def observe(self, slot: int, verified: int, accepted: int) -> None:
         """How slot's drafts of the last proposal fared (after the round)."""
 
+    def plan(self, slots: list[SlotView | None], scheduler) -> DraftPlan:
+        """The host's part of a round drafted elsewhere: lookups, the choice to call the head, survivals."""
+
+    def drafted_by(self, lookup: np.ndarray) -> None:
+        """Which rows of the last round drafted elsewhere kept their lookups (the history their outcome updates)."""
+
 
 class GraphDrafter:
     """A draft head's graph family on a backend runner, its calls filled by the head kind's contract module
     (runtime/calls: `calls.propose(feeds, rows, anchors)`); chunked writes of the prompt context."""
 
     needs_features = True
+    picks = False
+    backlog_rounds = 1
 
     def __init__(self, art_dir: Path, manifest: io.Manifest, name: str, *, backend: str = "ort",
                  threads: int | None = None, **where) -> None:
@@ -167,7 +191,17 @@ class GraphDrafter:
                         confidence_logits=conf[:n] if conf is not None else None, vocab_ids=self.vocab_ids,
                         survival=surv[:n] if surv is not None else None, head=self.head.name)
 
+    @property
+    def graph(self) -> GraphDrafter:
+        return self
+
     def observe(self, slot: int, verified: int, accepted: int) -> None:
+        pass
+
+    def plan(self, slots: list[SlotView | None], scheduler) -> DraftPlan:
+        return DraftPlan(None, None, True, scheduler.history.survival())
+
+    def drafted_by(self, lookup: np.ndarray) -> None:
         pass
 
 
@@ -182,6 +216,9 @@ class NGramDrafter:
 
     needs_features = False
     calls = None
+    graph = None
+    picks = False
+    backlog_rounds = 1
 
     def __init__(self, steps: int, *, max_n: int = 3, later: float = 0.5) -> None:
         from specrt.runtime.schedulers import AcceptanceHistory  # (schedulers imports this module)
@@ -224,6 +261,13 @@ class NGramDrafter:
     def observe(self, slot: int, verified: int, accepted: int) -> None:
         """A round's outcome for `slot`: the acceptance of lookups of its match length."""
         self.histories[self.match[slot]].observe(verified, accepted)
+
+    def plan(self, slots: list[SlotView | None], scheduler) -> DraftPlan:
+        found = self.propose(slots)
+        return DraftPlan(found, scheduler.survival(found) if scheduler.traits.reads_survival else None, False)
+
+    def drafted_by(self, lookup: np.ndarray) -> None:
+        pass
 
 
 def lookup(history: np.ndarray, max_n: int, steps: int) -> np.ndarray:

@@ -38,7 +38,7 @@ import numpy as np
 from specrt.errors import SpecrtError
 from specrt.runtime import steps
 from specrt.runtime.arrays import Array, namespace
-from specrt.runtime.drafters import Context, NGramDrafter, Proposal, SlotView, GraphDrafter
+from specrt.runtime.drafters import Context, DraftPlan, GraphDrafter, NGramDrafter, Proposal, SlotView
 from specrt.runtime.schedulers import (AcceptanceHistory, Costs, admission, first_pair, prefix_survival,
                                       verify_curve)
 
@@ -80,6 +80,7 @@ class HybridDrafter:
 
     needs_features = True
     calls = None  # it chooses between lookups and its head on the host each round
+    picks = True
 
     def __init__(self, head: GraphDrafter, costs: Costs | None, *, max_n: int = 3, temperatures=(),
                  lookups: bool = True, lazy: bool = False, defer_prefill: bool = False,
@@ -118,6 +119,21 @@ class HybridDrafter:
         self._last: list = []  # this round's (verified, accepted) per slot, folded in at the next propose
         self._last_head = False
         self._empty: dict[int, tuple[Proposal, np.ndarray]] = {}
+
+    @property
+    def graph(self) -> GraphDrafter:
+        return self.head
+
+    @property
+    def backlog_rounds(self) -> int:
+        return self.explore_max + 1
+
+    def plan(self, slots: list[SlotView | None], scheduler) -> DraftPlan:
+        found, a_lookup, head = self.choose(slots)
+        return DraftPlan(found, a_lookup, head, self.head_history.survival())
+
+    def drafted_by(self, lookup: np.ndarray) -> None:
+        self.source[:len(lookup)] = np.where(lookup, LOOKUP, HEAD)
 
     def allocate(self, slots: int) -> None:
         self.head.allocate(slots)

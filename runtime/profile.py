@@ -1,6 +1,6 @@
 """The cost profile: what a draft/verify round costs on this machine and backend (`Profile`), stored in the
 artifact's PROFILE_FILE, one entry per backend and thread count; `load_profile` reads it back for the schedulers'
-cost table (runtime/costs.py). `specrt profile` measures it (specrt/tools/profile.py says how).
+cost table (runtime/costs.py). `specrt profile` measures it (runtime/measure.py says how).
 
 A round pays when the tokens it commits (τ) are worth more than its cost in plain decoding steps:
     cost = draft call + verify call over (anchor + ℓ drafts) per slot

@@ -27,6 +27,8 @@ import numpy as np
 from specrt.errors import SpecrtError
 from specrt.plugins.confidence_truncate import survival
 from specrt.runtime import steps
+from specrt.runtime.arrays import Array, namespace
+from specrt.runtime.config import SCHEDULER_TRAITS, SchedulerTraits
 from specrt.runtime.drafters import Proposal, SlotView
 
 
@@ -41,9 +43,17 @@ class Load:
 
 class Scheduler(Protocol):
     name: str
+    traits: SchedulerTraits  # what its rule reads (survivals, costs) and whether it gates a head
 
     def schedule(self, slots: list[SlotView | None], proposal: Proposal, load: Load) -> np.ndarray:
-        """Verify lengths [n] for slots [0, n) (0 = a plain decode step for that slot)."""
+        """Verify lengths [n] for slots [0, n) (0 = a plain decode step for that slot), on the host."""
+
+    def rule(self, a: Array, counts: Array, active: Array, draft_ms: Array | float, curve: Array | None,
+             capacity: Array) -> Array:
+        """The same lengths on the array API, from survivals a [n, γ] (zero past counts) of the `active` rows, the
+        draft side's cost and the verify cost curve (`verify_curve`; the cost-aware rules), and `capacity`, a 0-d
+        state array that lives with the round (sps-async's planned drafts, -1: none yet): what the device round
+        runs inside its graph."""
 
     def observe(self, verified: int, accepted: int) -> None:
         """One slot's round outcome, after the round (the acceptance history schedulers may learn from)."""
@@ -98,6 +108,10 @@ def prefix_survival(proposal: Proposal, temperatures: np.ndarray, history: Accep
 class _Base:
     name = "base"
 
+    def __init_subclass__(cls, **kw) -> None:
+        super().__init_subclass__(**kw)
+        cls.traits = SCHEDULER_TRAITS.get(cls.name)
+
     def __init__(self, gamma: int, *, temperatures=(), **_) -> None:
         self.gamma = gamma
         self.temperatures = np.asarray(temperatures if len(temperatures) else [], np.float32)
@@ -119,6 +133,9 @@ class FixedScheduler(_Base):
     def schedule(self, slots: list[SlotView | None], proposal: Proposal, load: Load) -> np.ndarray:
         return np.minimum(proposal.counts, self.gamma)
 
+    def rule(self, a: Array, counts: Array, active: Array, draft_ms, curve, capacity) -> Array:
+        return counts
+
 
 class ThresholdScheduler(_Base):
     """Cut each slot's drafts where the calibrated prefix survival falls below `threshold`."""
@@ -133,6 +150,9 @@ class ThresholdScheduler(_Base):
 
     def schedule(self, slots: list[SlotView | None], proposal: Proposal, load: Load) -> np.ndarray:
         return steps.threshold(self.survival(proposal), np.float32(self.threshold))
+
+    def rule(self, a: Array, counts: Array, active: Array, draft_ms, curve, capacity) -> Array:
+        return steps.threshold(a, float(np.float32(self.threshold)))
 
 
 def verify_curve(costs: Costs, batch: int, tokens: int) -> np.ndarray:
@@ -208,6 +228,9 @@ class SPSScheduler(_Base):
         active = np.array([s is not None for s in slots])
         return self.plan(self.survival(proposal), active, proposal.head)
 
+    def rule(self, a: Array, counts: Array, active: Array, draft_ms, curve, capacity) -> Array:
+        return steps.admission(a, active, draft_ms, curve)[0]
+
 
 class AsyncSPSScheduler(SPSScheduler):
     """§5.2: this round admits as many drafts as Algorithm 1 chose on the previous round's survivals; the
@@ -225,13 +248,25 @@ class AsyncSPSScheduler(SPSScheduler):
         self.planned = planned  # the next round's capacity
         return steps.admit(np.where(active[:, None], a, np.float32(0.0)), budget)  # idle rows: never admitted
 
+    def rule(self, a: Array, counts: Array, active: Array, draft_ms, curve, capacity) -> Array:
+        xp = namespace(a)
+        planned = xp.sum(steps.admission(a, active, draft_ms, curve)[0])
+        budget = xp.where(capacity >= 0, capacity, planned)
+        capacity[...] = planned  # the next round's capacity
+        return steps.admit(xp.where(active[:, None], a, xp.zeros_like(a)), budget)
+
 
 # the implementation of each name in runtime/config.py's SCHEDULERS (a test ties the two)
 SCHEDULER_CLASSES = {s.name: s for s in (FixedScheduler, ThresholdScheduler, SPSScheduler, AsyncSPSScheduler)}
 
 
-def make_scheduler(name: str, *, gamma: int, **kw) -> Scheduler:
-    """A scheduler by name; kw: temperatures (the head's STS temperatures), threshold, costs."""
+def scheduler_class(name: str) -> type:
+    """The implementation of a scheduler name (its `traits`, its rules)."""
     if name not in SCHEDULER_CLASSES:
         raise SpecrtError(f"unknown scheduler {name!r}; choose one of {', '.join(SCHEDULER_CLASSES)}")
-    return SCHEDULER_CLASSES[name](gamma, **kw)
+    return SCHEDULER_CLASSES[name]
+
+
+def make_scheduler(name: str, *, gamma: int, **kw) -> Scheduler:
+    """A scheduler by name; kw: temperatures (the head's STS temperatures), threshold, costs."""
+    return scheduler_class(name)(gamma, **kw)

@@ -23,6 +23,7 @@ from specrt import artifact as io
 from specrt.runtime import calls, steps
 from specrt.runtime.acceptance import Verdict, accept_sampled
 from specrt.runtime.backends import Runner
+from specrt.runtime.costs import CostTable
 from specrt.runtime.drafters import Drafter, Proposal, SlotView
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.schedulers import Load, Scheduler
@@ -72,14 +73,27 @@ class SlotState(SlotView, Protocol):
 
 
 class Speculator:
-    """Runs draft/verify rounds over a target runner with a drafter and a scheduler."""
+    """Runs draft/verify rounds over a target runner with a drafter and a scheduler, on the host (the engine's
+    executor on ONNX Runtime and TensorRT; runtime/device_round.py is the torch backend's). Without a drafter (AR)
+    every round is a plain decoding step. `costs`: the cost table the rounds' timings refine (runtime/costs.py)."""
 
-    def __init__(self, target: Runner, drafter: Drafter, scheduler: Scheduler, *, gamma: int) -> None:
-        self.target, self.drafter, self.scheduler, self.gamma = target, drafter, scheduler, gamma
+    def __init__(self, target: Runner, drafter: Drafter | None, scheduler: Scheduler | None, *, gamma: int,
+                 costs: CostTable | None = None) -> None:
+        self.target, self.drafter, self.scheduler, self.gamma, self.costs = target, drafter, scheduler, gamma, costs
+        self._none: dict[int, Proposal] = {}
 
     def round(self, slots: list[SlotState | None], load: Load) -> Round:
+        """One round over slots [0, n) (None: idle)."""
+        rnd = self._round(slots, load)
+        if self.costs is not None:  # what the round's calls cost, for the next rounds' plans
+            self.costs.observe_verify(len(slots), rnd.verified, rnd.call_s * 1e3)
+            if rnd.proposal.head and not rnd.proposal.catch_up:
+                self.costs.observe_draft(rnd.proposal.head, len(slots), rnd.draft_s * 1e3)
+        return rnd
+
+    def _round(self, slots: list[SlotState | None], load: Load) -> Round:
         t0 = time.perf_counter()
-        proposal = self.drafter.propose(slots)
+        proposal = self.drafter.propose(slots) if self.drafter is not None else self._nothing(len(slots))
         t1 = time.perf_counter()
         if not proposal.counts.any():  # nothing drafted (a gated head not called, no lookup found)
             return self.decode(slots, proposal, draft_s=t1 - t0)
@@ -95,6 +109,12 @@ class Speculator:
         outcomes = self.accept(slots, proposal, lengths, call)
         self.observe(outcomes)
         return Round(proposal, outcomes, draft_s=t1 - t0, verify_s=t2 - t1, verified=verified, call_s=t2 - ts)
+
+    def _nothing(self, n: int) -> Proposal:
+        """No drafts for n slots (AR)."""
+        if n not in self._none:
+            self._none[n] = Proposal(tokens=np.zeros((n, 0), np.int64), counts=np.zeros(n, np.int64), probs=None)
+        return self._none[n]
 
     def observe(self, outcomes: list[Outcome | None]) -> None:
         """Each slot's verify length and acceptance, to the scheduler and the drafter."""

@@ -18,6 +18,12 @@ class RunStats:
     gamma: int = 0
     rounds: list[tuple[int, int, int]] = field(default_factory=list)  # (verify_len, accepted, committed)
 
+    def add(self, other: "RunStats") -> None:
+        """Sum another run's (a step's) counts and times into this one."""
+        for name in ("generated_tokens", "decode_tokens", "steps", "prefill_s", "decode_s", "draft_s", "verify_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.rounds += other.rounds
+
     def acceptance(self) -> dict[str, list[float]]:
         """Per draft position k: P(accepted) over rounds that verified k, and P(accepted | k-1 accepted)."""
         uncond, cond = [], []

@@ -30,7 +30,7 @@ from specrt.runtime.prompts import encode_prompt, read_prompts_file
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.tokenizer import Tokenizer
 from specrt.tools.concurrency import serve
-from specrt.tools.profile import open_engine
+from specrt.runtime.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,8 +78,8 @@ def main() -> int:
     tokenizer = Tokenizer.from_dir(args.art / io.TOKENIZER_DIR, manifest.tokenizer)
     prompts = [encode_prompt(tokenizer, t) for t in read_prompts_file(args.prompts, args.limit)]
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    ar = open_engine(args.art, EngineConfig(method="ar", threads=args.threads, slots=1))
-    other = open_engine(args.art, EngineConfig(method=args.method, scheduler=args.scheduler if args.method != "ar"
+    ar = Engine.open(args.art, EngineConfig(method="ar", threads=args.threads, slots=1))
+    other = Engine.open(args.art, EngineConfig(method=args.method, scheduler=args.scheduler if args.method != "ar"
                                                else "fixed", threads=args.threads, slots=1))
     if args.target == "session":
         other.target.session = ar.target.session

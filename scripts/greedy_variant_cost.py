@@ -17,7 +17,7 @@ import numpy as np
 from specrt import artifact as io
 from specrt.runtime.backends import load_runner
 from specrt.runtime.calls import for_head
-from specrt.tools.profile import _fill_draft, _fill_target
+from specrt.runtime.measure import _fill_draft, _fill_target
 
 
 def main() -> int:

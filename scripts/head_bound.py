@@ -38,7 +38,7 @@ from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.schedulers import admission
 from specrt.runtime.tokenizer import Tokenizer
 from specrt.tools.concurrency import serve
-from specrt.tools.profile import open_engine
+from specrt.runtime.engine import Engine
 
 
 class _Steps:
@@ -122,7 +122,7 @@ def main() -> int:
         tokenizer = Tokenizer.from_dir(args.art / io.TOKENIZER_DIR, manifest.tokenizer)
         prompts = [encode_prompt(tokenizer, t) for f in args.prompts for t in read_prompts_file(f, args.limit)]
         rounds: list = []  # (confidence logits, verified, accepted) per round
-        engine = open_engine(args.art, EngineConfig(method=args.head, scheduler="fixed", threads=args.threads, slots=1),
+        engine = Engine.open(args.art, EngineConfig(method=args.head, scheduler="fixed", threads=args.threads, slots=1),
                              observers=[_Record(rounds)])
     except SpecrtError as e:
         print(f"error: {e}", file=sys.stderr)

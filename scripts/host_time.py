@@ -26,7 +26,7 @@ from specrt.runtime.prompts import encode_prompt, read_prompts_file
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.tokenizer import Tokenizer
 from specrt.tools.concurrency import serve
-from specrt.tools.profile import open_engine
+from specrt.runtime.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,7 +72,7 @@ def main() -> int:
     for i, spec in enumerate(args.engines):
         body, _, burn = spec.partition("!burn")
         method, _, scheduler = body.partition("/")
-        engine = open_engine(args.art, EngineConfig(method=method, scheduler=scheduler or "fixed",
+        engine = Engine.open(args.art, EngineConfig(method=method, scheduler=scheduler or "fixed",
                                                     threads=args.threads, slots=c))
         calls = {"target": [0, 0.0], "head": [0, 0.0], "decodes": []}
         _timed(engine.target, calls["target"], calls["decodes"], float(burn or 0) * 1e-6)

@@ -30,7 +30,7 @@ import numpy as np
 
 from specrt import artifact as io
 from specrt.runtime.backends import load_runner
-from specrt.tools.profile import _fill_target
+from specrt.runtime.measure import _fill_target
 
 ISA_ENV = "SPECRT_OPS_ISA"
 LIB_ENV = "SPECRT_OPS_LIB"

@@ -107,7 +107,7 @@ def node_us(fmt: str, k: int, n: int, rows: list[int], threads: int, calls: int,
 
 def measured(art: Path, threads: int) -> dict[int, float]:
     """The target's calls at batch 1 as `specrt profile` times them, in this run (ms per M tokens)."""
-    from specrt.tools.profile import measure
+    from specrt.runtime.measure import measure
 
     return {int(t): float(ms) for t, ms in measure(art, threads=threads, repeats=3, progress=False).verify[1].items()}
 

@@ -31,7 +31,7 @@ from specrt.runtime.config import EngineConfig
 from specrt.runtime.engine import Request
 from specrt.runtime.prompts import encode_prompt, read_prompts_file
 from specrt.runtime.sampling import SamplingParams
-from specrt.tools.profile import open_engine
+from specrt.runtime.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ def main() -> None:
             for c in configs if rep % 2 == 0 else configs[::-1]:
                 method, which, rev = c
                 steps.admission, engine_mod.CostTable = code[rev]  # schedulers call steps.admission at run time
-                with open_engine(args.art if which == "fresh" else stale,
+                with Engine.open(args.art if which == "fresh" else stale,
                                  EngineConfig(method=method, scheduler="sps")) as engine:
                     ids = [encode_prompt(engine.tokenizer, t) for t in texts]
                     engine.generate([Request(prompt_ids=ids[0], params=SamplingParams(max_new_tokens=64))])

@@ -254,11 +254,11 @@ def _verify(art: Path, server: dict, completed: list[Result], progress: bool) ->
     """Each distinct (prompt, max_tokens) once on a direct Engine; every completed stream must equal it."""
     from specrt.runtime.config import EngineConfig
     from specrt.runtime.engine import Request
-    from specrt.tools.profile import open_engine
+    from specrt.runtime.engine import Engine
     from specrt.runtime.sampling import SamplingParams
 
     distinct = sorted({(r.prompt, r.max_tokens) for r in completed})
-    with open_engine(art, EngineConfig(method=server.get("method", "ar"), gamma=server.get("gamma") or None,
+    with Engine.open(art, EngineConfig(method=server.get("method", "ar"), gamma=server.get("gamma") or None,
                                        scheduler=server.get("scheduler", "fixed"), slots=server.get("slots"))) as engine:
         tok = engine.tokenizer
         requests = [Request(tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),

@@ -15,11 +15,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from specrt.errors import SpecrtError
-from specrt.runtime.engine import Engine, Request, RequestOutput
-from specrt.runtime.observers import RoundRecord
+from specrt.runtime.engine import Engine, Request, RequestDelta
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.stats import RunStats
 
@@ -27,15 +26,15 @@ log = logging.getLogger("specrt.serve")
 
 
 @dataclass
-class Event:
-    """New tokens of one request; `drafted[i]` says whether token i was an accepted draft (else the target's)."""
+class Event(RequestDelta):
+    """What one step did for one request (a `RequestDelta`: new tokens, `drafted[i]` whether token i was an accepted
+    draft, ...), or that it failed."""
 
-    id: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    drafted: list[bool] = field(default_factory=list)
-    finished: RequestOutput | None = None
     error: str | None = None  # the loop failed; the request is over
+
+    @classmethod
+    def of(cls, delta: RequestDelta) -> "Event":
+        return cls(**{f.name: getattr(delta, f.name) for f in fields(RequestDelta)})
 
 
 @dataclass
@@ -61,19 +60,6 @@ class LoopStats:
         return self.committed / self.rounds if self.rounds else 0.0
 
 
-class _Rounds:
-    """A round observer: per request, the (accepted, committed, verify_len) of its rounds in the current step."""
-
-    def __init__(self) -> None:
-        self.pending: dict[int, list[tuple[int, int, int]]] = {}
-
-    def on_round(self, record: RoundRecord) -> None:
-        self.pending.setdefault(record.request, []).append((record.accepted, record.committed, record.verify_len))
-
-    def close(self) -> None:
-        pass
-
-
 class EngineLoop:
     """Runs `engine` on a daemon thread; thread-safe `submit` / `abort`; `stats`, `queue_depth`, `active` for
     metrics."""
@@ -81,8 +67,6 @@ class EngineLoop:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.stats = LoopStats(proposed_at=[0] * engine.gamma, accepted_at=[0] * engine.gamma)
-        self._rounds = _Rounds()
-        engine.observers.append(self._rounds)
         self.queue_depth = 0  # requests waiting for a slot, as of the last step (read by /metrics)
         self.active = 0  # slots holding a request
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -145,7 +129,7 @@ class EngineLoop:
     def _apply(self, op: str, arg, on_event) -> None:
         if op == "add":
             try:
-                self.engine.add_request(arg.prompt_ids, arg.params, request_id=arg.id, seed_offset=arg.seed_offset)
+                self.engine.add_request(arg)
             except SpecrtError as e:
                 self._deliver(on_event, Event(arg.id, error=str(e)))
                 return
@@ -162,22 +146,16 @@ class EngineLoop:
         self._gauges()
 
     def _step(self) -> None:
-        e = self.engine
-        # the engine's stats cover one step (a server never calls generate(), which would reset them, and their
-        # per-round list would grow without end); the loop keeps the running totals
-        e.stats = RunStats(method=e.method, gamma=e.gamma)
         t0 = time.perf_counter()
-        deltas = e.step()
+        deltas = self.engine.step()
         self.stats.step_s += time.perf_counter() - t0
-        self._count(e.stats)
-        rounds, self._rounds.pending = self._rounds.pending, {}
+        self._count(self.engine.last_step)  # the step's stats; the loop keeps the running totals
         for d in deltas:
             listener = self._listeners.get(d.id)
             if d.finished is not None:
                 self._listeners.pop(d.id, None)
             if listener is not None:
-                event = Event(d.id, d.token_ids, d.text, _marks(len(d.token_ids), rounds.get(d.id, ())), d.finished)
-                if not self._deliver(listener, event) and d.finished is None:
+                if not self._deliver(listener, Event.of(d)) and d.finished is None:
                     self._listeners.pop(d.id, None)
                     self.engine.abort(d.id)  # its listener failed: the request ends here, the loop serves on
                     self.stats.aborted += 1
@@ -201,23 +179,22 @@ class EngineLoop:
             return False
 
     def _count(self, step: RunStats) -> None:
-        """Add one step's stats to the running totals (AR: a round per token)."""
+        """Add one step's stats to the running totals (AR: a round per token, each without drafts)."""
         s = self.stats
         s.steps += 1
         s.generated_tokens += step.generated_tokens
         s.draft_s += step.draft_s
         s.verify_s += step.verify_s
-        s.rounds += len(step.rounds) if self.engine.spec else step.decode_tokens
-        s.committed += sum(c for _, _, c in step.rounds) if self.engine.spec else step.decode_tokens
+        s.rounds += len(step.rounds)
+        s.committed += sum(c for _, _, c in step.rounds)
         for verify_len, accepted, _ in step.rounds:
             for k in range(min(verify_len, len(s.proposed_at))):
                 s.proposed_at[k] += 1
                 s.accepted_at[k] += accepted > k
 
     def _gauges(self) -> None:
-        e = self.engine
-        self.queue_depth = len(e.waiting)
-        self.active = sum(s is not None for s in e.slots)
+        self.queue_depth = self.engine.queue_depth
+        self.active = self.engine.active
 
     def _fail(self, message: str) -> None:
         for rid in list(self._listeners):
@@ -225,11 +202,3 @@ class EngineLoop:
             self._deliver(self._listeners.pop(rid), Event(rid, error=message))
         self._gauges()
 
-
-def _marks(n: int, rounds: Sequence[tuple[int, int, int]]) -> list[bool]:
-    """Which of a step's n tokens were accepted drafts: per round, the first min(accepted, committed)."""
-    marks: list[bool] = []
-    for accepted, committed, _ in rounds:
-        a = min(accepted, committed)
-        marks += [True] * a + [False] * (committed - a)
-    return [False] * (n - len(marks)) + marks  # the prefill's first token comes before the round's

@@ -53,7 +53,7 @@ GRAPHS_REVISION = 4
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.bin"
 TOKENIZER_DIR = "tokenizer"
-PROFILE_FILE = "profile.json"  # measured call costs (runtime/profile.py reads it, tools/profile.py measures)
+PROFILE_FILE = "profile.json"  # measured call costs (runtime/profile.py reads it, runtime/measure.py measures)
 ENGINE_DIR = "engines"  # `specrt build`'s TensorRT engines (exporter/tensorrt_build.py)
 
 INPUT_IDS = "input_ids"

@@ -181,8 +181,8 @@ from specrt.runtime.sampling import SamplingParams
 from specrt.serve.app import create_app
 from specrt.serve.loop import EngineLoop
 from specrt.runtime.config import EngineConfig
-from specrt.tools.profile import open_engine  # what `specrt run` does: a quick profile, measured on ONNX Runtime
-engine = open_engine({str(art)!r}, EngineConfig(method="dspark+ngram", scheduler="sps", threads=1))
+from specrt.runtime.engine import Engine  # what `specrt run` does: a quick profile, measured on ONNX Runtime
+engine = Engine.open({str(art)!r}, EngineConfig(method="dspark+ngram", scheduler="sps", threads=1))
 engine.generate([Request([5, 6, 7, 5, 6, 7], SamplingParams(max_new_tokens=8))])
 loop = EngineLoop(Engine({str(art)!r}, threads=1, slots=1))
 create_app(loop, "m")

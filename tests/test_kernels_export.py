@@ -21,7 +21,7 @@ from specrt.exporter.export import export_artifact
 from specrt.runtime.config import EngineConfig
 from specrt.runtime.engine import Engine, Request
 from specrt.runtime.sampling import SamplingParams
-from specrt.tools.profile import open_engine
+from specrt.runtime.engine import Engine
 from test_cli import assert_one_line_error, cli
 from test_llama_cpp import MERGES, TEMPLATE, byte_tokens
 
@@ -102,7 +102,7 @@ def arts(sources, cpp_build, tmp_path_factory, monkeypatch_module):
     arts = {s.kernels: export_artifact(path, root / s.kernels, s, draft=draft, mtp=mtp, progress=False)
             for s in (SETTINGS, KERNELS)}
     from specrt.runtime.profile import save_profile
-    from specrt.tools.profile import measure
+    from specrt.runtime.measure import measure
 
     save_profile(arts["specrt"], measure(arts["specrt"], threads=2, progress=False))  # what the C++ hybrids plan on
     arts["float"] = export_artifact(path, root / "float", dataclasses.replace(SETTINGS, weights="float"),
@@ -223,7 +223,7 @@ def test_every_method_gives_ar_tokens(arts, scheduler):
     with Engine(art, EngineConfig(threads=2)) as engine:
         want = [o.output_ids for o in engine.generate(reqs)[0]]
     for method in METHODS:
-        with open_engine(art, EngineConfig(method=method, scheduler=scheduler, threads=2)) as engine:
+        with Engine.open(art, EngineConfig(method=method, scheduler=scheduler, threads=2)) as engine:
             got, stats = engine.generate(reqs)
         assert [o.output_ids for o in got] == want, f"{method} / {scheduler}"
         assert stats.to_dict()["rounds"] > 0
@@ -315,7 +315,7 @@ def test_half_caches_keep_every_method_exact(arts, cpp_build, kv):
         want = [o.output_ids for o in engine.generate(reqs)[0]]
     for method in METHODS:
         for scheduler in ("fixed", "sps"):
-            with open_engine(art, EngineConfig(method=method, scheduler=scheduler, threads=2)) as engine:
+            with Engine.open(art, EngineConfig(method=method, scheduler=scheduler, threads=2)) as engine:
                 got, _ = engine.generate(reqs)
             assert [o.output_ids for o in got] == want, f"{kv}: {method} / {scheduler}"
     env = {k: v for k, v in os.environ.items() if k != "SPECRT_OPS_LIB"}

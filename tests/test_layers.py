@@ -7,6 +7,7 @@ functions too), walks the same files an installed wheel holds.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -52,3 +53,27 @@ def test_an_upward_import_inside_a_function_breaks_the_contract(tmp_path):
     engine.write_text(engine.read_text() + "\n\ndef _upward():\n    from specrt.cli import main\n    return main\n")
     r = _lint(tmp_path)
     assert r.returncode != 0 and "BROKEN" in r.stdout and "specrt.runtime.engine -> specrt.cli" in r.stdout, r.stdout
+
+
+SWITCHES = re.compile(
+    r"isinstance\([^)]*(Drafter|Scheduler)\b"  # a drafter or scheduler recognised by its class
+    r"|(==|!=|\bin \(|\bin \[)\s*[\"'](fixed|threshold|sps|sps-async)[\"']"  # ... or by its name
+    r"|[\"'](fixed|threshold|sps|sps-async)[\"']\s*(==|!=)|startswith\([\"']sps"
+    r"|\b(scheduler|scheduler_name|policy)(\.name)?\s*(==|!=|\bin )")
+
+
+def _switches(folders: list[Path]) -> list[str]:
+    return [f"{path}:{n}: {line.strip()}" for folder in folders for path in folder.rglob("*.py")
+            for n, line in enumerate(path.read_text().splitlines(), 1) if SWITCHES.search(line)]
+
+
+def test_nothing_on_the_engine_path_switches_on_drafter_or_scheduler_names_or_classes():
+    """Plug-ins declare what a round needs (a drafter's `graph`, `picks`, `backlog_rounds`, `plan`; a scheduler's
+    registry traits and `rule`): the runtime, the server and the CLI never ask which one they have."""
+    assert _switches([ROOT / "runtime", ROOT / "serve", ROOT / "cli"]) == []
+
+
+def test_the_switch_check_can_fail(tmp_path):
+    (tmp_path / "round.py").write_text('if self.policy in ("sps", "sps-async"):\n    pass\n'
+                                       'hybrid = isinstance(drafter, HybridDrafter)\n')
+    assert len(_switches([tmp_path])) == 2

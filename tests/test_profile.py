@@ -14,7 +14,7 @@ from specrt.exporter.export import export_artifact
 from specrt.runtime.engine import Engine
 from specrt.runtime.profile import (PROFILE_FILE, Profile, load_profile, placement, profile_options,
                                     save_profile)
-from specrt.tools.profile import measure
+from specrt.runtime.measure import measure
 
 FIXTURE = Path(__file__).parent / "fixtures" / "deepspec_dspark_tiny"
 
@@ -45,7 +45,7 @@ def test_draft_calls_are_timed_after_a_target_step(art, monkeypatch):
     """As in a round, a draft call follows the target's (whose weights have just evicted the head's from the caches):
     timed back to back the head measured ~30% cheaper than an engine sees it. Every draft call after the warm-up is
     preceded by a decoding step of the same batch."""
-    import specrt.tools.profile as tools_profile
+    import specrt.runtime.measure as tools_profile
 
     calls = []  # (graph, bucket) in call order
     real = tools_profile.load_runner
@@ -128,11 +128,11 @@ def test_cli(art, tmp_path):
 
 def test_the_engine_plans_on_a_profile_it_is_given_and_never_measures_one(tmp_path_factory):
     """An artifact without a stored profile: an engine whose rounds plan on costs refuses with the fix named; given a
-    profile (what `open_engine` measures once per process, with a warning) it runs on that one; methods that plan on
+    profile (what `Engine.open` measures once per process, with a warning) it runs on that one; methods that plan on
     nothing need none."""
     from specrt.runtime.engine import Engine
     from specrt.runtime.config import EngineConfig
-    from specrt.tools.profile import open_engine
+    from specrt.runtime.engine import Engine
 
     bare = export_artifact(FIXTURE / "target", tmp_path_factory.mktemp("bare") / "art",
                            ExportSettings(batch=1, max_seq=64, prefill_chunk=8, verify_len=3), draft=FIXTURE / "draft",
@@ -145,6 +145,6 @@ def test_the_engine_plans_on_a_profile_it_is_given_and_never_measures_one(tmp_pa
     given = measure(bare, threads=1, position=20, repeats=1, calls=1, progress=False)
     with Engine(bare, method="dspark+ngram", threads=1, profile=given) as engine:
         assert engine.costs is not None and "profile measured" in engine.costs.source
-    with open_engine(bare, EngineConfig(method="dspark", scheduler="sps", threads=1)) as engine:
+    with Engine.open(bare, EngineConfig(method="dspark", scheduler="sps", threads=1)) as engine:
         assert engine.costs is not None
     assert load_profile(bare) is None  # measured for this process, never written into the artifact

@@ -106,12 +106,12 @@ def test_generate_detokenizes_once_what_it_would_stream(served_art):
         reqs = [Request(encode_prompt(engine.tokenizer, p), SamplingParams(max_new_tokens=40), id=i)
                 for i, p in enumerate(prompts)]
         deferred: list[bool] = []  # per step of each generate(): whether its slots detokenize token by token
-        once, _ = engine.generate(reqs, on_token=lambda *_: deferred.extend(s.stream is None for s in engine.slots if s))
+        once, _ = engine.generate(reqs, on_token=lambda *_: deferred.extend(not s.streaming for s in engine.slots if s))
         streamed: dict[int, str] = {}
         whole, _ = engine.generate(reqs, on_text=lambda i, t: streamed.__setitem__(i, streamed.get(i, "") + t))
         kept: list[bool] = []
         stop = [Request(r.prompt_ids, SamplingParams(max_new_tokens=40, stop_strings=("e",)), id=r.id) for r in reqs]
-        cut, _ = engine.generate(stop, on_token=lambda *_: kept.extend(s.stream is not None for s in engine.slots if s))
+        cut, _ = engine.generate(stop, on_token=lambda *_: kept.extend(s.streaming for s in engine.slots if s))
     assert deferred and all(deferred) and kept and all(kept)
     assert [o.text for o in once] == [o.text for o in whole] == [streamed.get(i, "") for i in range(3)]
     assert any(any(ord(c) > 127 for c in o.text) for o in once)  # a multi-byte character came out

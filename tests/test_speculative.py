@@ -158,7 +158,7 @@ def test_a_round_that_admits_no_draft_is_a_decoding_step(tiny_arts):
     ar, _ = _generate(art, "ar", prompts, params)
     engine = Engine(art, method="ngram", scheduler="sps", threads=1, profile=profile)
     calls = {"verify": 0, "decode": 0, "observe": 0, "drafted": 0}
-    spec = engine.spec
+    spec = engine.executor
 
     def spy(name, f):
         def wrapped(*args, **kw):
@@ -207,32 +207,35 @@ def test_commit_stops_inside_accepted_drafts(fixture_art, stop):
     inside accepted drafts end to end; the engine's commit is checked directly: it ends at the stop token."""
     from specrt.runtime.acceptance import Verdict
     from specrt.runtime.drafters import Proposal
-    from specrt.runtime.engine import Slot
-    from specrt.runtime.speculative import Outcome
+    from specrt.runtime.sequence import Sequence
+    from specrt.runtime.speculative import Outcome, Round
+    from specrt.runtime.stats import RunStats
 
     engine = Engine(fixture_art, method="dspark", threads=1)
     eos = next(iter(engine.eos_ids))
     kw = {"stop_token": dict(stop_token_ids=(77,)), "eos": {}, "limit": dict(max_new_tokens=3)}[stop]
+    stats = RunStats()
 
-    def slot(params: SamplingParams) -> Slot:
-        s = Slot(request=Request([1, 2, 3], params), rng=np.random.default_rng(0), ids=np.zeros(64, np.int64),
-                 length=3, pending=10, output_ids=[10])
+    def slot(params: SamplingParams) -> Sequence:
+        s = Sequence(Request([1, 2, 3], params), capacity=63, eos_ids=engine.eos_ids, tokenizer=None, stream=False)
+        s.length, s.pending, s.output_ids = 3, 10, [10]
         s.ids[:4], s.size = [1, 2, 3, 10], 4
         return s
 
-    def commit(s: Slot, drafts: list[int], accepted: int) -> None:
+    def commit(s: Sequence, drafts: list[int], accepted: int) -> None:
         proposal = Proposal(tokens=np.array([drafts]), counts=np.array([4]), probs=None)
         tokens = [*drafts[:accepted], 99]
-        engine._commit(s, Outcome(4, Verdict(accepted, 99), tokens, np.zeros((accepted + 1, 4))), proposal, 0, {})
+        outcome = Outcome(4, Verdict(accepted, 99), tokens, np.zeros((accepted + 1, 4)))
+        engine._commit([s], Round(proposal, [outcome], draft_s=0.0, verify_s=0.0), {}, stats)
 
     s = slot(SamplingParams(**{"max_new_tokens": 64, **kw}))
     drafts = [5, 77 if stop != "eos" else eos, 6, 8]
     commit(s, drafts, 3)
-    assert engine.stats.rounds[-1] == (4, 3, 2) and s.output_ids == [10, 5, drafts[1]]
+    assert stats.rounds[-1] == (4, 3, 2) and s.output_ids == [10, 5, drafts[1]]
     assert s.finish_reason == ("length" if stop == "limit" else "eos")
     s = slot(SamplingParams(max_new_tokens=64))
     commit(s, [5, 6, 7, 8], 2)
-    assert engine.stats.rounds[-1] == (4, 2, 3)
+    assert stats.rounds[-1] == (4, 2, 3)
     assert s.output_ids == [10, 5, 6, 99] and s.finish_reason is None and s.history().tolist()[-3:] == [5, 6, 99]
     assert s.length == 6 and s.ctx.pos == 3 and s.ctx.next_tokens.tolist() == [5, 6, 99]
 

@@ -225,7 +225,7 @@ def engine_row(name: str, gens: list[list[Generation]], gamma: int = 0) -> dict:
            "prefill_s": round(sum(g.times[0] for g in flat if g.tokens), 3), "decode_s": round(decode_s, 3),
            "passes": max((len(r) for r in gens), default=0)}
     rounds = [r for g in flat for r in g.rounds]
-    if rounds:
+    if rounds and gamma:  # a speculative method (AR's rounds verify no drafts)
         stats = RunStats(method=name, gamma=gamma, rounds=rounds, draft_s=sum(g.draft_s for g in flat),
                          verify_s=sum(g.verify_s for g in flat))
         spec = stats.to_dict()

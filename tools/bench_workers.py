@@ -80,10 +80,10 @@ class EngineSpec:
 def _specrt(spec: EngineSpec):
     from specrt.runtime.config import EngineConfig
     from specrt.runtime.engine import Request
-    from specrt.tools.profile import open_engine
+    from specrt.runtime.engine import Engine
     from specrt.runtime.sampling import SamplingParams
 
-    engine = open_engine(spec.artifact, EngineConfig(method=spec.name, threads=spec.threads, **dict(spec.options)))
+    engine = Engine.open(spec.artifact, EngineConfig(method=spec.name, threads=spec.threads, **dict(spec.options)))
 
     def generate(ids: list[int], max_new_tokens: int, eos: list[int]) -> Generation:
         times: list[float] = []

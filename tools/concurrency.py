@@ -29,7 +29,7 @@ from specrt.runtime.config import SCHEDULERS, EngineConfig
 from specrt.runtime.engine import Engine
 from specrt.runtime.prompts import encode_prompt, read_prompts_file
 from specrt.tools.bench_workers import EngineSpec, Worker, worker_loop
-from specrt.tools.profile import profile_for
+from specrt.runtime.measure import profile_for
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.stats import RunStats
 from specrt.runtime.tokenizer import Tokenizer
@@ -54,7 +54,7 @@ def serve(engine: Engine, prompts: list[list[int]], params: SamplingParams, conc
     queue = deque(enumerate(prompts))
     started: dict[int, float] = {}
     done: dict[int, tuple[list[int], float]] = {}
-    engine.stats = RunStats(method=engine.method, gamma=engine.gamma)  # this run's rounds only
+    stats = RunStats(method=engine.method, gamma=engine.gamma)  # this run's steps
     t0 = time.perf_counter()
     with tqdm(total=len(prompts), desc=desc, unit="req", disable=not progress) as bar:
         while queue or engine.has_unfinished():
@@ -62,20 +62,22 @@ def serve(engine: Engine, prompts: list[list[int]], params: SamplingParams, conc
                 i, ids = queue.popleft()
                 engine.add_request(ids, params, request_id=i)
                 started[i] = time.perf_counter()
-            for d in engine.step():
+            deltas = engine.step()
+            stats.add(engine.last_step)
+            for d in deltas:
                 if d.finished is not None:
                     done[d.id] = (d.finished.output_ids, time.perf_counter())
                     bar.update(1)
     wall = time.perf_counter() - t0
     tokens = sum(len(out) for out, _ in done.values())
     per_request = [len(out) / (end - started[i]) for i, (out, end) in done.items() if end > started[i]]
-    s = engine.stats.to_dict()
+    s = stats.to_dict()
     row = {"method": engine.method, "scheduler": engine.scheduler_name if engine.method != "ar" else "-",
            "concurrency": concurrency, "tokens_per_s": round(tokens / wall, 3) if wall else 0.0,
            "per_request_tokens_per_s": round(sum(per_request) / len(per_request), 3) if per_request else 0.0,
            "mean_verify_len": s.get("mean_verify_len", 0.0), "tau": s.get("tau", 1.0),
            "generated_tokens": tokens, "wall_s": round(wall, 3),
-           "prefill_s": round(engine.stats.prefill_s, 3), "decode_s": round(engine.stats.decode_s, 3)}
+           "prefill_s": round(stats.prefill_s, 3), "decode_s": round(stats.decode_s, 3)}
     if engine.method != "ar":
         row.update(draft_s=s["draft_s"], verify_s=s["verify_s"])
     return row, [done[i][0] for i in range(len(prompts))]

@@ -12,7 +12,7 @@ from specrt.configs.fetch import cache_dir
 from specrt.configs.presets import heads_key, default_settings, preset_heads, resolve_model
 from specrt.exporter.export import export_artifact
 from specrt.runtime.profile import save_profile
-from specrt.tools.profile import measure
+from specrt.runtime.measure import measure
 
 
 def default_artifact(*, progress: bool = True) -> Path:

@@ -49,7 +49,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from specrt.errors import SpecrtError
 from specrt.runtime.backends import own_process_defaults
-from specrt.tools.profile import open_engine
+from specrt.runtime.engine import Engine
 from specrt.runtime.prompts import encode_prompt
 from specrt.serve.loop import EngineLoop, Event
 from specrt.serve.triton.config import engine_settings
@@ -85,7 +85,7 @@ class TritonPythonModel:
         self.max_tokens = s["max_tokens"]
         self.metrics = _Metrics(args.get("model_name", "specrt"), args.get("model_instance_name", ""))
         own_process_defaults()  # Triton's Python backend gives each model instance a process of its own
-        self.engine = open_engine(art, s["engine"])
+        self.engine = Engine.open(art, s["engine"])
         self.loop = EngineLoop(self.engine)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="specrt-triton-send", daemon=True)

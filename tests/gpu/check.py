@@ -269,7 +269,7 @@ def triton_kernel(device: str) -> None:
 
 def gpu_profile(art: Path, device: str, dtype: str) -> Profile | None:
     """The cost table the sps rows plan on, measured here (`specrt profile`'s measure on the torch backend)."""
-    from specrt.tools.profile import measure
+    from specrt.runtime.measure import measure
 
     @guarded("speed", "profile")
     def one() -> Profile:

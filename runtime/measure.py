@@ -1,4 +1,4 @@
-"""`specrt profile`: measure what a draft/verify round costs on this machine and backend (the table the schedulers
+"""Measure (`specrt profile`, and `Engine.open` for an artifact nobody profiled) what a draft/verify round costs on this machine and backend (the table the schedulers
 plan on; runtime/profile.py says what it holds and stores it).
 
     verify   the packed target call for B slots verifying P tokens in all (P = B: the plain decoding step),
@@ -29,8 +29,6 @@ from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.runtime import calls as contract
 from specrt.runtime.backends import load_runner
-from specrt.runtime.config import EngineConfig
-from specrt.runtime.engine import Engine
 from specrt.runtime.profile import Profile, default_threads, load_profile, placement, profile_options
 
 _QUICK: dict[tuple, Profile] = {}  # quick profiles measured in this process, for artifacts without one
@@ -167,11 +165,3 @@ def profile_for(art: str | Path, *, backend: str, threads: int | None, device: s
         _QUICK[key] = measure(art, backend=backend, threads=threads, repeats=1, calls=2, progress=False,
                               position=min(128, max_seq // 2), device=device, dtype=dtype)
     return _QUICK[key]
-
-
-def open_engine(art: str | Path, config: EngineConfig, **kw) -> Engine:
-    """An Engine for `config`; where its rounds plan on a cost profile and the artifact stores none, a quick one is
-    measured first (`profile_for`). `kw`: the Engine's trace, observers."""
-    profile = profile_for(art, backend=config.backend, threads=config.threads, device=config.device,
-                          dtype=config.dtype) if config.plans_on_costs else None
-    return Engine(art, config, profile=profile, **kw)
