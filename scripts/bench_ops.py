@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Micro-benchmark of specrt::MatMulGGUF (runtime/cpp/ops) against ONNX Runtime's MatMulNBits on SmolLM2's shapes.
+"""Micro-benchmark of specrt::MatMulGGUF (kernels/cpu) against ONNX Runtime's MatMulNBits on SmolLM2's shapes.
 
     python scripts/bench_ops.py [--lib build/cpp/libspecrt_ops.so] [--threads 2] [--calls 300] [--json]
                                 [--ggml LLAMA_CPP_SOURCE]

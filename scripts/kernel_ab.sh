@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two builds of specrt's kernels paired in one process: a git revision's runtime/cpp/ops (default HEAD) against the
+# Two builds of specrt's kernels paired in one process: a git revision's kernels/cpu (default HEAD) against the
 # working tree's, on SmolLM2's weight shapes at M = 1, 2, 4, 8, 16 activation rows, then its attention (T = 1, 2, 3, 4,
 # 8 query tokens over L = 136, 320, 900 keys, and 136 and 320 of a bias 256 and 512 keys wide, the rest masked: a cache
 # allocated past the position; every task of a call as attention_plan cuts it), one thread, the best
@@ -20,7 +20,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/base"
-git -C "$root" archive "$rev" runtime/cpp/ops | tar -x -C "$work/base" --strip-components=3
+git -C "$root" archive "$rev" kernels/cpu | tar -x -C "$work/base" --strip-components=2
 flags=(-O3 -std=c++17 -ffp-contract=off)
 avx2=(-mavx2 -mfma -mf16c)
 avx512=(-mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512vnni)
@@ -38,8 +38,8 @@ build() {  # build TREE PREFIX [DEFINES...]: the kernels' translation units (the
     fi
 }
 build "$work/base" base -Dspecrt=specrt_base
-build "$root/runtime/cpp/ops" ours
-g++ "${flags[@]}" -I"$root/runtime/cpp/ops" -I"$work" "$root/runtime/cpp/tools/kernel_ab.cpp" "$work"/*.o \
+build "$root/kernels/cpu" ours
+g++ "${flags[@]}" -I"$root/kernels/cpu" -I"$work" "$root/runtime/cpp/tools/kernel_ab.cpp" "$work"/*.o \
     -o "$work/kernel_ab"
 echo "base: $rev ($(git -C "$root" rev-parse --short "$rev")); this tree: $root"
 "$work/kernel_ab" "$pairs"

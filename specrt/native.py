@@ -17,10 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specrt.errors import SpecrtError
+from specrt.kernels.ops import DOMAIN, KERNEL_OPS
 
-DOMAIN = "specrt"  # the ONNX domain of specrt's ops (also ConfidenceTruncate's, a local function, not a kernel)
-# the operators the library implements
-KERNEL_OPS = ("MatMulGGUF", "GatherGGUF", "RMSNorm", "SkipRMSNorm", "CacheAttention", "PackedAttention")
 ENV = "SPECRT_OPS_LIB"
 REBUILD = "reinstall specrt where cmake and g++ are installed (`pip install 'specrt[cpu]'`, or `pip install .` in a clone)"
 # what ONNX Runtime's stock kernels cost, measured (docs/kernels.md): said wherever they run in place of specrt's

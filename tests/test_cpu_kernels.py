@@ -1,4 +1,4 @@
-"""specrt's custom ONNX Runtime operators (runtime/cpp/ops, libspecrt_ops), loaded by ONNX Runtime's Python API as a
+"""specrt's custom ONNX Runtime operators (kernels/cpu, libspecrt_ops), loaded by ONNX Runtime's Python API as a
 user of the artifact would load them (SessionOptions.register_custom_ops_library).
 
 specrt::MatMulGGUF multiplies activations by weights in GGUF's own blocks (the bytes `gguf.quants.quantize` writes,
@@ -20,6 +20,8 @@ from onnx import TensorProto, helper, numpy_helper
 ort = pytest.importorskip("onnxruntime")
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
+
+from specrt.kernels import reference  # noqa: E402
 
 FORMATS = {"Q4_0": GGMLQuantizationType.Q4_0, "Q4_1": GGMLQuantizationType.Q4_1, "Q8_0": GGMLQuantizationType.Q8_0}
 ISAS = ("scalar", "avx2", "avx512vnni", "amx")
@@ -76,38 +78,35 @@ def _weights(fmt: str, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(raw), gguf_quants.dequantize(raw, FORMATS[fmt]).astype(np.float32)
 
 
-def _quantize(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Activation blocks as the kernels quantize them: d = max|x| / 127, q = round-half-even(x / d)."""
-    blocks = a.reshape(a.shape[0], -1, 32)
-    d = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
-    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
-    q = np.rint(blocks * inv[..., None]).astype(np.int32)
-    return q, d
+def test_the_reference_formats_dequantize_as_gguf_does():
+    """Each entry of the reference's format table (block bytes, scale, offset, codes) gives gguf's own weights."""
+    rng = np.random.default_rng(0)
+    for fmt in FORMATS:
+        raw, deq = _weights(fmt, 5, 96, rng)
+        np.testing.assert_array_equal(reference.dequantize(raw, fmt), deq)
 
 
-def _emulate(a: np.ndarray, raw: np.ndarray, fmt: str) -> np.ndarray:
-    """The documented arithmetic in numpy: per block, d_w d_a sum(w_q a_q) + m_w d_a sum(a_q)."""
-    n, kb = raw.shape[0], a.shape[1] // 32
-    blocks = raw.reshape(n, kb, -1)
-    dw = blocks[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if fmt == "Q8_0":
-        codes, mw = blocks[:, :, 2:].view(np.int8).astype(np.int32), np.zeros_like(dw)
-    else:
-        packed = blocks[:, :, 4:] if fmt == "Q4_1" else blocks[:, :, 2:]
-        codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.int32)
-        mw = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if fmt == "Q4_1" else -8 * dw
-    q, da = _quantize(a)
-    dots = np.einsum("mbk,nbk->mnb", q, codes).astype(np.float32)
-    sums = q.sum(axis=-1).astype(np.float32)  # [m, b]
-    return ((dw[None] * da[:, None]) * dots + mw[None] * da[:, None] * sums[:, None]).sum(axis=-1)
+def test_the_exporter_refuses_a_kernel_node_off_its_schema():
+    """The schemas are checked where nodes are made: a MatMulGGUF without its K, or with an attribute the library
+    does not read, is an export error, not a session that fails to load."""
+    from specrt.exporter.onnx.builder import PLUGIN_DOMAIN, GraphBuilder
+
+    g = GraphBuilder(store=None, kernels="specrt")
+    g.op("MatMulGGUF", "x", "w", domain=PLUGIN_DOMAIN, format="Q4_0", K=64, N=8)
+    with pytest.raises(ValueError, match="no K"):
+        g.op("MatMulGGUF", "x", "w", domain=PLUGIN_DOMAIN, format="Q4_0", N=8)
+    with pytest.raises(ValueError, match="unknown bias"):
+        g.op("MatMulGGUF", "x", "w", domain=PLUGIN_DOMAIN, format="Q4_0", K=64, N=8, bias=1)
+    with pytest.raises(ValueError, match="3 inputs"):
+        g.op("RMSNorm", "x", "w", "z", domain=PLUGIN_DOMAIN, epsilon=1e-5)
 
 
 def _check(y: np.ndarray, a: np.ndarray, raw: np.ndarray, deq: np.ndarray, fmt: str, what: str) -> None:
-    emulated = _emulate(a, raw, fmt)
+    emulated = reference.matmul_gguf(a, raw, fmt)
     scale = np.abs(emulated).max() + 1e-6
     assert np.abs(y - emulated).max() <= 2e-5 * scale + 1e-6, f"{what}: differs from the emulated arithmetic"
     exact = a.astype(np.float64) @ deq.T.astype(np.float64)
-    _, da = _quantize(a)
+    _, da = reference.quantize_activations(a)
     wabs = np.abs(deq).reshape(deq.shape[0], -1, 32).sum(axis=-1)  # [n, b]
     bound = (da[:, None, :] / 2 * wabs[None]).sum(axis=-1)  # |a - â| <= d_a / 2 per element
     assert (np.abs(y - exact) <= bound * 1.001 + 1e-4 * scale).all(), f"{what}: outside the quantization bound"
@@ -311,32 +310,6 @@ def test_gather_gguf_rows_are_gguf_dequantized_rows(ops_lib, fmt):
         session.run(None, {"W": raw, "ids": np.array([50], np.int64)})
 
 
-def _exp_emulated(t: np.ndarray) -> np.ndarray:
-    """elementwise.inc's exp in numpy float32, operation for operation (|t| <= 86): n = round(t log2 e) by adding and
-    subtracting 1.5 * 2^23, r = t - n ln2 (two parts), Cephes' polynomial, 2^n added to the exponent bits."""
-    f = np.float32
-    z = t * f(1.44269504088896341) + f(12582912.0)
-    n = z - f(12582912.0)
-    scale = ((z.view(np.int32) - np.int32(0x4B400000)).astype(np.uint32) << np.uint32(23)).astype(np.uint32)
-    r = t - n * f(0.693359375)
-    r = r - n * f(-2.12194440e-4)
-    p = np.full_like(t, f(1.9875691500e-4))
-    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
-        p = p * r + f(c)
-    p = p * r * r + r + f(1.0)
-    return (p.view(np.uint32) + scale).astype(np.uint32).view(np.float32)
-
-
-def _swiglu_emulated(y: np.ndarray) -> np.ndarray:
-    """silu(gate) * up on a [M, 2 half] product as the kernels compute it, in numpy float32: |-gate| clamped to 86 on
-    its bits, gate / (1 + exp(-gate)) * up."""
-    half = y.shape[1] // 2
-    g, u = y[:, :half], y[:, half:]
-    bits = (-g).view(np.uint32)
-    t = ((bits & np.uint32(0x80000000)) | np.minimum(bits & np.uint32(0x7FFFFFFF), np.uint32(0x42AC0000)))
-    return g / (np.float32(1) + _exp_emulated(t.astype(np.uint32).view(np.float32))) * u
-
-
 def _matmul_session(lib, fmt: str, k: int, n: int, isa: str, raw: np.ndarray, activation: str = "", packed=True):
     """MatMulGGUF over `raw`, an initializer (`packed`: the SIMD paths repack it) or fed as input W."""
     attrs = {"activation": activation} if activation else {}
@@ -368,7 +341,7 @@ def test_matmul_gguf_swiglu_is_the_documented_arithmetic_on_its_product(ops_lib,
     y = swiglu(a)
     assert y.shape == (16, half)
     assert np.abs(product[:, :half]).max() > 200  # the clamp is reached
-    np.testing.assert_array_equal(y, _swiglu_emulated(product))
+    np.testing.assert_array_equal(y, reference.swiglu(product))
     g, u = product[:, :half].astype(np.float64), product[:, half:].astype(np.float64)
     exact = g / (1 + np.exp(-g)) * u
     assert (np.abs(y - exact) <= 1e-6 * np.abs(exact) + 1e-30).all()
@@ -394,21 +367,6 @@ def _norm_session(lib, isa: str, skip: bool, w: np.ndarray):
     return _open(lib, graph, isa)
 
 
-def _rms_norm_emulated(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """elementwise.inc's norm in numpy float32: x^2 summed in 16 lanes (element j in lane j % 16), lanes added
-    pairwise (+8, +4, +2, +1), 1 / sqrt(sum / d + eps), then x * inv * w."""
-    d = x.shape[-1]
-    rows = x.reshape(-1, d)
-    acc = np.zeros((rows.shape[0], 16), np.float32)
-    for j in range(0, d, 16):
-        chunk = rows[:, j:j + 16]
-        acc[:, :chunk.shape[1]] += chunk * chunk
-    for half in (8, 4, 2, 1):
-        acc[:, :half] += acc[:, half:2 * half]
-    inv = np.float32(1) / np.sqrt(acc[:, :1] / np.float32(d) + np.float32(1e-5))
-    return (rows * inv * w).reshape(x.shape)
-
-
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("d", [576, 37])
 def test_rms_norms_are_the_documented_arithmetic(ops_lib, isa, d):
@@ -421,13 +379,13 @@ def test_rms_norms_are_the_documented_arithmetic(ops_lib, isa, d):
     x = (rng.normal(size=(2, 5, d)) * 4).astype(np.float32)
     skip = rng.normal(size=(2, 5, d)).astype(np.float32)
     (y,) = _norm_session(ops_lib, isa, False, w).run(None, {"X": x})
-    np.testing.assert_array_equal(y, _rms_norm_emulated(x, w))
+    np.testing.assert_array_equal(y, reference.rms_norm(x, w))
     ref = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * w
     np.testing.assert_allclose(y, ref, rtol=1e-6, atol=1e-6)
     session = _norm_session(ops_lib, isa, True, w)
     y, s = session.run(None, {"X": x, "S": skip})
     np.testing.assert_array_equal(s, x + skip)
-    np.testing.assert_array_equal(y, _rms_norm_emulated(x + skip, w))
+    np.testing.assert_array_equal(y, reference.rms_norm(x + skip, w))
     np.testing.assert_array_equal(session.run(None, {"X": x[1, 2:3], "S": skip[1, 2:3]})[0], y[1, 2:3])
 
 
@@ -468,18 +426,6 @@ def _stored(x: np.ndarray, kv: str) -> tuple[object, np.ndarray]:
             (bits.astype(np.uint32) << 16).view(np.float32))
 
 
-def _attention_reference(q, k, v, bias, scale):
-    """softmax(q·scale·kᵀ + bias)·v in float64 over the first L keys, query head h reading KV head h // (H/Hkv)."""
-    B, T, H, D = q.shape
-    Hkv, L = k.shape[1], bias.shape[-1]
-    kk = np.repeat(k[:, :, :L].astype(np.float64), H // Hkv, axis=1)  # [B, H, L, D]
-    vv = np.repeat(v[:, :, :L].astype(np.float64), H // Hkv, axis=1)
-    s = np.einsum("bthd,bhld->bhtl", q.astype(np.float64) * scale, kk) + bias[:, 0]  # bias [B,1,T|1,L]
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return np.einsum("bhtl,bhld->bthd", p, vv)
-
-
 def _causal_bias(B: int, T: int, L: int, starts) -> np.ndarray:
     """[B,1,1,T,L]: query t of batch b (at position starts[b] + t) sees keys <= its position."""
     pos = np.asarray(starts)[:, None] + np.arange(T)[None]  # [B, T]
@@ -508,7 +454,7 @@ def test_cache_attention_matches_softmax_attention(ops_lib, isa, kv):
         for bias in (_causal_bias(B, T, L, starts), rng.normal(size=(B, 1, 1, 1, L)).astype(np.float32)):
             (y,) = session.run(None, {"q": q, "k": k, "v": v, "bias": bias})
             assert y.shape == q.shape
-            np.testing.assert_allclose(y, _attention_reference(q, k32, v32, bias, scale), rtol=2e-5, atol=2e-5,
+            np.testing.assert_allclose(y, reference.attention(q, k32, v32, bias, scale), rtol=2e-5, atol=2e-5,
                                        err_msg=f"{isa} {kv} B={B} T={T} H={H}/{Hkv} D={D} L={L}")
 
 

@@ -14,13 +14,14 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from specrt.blocks import gguf_key
-from specrt.native import KERNEL_OPS
+from specrt.kernels import ops as kernel_ops
+from specrt.kernels.ops import KERNEL_OPS
 
 OPSET = 23
 ALIGN = 4096  # page-aligned offsets let ONNX Runtime memory-map the weights
 
 PLUGIN_DOMAIN = "specrt"  # specrt's ops (plugins/): an ONNX local function for ORT, a TensorRT plugin for engines
-# specrt's ONNX Runtime kernels (runtime/cpp/ops, libspecrt_ops: KERNEL_OPS) are in the same domain: graphs
+# specrt's ONNX Runtime kernels (kernels/cpu, libspecrt_ops: KERNEL_OPS) are in the same domain: graphs
 # exported with `--kernels specrt` need the library (specrt.native)
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits, GatherBlockQuantized): quantized weights
 
@@ -119,6 +120,8 @@ class GraphBuilder:
         node_name = self._unique(name or op_type)
         outs = list(out_names) if out_names else (
             [f"{node_name}:0"] if outputs == 1 else [f"{node_name}:{i}" for i in range(outputs)])
+        if domain == kernel_ops.DOMAIN and op_type in KERNEL_OPS:  # what libspecrt_ops will be asked to run
+            kernel_ops.check(op_type, len(inputs), len(outs), set(attrs))
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=node_name, domain=domain or None,
                                            **attrs))
         return outs[0] if outputs == 1 and not out_names else outs

@@ -1,4 +1,4 @@
-// kernel_ab: two builds of the kernels (runtime/cpp/ops) in one process, timed in turn on SmolLM2's shapes: a base
+// kernel_ab: two builds of the kernels (kernels/cpu) in one process, timed in turn on SmolLM2's shapes: a base
 // tree's (compiled with -Dspecrt=specrt_base, so its namespace is specrt_base::ops) against this tree's. The GGUF
 // matrix products, then attention over the cache. Built and run by scripts/kernel_ab.sh, which explains the output.
 #define specrt specrt_base
