@@ -47,7 +47,7 @@ void configure(int mr) {
         _tile_zero(TC);                                              \
         _tile_loadd(TA, a, a_stride);                                \
         _tile_loadd(TB, codes, 64);                                  \
-        if constexpr (f == Format::Q8_0) _tile_dpbssd(TC, TA, TB);   \
+        if constexpr (traits(f).code_bits == 8) _tile_dpbssd(TC, TA, TB); \
         else _tile_dpbsud(TC, TA, TB);                               \
         _tile_stored(TC, dots, 64);                                  \
     } while (0)
@@ -58,7 +58,8 @@ void configure(int mr) {
 template <Format f, int MR>
 void pair_blocks(const Packed& w, const int8_t* q, const float* d, const float* ds, int64_t i0, const uint8_t* first,
                  const uint8_t* second, int64_t step, int64_t b0, int64_t b1, __m512* acc) {
-    constexpr int record = packed_record(f), codes_at = f == Format::Q4_1 ? 32 : 16;
+    constexpr FormatTraits t = traits(f);
+    constexpr int record = packed_record(f), codes_at = packed_codes_at(f);
     const int64_t blocks = w.blocks, n = b1 - b0;
     alignas(64) static thread_local uint8_t codes[kMaxBlocks][8 * 64];
     alignas(64) static thread_local int32_t dots[kMaxBlocks][kAmxRows * 16];
@@ -70,7 +71,7 @@ void pair_blocks(const Packed& w, const int8_t* q, const float* d, const float* 
         prefetch<record>(r0 + ahead);
         if (step) prefetch<record>(r1 + ahead);
         uint8_t* out = codes[b];
-        if constexpr (f == Format::Q8_0) {
+        if constexpr (t.code_bits == 8) {
             for (int j = 0; j < 8; ++j)
                 _mm512_store_si512(out + 64 * j, join(r0 + codes_at + 32 * j, r1 + codes_at + 32 * j));
         } else {  // low nibbles: elements 4p.. (tile rows 0-3); high: 16 + 4p.. (rows 4-7)
@@ -95,14 +96,15 @@ void pair_blocks(const Packed& w, const int8_t* q, const float* d, const float* 
     for (b = 0; b < n; ++b) {
         const uint8_t *r0 = first + (b0 + b) * record, *r1 = second + (b0 + b) * step;
         const __m512 dw = join_ph(r0, r1);
-        if constexpr (f == Format::Q8_0) {
+        if constexpr (t.code_bits == 8) {
             for (int ii = 0; ii < MR; ++ii) {
                 const int64_t at = (i0 + ii) * blocks + b0 + b;
                 const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[b] + 16 * ii));
                 acc[ii] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(d[at])), acc[ii]);
             }
         } else {
-            const __m512 mw = f == Format::Q4_1 ? join_ph(r0 + 16, r1 + 16) : _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f));
+            const __m512 mw = t.min_at ? join_ph(r0 + 2 * kGroup, r1 + 2 * kGroup)
+                                       : _mm512_mul_ps(dw, _mm512_set1_ps(static_cast<float>(t.code_offset)));
             for (int ii = 0; ii < MR; ++ii) {
                 const int64_t at = (i0 + ii) * blocks + b0 + b;
                 const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots[b] + 16 * ii));
@@ -160,11 +162,7 @@ void packed_amx(const Packed& w, const int8_t* q, const float* d, const int32_t*
     for (int64_t i0 = 0; i0 < m; i0 += kAmxRows) {
         const int mr = static_cast<int>(std::min<int64_t>(kAmxRows, m - i0));
         configure(mr);
-        switch (w.format) {
-            case Format::Q4_0: rows_pass<Format::Q4_0>(mr, w, q, d, ds, i0, g0, g1, n_total, y); break;
-            case Format::Q4_1: rows_pass<Format::Q4_1>(mr, w, q, d, ds, i0, g0, g1, n_total, y); break;
-            default: rows_pass<Format::Q8_0>(mr, w, q, d, ds, i0, g0, g1, n_total, y);
-        }
+        with_format(w.format, [&](auto fmt) { rows_pass<decltype(fmt)::value>(mr, w, q, d, ds, i0, g0, g1, n_total, y); });
     }
 }
 

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <mutex>
 #include <new>
 
@@ -47,19 +48,23 @@ float fp16(const uint8_t* p) {  // IEEE half (little-endian) to float
     return f;
 }
 
-// The block's weight codes in element order as bytes (Q4: 0..15, unsigned; Q8_0: signed), its scale and minimum (or
-// the offset to subtract, -8, folded as a minimum of -8 d for Q4_0).
+// A block's scale, its minimum (the code offset folded in: -8 d for Q4_0) and its codes (kFormats).
 struct Block {
     float d, m;
     const uint8_t* codes;
 };
 
 Block block_at(Format f, const uint8_t* p) {
-    switch (f) {
-        case Format::Q4_0: return {fp16(p), -8.0f * fp16(p), p + 2};
-        case Format::Q4_1: return {fp16(p), fp16(p + 2), p + 4};
-        default: return {fp16(p), 0.0f, p + 2};
-    }
+    const FormatTraits& t = traits(f);
+    const float d = fp16(p);
+    const float m = t.min_at ? fp16(p + t.min_at) : t.code_offset ? static_cast<float>(t.code_offset) * d : 0.0f;
+    return {d, m, p + t.codes_at};
+}
+
+// Code i of a block (kFormats' layouts), as the integer the packed dot multiplies.
+int8_t code_at(Format f, const uint8_t* codes, int i) {
+    if (traits(f).code_bits == 8) return static_cast<int8_t>(codes[i]);
+    return static_cast<int8_t>(i < 16 ? codes[i] & 0x0F : codes[i - 16] >> 4);
 }
 
 // -- scalar reference ----------------------------------------------------------------------------------------------
@@ -74,10 +79,7 @@ void rows_scalar(Format f, const uint8_t* w, const Activations& a, int64_t n0, i
         for (int64_t b = 0; b < blocks; ++b) {
             const Block blk = block_at(f, row + b * bytes);
             int8_t wq[kBlock];
-            for (int i = 0; i < kBlock; ++i) {
-                if (f == Format::Q8_0) wq[i] = static_cast<int8_t>(blk.codes[i]);
-                else wq[i] = static_cast<int8_t>(i < 16 ? blk.codes[i] & 0x0F : blk.codes[i - 16] >> 4);
-            }
+            for (int i = 0; i < kBlock; ++i) wq[i] = code_at(f, blk.codes, i);
             for (int64_t i = 0; i < a.m; ++i) {
                 const int8_t* q = a.q.data() + (i * blocks + b) * kBlock;
                 int32_t dot = 0;
@@ -120,11 +122,12 @@ void rms_norm_avx512(const float* x, const float* w, int64_t m, int64_t d, float
 
 
 bool parse_format(const std::string& name, Format* f) {
-    if (name == "Q4_0") *f = Format::Q4_0;
-    else if (name == "Q4_1") *f = Format::Q4_1;
-    else if (name == "Q8_0") *f = Format::Q8_0;
-    else return false;
-    return true;
+    for (size_t i = 0; i < std::size(kFormats); ++i)
+        if (name == kFormats[i].name) {
+            *f = static_cast<Format>(i);
+            return true;
+        }
+    return false;
 }
 
 const char* isa_name(Isa isa) {
@@ -273,8 +276,9 @@ void matmul_rows(Isa isa, Format f, const uint8_t* w, const Activations& a, int6
 }
 
 void pack(Format f, const uint8_t* w, int64_t n, int64_t blocks, Packed& out) {
-    const int bytes = block_bytes(f), record = packed_record(f);
-    const int scales = f == Format::Q4_1 ? 2 : 1, codes_at = 16 * scales, code_bytes = f == Format::Q8_0 ? 32 : 16;
+    const FormatTraits& t = traits(f);
+    const int bytes = t.block_bytes, record = packed_record(f), codes_at = packed_codes_at(f);
+    const int code_bytes = kBlock * t.code_bits / 8;
     out.format = f;
     out.n = n;
     out.blocks = blocks;
@@ -287,10 +291,10 @@ void pack(Format f, const uint8_t* w, int64_t n, int64_t blocks, Packed& out) {
                 const int64_t row = g * kGroup + j;
                 if (row >= n) continue;  // zero: scale 0, codes 0
                 const uint8_t* p = w + row * blocks * bytes + b * bytes;
-                std::memcpy(rec + 2 * j, p, 2);                            // d
-                if (f == Format::Q4_1) std::memcpy(rec + 16 + 2 * j, p + 2, 2);  // m
+                std::memcpy(rec + 2 * j, p, 2);                                           // d
+                if (t.min_at) std::memcpy(rec + 2 * kGroup + 2 * j, p + t.min_at, 2);  // m
                 for (int c = 0; c < code_bytes; c += 4)  // the row's code bytes 4 at a time, lane j of vector c / 4
-                    std::memcpy(rec + codes_at + 32 * (c / 4) + 4 * j, p + 2 * scales + c, 4);
+                    std::memcpy(rec + codes_at + 32 * (c / 4) + 4 * j, p + t.codes_at + c, 4);
             }
         }
 }
@@ -370,24 +374,15 @@ WeightBuffer::~WeightBuffer() {
 }
 
 void dequantize_row(Format f, const uint8_t* row, int64_t blocks, float* out) {
-    const int bytes = block_bytes(f);
+    const FormatTraits& t = traits(f);
     for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* p = row + b * bytes;
+        const uint8_t* p = row + b * t.block_bytes;
         const float d = fp16(p);
         float* o = out + b * kBlock;
-        switch (f) {
-            case Format::Q4_0:  // (q - 8) d, as GatherBlockQuantized computes (code - zero point) * scale
-                for (int i = 0; i < kBlock; ++i)
-                    o[i] = static_cast<float>((i < 16 ? p[2 + i] & 0x0F : p[2 + i - 16] >> 4) - 8) * d;
-                break;
-            case Format::Q4_1: {  // q d + m
-                const float m = fp16(p + 2);
-                for (int i = 0; i < kBlock; ++i)
-                    o[i] = static_cast<float>(i < 16 ? p[4 + i] & 0x0F : p[4 + i - 16] >> 4) * d + m;
-                break;
-            }
-            default:
-                for (int i = 0; i < kBlock; ++i) o[i] = static_cast<float>(static_cast<int8_t>(p[2 + i])) * d;
+        // (c + offset) d, as GatherBlockQuantized computes (code - zero point) * scale; + m where the format has one
+        for (int i = 0; i < kBlock; ++i) {
+            const float w = static_cast<float>(code_at(f, p + t.codes_at, i) + t.code_offset) * d;
+            o[i] = t.min_at ? w + fp16(p + t.min_at) : w;
         }
     }
 }

@@ -8,17 +8,49 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace specrt::ops {
 
 enum class Format { Q4_0, Q4_1, Q8_0 };
+constexpr int kBlock = 32;
+constexpr int kGroup = 8;  // weight rows per packed record
+  // weight rows per packed record
+
+// A GGUF weight format is one entry of kFormats (ggml's type_traits habit): a block of 32 weights is `block_bytes`
+// bytes, an fp16 scale d first; weight i is d (c_i + code_offset) + m, with m the fp16 at `min_at` (0: none). The
+// packed dot of a block with activation codes q (scale d_a) is d d_a Σ c q + (m + code_offset d) d_a Σ q. The code
+// layouts the kernels unpack: 4 bits (unsigned, elements 0..15 in the low nibbles, 16..31 in the high) or 8 (signed).
+struct FormatTraits {
+    const char* name;
+    int block_bytes;
+    int min_at;
+    int codes_at;
+    int code_bits;
+    int code_offset;
+};
+inline constexpr FormatTraits kFormats[] = {
+    {"Q4_0", 18, 0, 2, 4, -8},
+    {"Q4_1", 20, 2, 4, 4, 0},
+    {"Q8_0", 34, 0, 2, 8, 0},
+};
+constexpr const FormatTraits& traits(Format f) { return kFormats[static_cast<int>(f)]; }
+
+// Calls fn with the format as a compile-time constant (std::integral_constant<Format, f>): the one switch over formats.
+template <class Fn>
+decltype(auto) with_format(Format f, Fn&& fn) {
+    switch (f) {
+        case Format::Q4_0: return fn(std::integral_constant<Format, Format::Q4_0>{});
+        case Format::Q4_1: return fn(std::integral_constant<Format, Format::Q4_1>{});
+        default: return fn(std::integral_constant<Format, Format::Q8_0>{});
+    }
+}
 // In rising order; Amx is Avx512Vnni with AMX's tile multiplies for packed products, 16 rows at a time (kAmxRows).
 enum class Isa { Scalar, Avx2, Avx512Vnni, Amx };
 
-constexpr int kBlock = 32;
-constexpr int block_bytes(Format f) { return f == Format::Q4_0 ? 18 : f == Format::Q4_1 ? 20 : 34; }
+constexpr int block_bytes(Format f) { return traits(f).block_bytes; }
 bool parse_format(const std::string& name, Format* f);
 const char* isa_name(Isa isa);
 // The best instruction set this CPU runs, AMX's tile multiplies included where the CPU and Linux allow them;
@@ -91,7 +123,7 @@ int prefetch_rows();
 // 2-core EPYC a 512-bit vpdpbusd issued half as often). $SPECRT_OPS_WIDE = 0 or 1 says otherwise; read at each call
 // (an op reads it once, when its session is made).
 bool wide_vectors();
-constexpr int kGroup = 8;
+
 // Isa::Amx: the tile multiplies take a call's rows in whole passes of 16 (a tile's most), the rest take the VNNI
 // kernel. A tile multiply costs the same whatever its rows: alone on one thread (scripts/kernel_ab.sh, SmolLM2's
 // shapes, a 2-core Xeon) AMX took 1.02-1.08x the 8-lane VNNI kernel's time at 4 rows, 0.71-0.74x at 8, 0.50-0.66x
@@ -99,9 +131,10 @@ constexpr int kGroup = 8;
 // the 16-lane VNNI kernel (wide_vectors()): 0.96-0.99x at 16, 32, 48 and 64 rows, but 1.03-1.07x at 10 and 12 and
 // 1.08-1.14x at 20, 24 and 40 (a last pass of 4 or 8 rows on the tiles).
 constexpr int kAmxRows = 16;
-constexpr int packed_record(Format f) {
-    return f == Format::Q4_0 ? 16 + 128 : f == Format::Q4_1 ? 32 + 128 : 16 + 256;
-}
+// A packed record: kGroup rows' fp16 scales (and minimums), then their codes, 4 bytes of each row in turn.
+constexpr int packed_scales(Format f) { return traits(f).min_at ? 2 : 1; }
+constexpr int packed_codes_at(Format f) { return kGroup * 2 * packed_scales(f); }
+constexpr int packed_record(Format f) { return packed_codes_at(f) + kGroup * kBlock * traits(f).code_bits / 8; }
 void pack(Format f, const uint8_t* w, int64_t n, int64_t blocks, Packed& out);
 // y[i, n] for the rows of groups [g0, g1) of packed weights and all M activation rows; y is [M, n_total].
 void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, int64_t g1, int64_t n_total, float* y,
