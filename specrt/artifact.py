@@ -72,15 +72,16 @@ Dim = int | str  # a fixed size, or a named axis: B slots, T tokens per slot, P 
 #                  rows, C context rows,
 #                  S cache positions (cpu lowering's target: the runtime sizes it, up to GraphSpec.max_seq)
 CACHE_LEN = "S"
+PAST_PREFIX, PRESENT_PREFIX = "past.", "present."  # each layer's cache: past.{i}.key / .value in, present.{i}.* out
 Bucket = dict[str, int]  # sizes of a family's named axes for one fixed shape it is run at
 
 
 def past_names(layer: int) -> tuple[str, str]:
-    return f"past.{layer}.key", f"past.{layer}.value"
+    return f"{PAST_PREFIX}{layer}.key", f"{PAST_PREFIX}{layer}.value"
 
 
 def present_names(layer: int) -> tuple[str, str]:
-    return f"present.{layer}.key", f"present.{layer}.value"
+    return f"{PRESENT_PREFIX}{layer}.key", f"{PRESENT_PREFIX}{layer}.value"
 
 
 @dataclass(frozen=True, slots=True)
@@ -622,6 +623,13 @@ MTP_TOKENS = "tokens"
 MTP_HIDDEN = "hidden"
 MTP_POSITIONS = "positions"
 MTP_LAST_ROW = "last_row"
+# The graph input/output names above, and the cache's prefixes: what scripts/gen_cpp_names.py writes into the C++
+# runtime's runtime/cpp/src/io_names.h (a test checks that header is current)
+IO_NAMES = ("INPUT_IDS", "POSITION_IDS", "WRITE_INDEX", "TOKEN_ROWS", "LOGIT_ROWS", "LOGITS", "FEATURES",
+            "CTX_FEATURES", "CTX_POSITIONS", "CTX_WRITE_INDEX", "CTX_LEN", "ANCHOR_IDS", "TEMPERATURE", "NOISE",
+            "DRAFT_TOKENS", "DRAFT_LOGITS", "DRAFT_PROBS", "CONFIDENCE_LOGITS", "TRUNCATE_THRESHOLD", "TRUNCATE_BUDGET",
+            "SURVIVAL", "VERIFY_LENGTHS", "MTP_TOKENS", "MTP_HIDDEN", "MTP_POSITIONS", "MTP_LAST_ROW", "PAST_PREFIX",
+            "PRESENT_PREFIX", "CACHE_LEN")
 
 
 def dspark_signature(*, num_layers: int, num_kv_heads: int, head_dim: int, hidden_size: int, vocab_size: int,

@@ -308,13 +308,19 @@ def test_sampled_tokens_follow_the_target_distribution(specrt_cpp, head_arts, ti
 
 
 def test_c_api_from_c(specrt_cpp, tiny_arts):
-    """ctest's C program (runtime/cpp/tests/c_api_test.c, compiled as C99): add / step / abort, generate, and errors
-    for bad calls, the engine working after each."""
+    """ctest: its C program (runtime/cpp/tests/c_api_test.c, compiled as C99: add / step / abort, generate, errors
+    for bad calls with the engine working after each, versioned structs, stop strings), the C++ API's, and the
+    standalone programs through their differential checks; every test program is registered."""
     env = {**os.environ, "SPECRT_TEST_ARTIFACT": str(tiny_arts["llama-cpu"])}
     r = subprocess.run(["ctest", "--test-dir", str(BUILD), "--output-on-failure"], capture_output=True, text=True,
                        env=env, timeout=300)
     assert r.returncode == 0 and "100% tests passed" in r.stdout, r.stdout + r.stderr
     assert "Skipped" not in r.stdout
+    # every C++ test program is a ctest test (the standalone ones through their differential check here)
+    listed = subprocess.run(["ctest", "--test-dir", str(BUILD), "-N"], capture_output=True, text=True).stdout
+    names = {line.split(": ", 1)[1].strip() for line in listed.splitlines() if line.strip().startswith("Test #")}
+    programs = sorted((ROOT / "runtime" / "cpp" / "tests").glob("*.c*"))
+    assert programs and all({p.stem, p.stem.removesuffix("_test")} & names for p in programs), (names, programs)
     if shutil.which("nm"):  # the library exports its C API and none of its C++ classes (which a program's own
         # specrt:: classes, as in specrt.hpp, would otherwise interpose on)
         symbols = subprocess.run(["nm", "-DC", "--defined-only", str(BUILD / "libspecrt.so")], capture_output=True,
@@ -597,3 +603,45 @@ def test_chat_conversations_match_the_python_template(specrt_cpp, chat_art, tmp_
     with Engine(chat_art, method="ar", threads=1) as engine:
         want = engine.generate([Request(ids, SamplingParams(max_new_tokens=12))])[0][0].output_ids
     assert _outputs(r)["outputs"] == [want]
+
+
+@pytest.mark.slow
+def test_stop_strings_end_requests_as_the_python_engine_does(specrt_cpp, served_art):
+    """Stop strings through the C API (specrt-cpp --stop): the same tokens, the same text cut before the first stop
+    string, and finish reason "stop", as the Python engine's; a string the text never holds changes nothing."""
+    from specrt.runtime.prompts import encode_prompt
+
+    prompt = "Why is the sky blue?"
+    with Engine(served_art, method="dspark+ngram", scheduler="sps", threads=1) as engine:
+        ids = encode_prompt(engine.tokenizer, prompt)
+        for stops in (("light",), ("sky", " the"), ("no such text zq",)):
+            (want,), _ = engine.generate([Request(ids, SamplingParams(max_new_tokens=40, stop_strings=stops))])
+            args = [a for s in stops for a in ("--stop", s)]
+            got = _outputs(subprocess.run([str(specrt_cpp), str(served_art), "--prompt", prompt, "--max-new-tokens",
+                                           "40", "--threads", "1", "--json", "--method", "dspark+ngram",
+                                           "--scheduler", "sps", *args], capture_output=True, text=True, timeout=300))
+            assert (got["outputs"][0], got["texts"][0], got["finish_reasons"][0]) == (
+                want.output_ids, want.text, want.finish_reason), stops
+            assert want.finish_reason == ("length" if stops == ("no such text zq",) else "stop")
+
+
+def test_the_cpp_io_names_are_generated_from_the_artifact_contract(tmp_path, monkeypatch):
+    """runtime/cpp/src/io_names.h is what scripts/gen_cpp_names.py makes of specrt/artifact.py's IO_NAMES (so the C++
+    runtime cannot spell a graph's input differently), and the check fails on a header that drifted."""
+    import importlib.util
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gen_cpp_names.py"
+    r = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    spec = importlib.util.spec_from_file_location("gen_cpp_names", script)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert 'kInputIds[] = "input_ids"' in gen.render()
+    drifted = tmp_path / "runtime" / "cpp" / "src" / "io_names.h"
+    drifted.parent.mkdir(parents=True)
+    drifted.write_text(gen.render().replace('"input_ids"', '"input_id"'))
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    monkeypatch.setattr(gen, "HEADER", drifted)
+    monkeypatch.setattr(sys, "argv", ["gen_cpp_names.py", "--check"])
+    assert gen.main() == 1

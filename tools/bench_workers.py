@@ -185,14 +185,15 @@ def _cpp(spec: EngineSpec):
     os.environ.update(cpp_environ())  # where libspecrt finds this environment's ONNX Runtime
     lib = C.CDLL(str(cpp_library()))
 
-    class Options(C.Structure):
-        _fields_ = [("threads", C.c_int), ("method", C.c_char_p), ("scheduler", C.c_char_p), ("gamma", C.c_int),
+    class Options(C.Structure):  # include/specrt.h's, field for field
+        _fields_ = [("struct_size", C.c_size_t), ("threads", C.c_int), ("method", C.c_char_p), ("scheduler", C.c_char_p), ("gamma", C.c_int),
                     ("slots", C.c_int), ("ngram", C.c_int), ("threshold", C.c_double)]
 
     class Params(C.Structure):
-        _fields_ = [("temperature", C.c_double), ("top_k", C.c_int), ("top_p", C.c_double), ("seed", C.c_int64),
+        _fields_ = [("struct_size", C.c_size_t), ("temperature", C.c_double), ("top_k", C.c_int), ("top_p", C.c_double), ("seed", C.c_int64),
                     ("max_new_tokens", C.c_size_t), ("stop_token_ids", C.POINTER(C.c_int64)),
-                    ("n_stop_token_ids", C.c_size_t), ("ignore_eos", C.c_int)]
+                    ("n_stop_token_ids", C.c_size_t), ("ignore_eos", C.c_int),
+                    ("stop_strings", C.POINTER(C.c_char_p)), ("n_stop_strings", C.c_size_t)]
 
     class Event(C.Structure):
         _fields_ = [("request_id", C.c_int64), ("token_ids", C.POINTER(C.c_int64)), ("n_tokens", C.c_size_t),
@@ -209,7 +210,7 @@ def _cpp(spec: EngineSpec):
     lib.specrt_has_unfinished.restype = C.c_int
     opts = dict(spec.options)
     method = spec.name.removeprefix("cpp-")
-    options = Options(spec.threads or 0, method.encode(), (opts.get("scheduler") or "fixed").encode(),
+    options = Options(C.sizeof(Options), spec.threads or 0, method.encode(), (opts.get("scheduler") or "fixed").encode(),
                       opts.get("gamma") or 0, 0, opts.get("ngram") or 3, opts.get("threshold") or 0.3)
     engine = C.c_void_p()
 
@@ -222,7 +223,7 @@ def _cpp(spec: EngineSpec):
     def generate(ids: list[int], max_new_tokens: int, eos: list[int]) -> Generation:
         prompt = (C.c_int64 * len(ids))(*ids)
         stop = (C.c_int64 * max(1, len(eos)))(*eos)
-        params = Params(0.0, 0, 1.0, -1, max_new_tokens, stop, len(eos), 0)
+        params = Params(C.sizeof(Params), 0.0, 0, 1.0, -1, max_new_tokens, stop, len(eos), 0, None, 0)
         before = lib.specrt_get_stats(engine)
         events, count = C.POINTER(Event)(), C.c_size_t()
         tokens: list[int] = []

@@ -15,6 +15,9 @@
  * (valid until its next specrt call).
  * Threads: one engine is driven by one thread at a time (as in Python); different engines may run on different
  * threads at once.
+ * Versions: specrt_options and specrt_params begin with their struct_size, which their _init function sets; the library
+ * reads the fields that size covers and gives later ones their defaults, so a program built against this header
+ * keeps working when a later one adds fields. A struct_size of 0 (a struct never initialized) is an error.
  */
 #ifndef SPECRT_H
 #define SPECRT_H
@@ -42,6 +45,7 @@ typedef enum specrt_status {
 typedef struct specrt_engine specrt_engine;
 
 typedef struct specrt_options {
+    size_t struct_size;    /* sizeof(specrt_options), set by specrt_options_init */
     int threads;           /* intra-op threads per session; 0: all cores */
     const char* method;    /* NULL: "ar" */
     const char* scheduler; /* NULL: "fixed" */
@@ -52,6 +56,7 @@ typedef struct specrt_options {
 } specrt_options;
 
 typedef struct specrt_params {
+    size_t struct_size;            /* sizeof(specrt_params), set by specrt_params_init */
     double temperature;            /* 0: greedy */
     int top_k;                     /* 0: off */
     double top_p;                  /* 1: off */
@@ -60,6 +65,9 @@ typedef struct specrt_params {
     const int64_t* stop_token_ids; /* end the request like EOS (kept in the output) */
     size_t n_stop_token_ids;
     int ignore_eos;
+    const char* const* stop_strings; /* end the request where its text first holds one (cut before it; needs the
+                                      * artifact's tokenizer); NULL-free, non-empty UTF-8 */
+    size_t n_stop_strings;
 } specrt_params;
 
 typedef struct specrt_event {
@@ -69,7 +77,7 @@ typedef struct specrt_event {
     const char* text; /* their text (NUL-terminated, whole UTF-8 characters, special tokens skipped; "" without a
                        * tokenizer) */
     size_t n_text;
-    const char* finish_reason; /* NULL while it runs; "eos" or "length" when it has finished */
+    const char* finish_reason; /* NULL while it runs; "eos", "stop" or "length" when it has finished */
 } specrt_event;
 
 SPECRT_API void specrt_options_init(specrt_options* options); /* the defaults above */

@@ -41,6 +41,7 @@ struct GenerateOptions {
     int top_k = 0;
     int64_t seed = -1;
     std::vector<int64_t> stop_token_ids;
+    std::vector<std::string> stop_strings;  // the request ends where its text first holds one (cut before it)
     bool ignore_eos = false;
     bool raw = false;  // text: skip the chat template
 };
@@ -76,13 +77,15 @@ public:
     }
 
     int64_t add(const std::vector<int64_t>& prompt, const GenerateOptions& g = {}) {
-        specrt_params p = params(g);
+        std::vector<const char*> stops;
+        specrt_params p = params(g, stops);
         int64_t id = 0;
         check(specrt_add_request(engine_, prompt.data(), prompt.size(), &p, &id));
         return id;
     }
     int64_t add(const std::string& text, const GenerateOptions& g = {}) {
-        specrt_params p = params(g);
+        std::vector<const char*> stops;
+        specrt_params p = params(g, stops);
         int64_t id = 0;
         check(specrt_add_text(engine_, text.c_str(), g.raw, &p, &id));
         return id;
@@ -91,7 +94,8 @@ public:
     int64_t add(const std::vector<std::pair<std::string, std::string>>& messages, const GenerateOptions& g = {}) {
         std::vector<specrt_message> m;
         for (const auto& [role, content] : messages) m.push_back(specrt_message{role.c_str(), content.c_str()});
-        specrt_params p = params(g);
+        std::vector<const char*> stops;
+        specrt_params p = params(g, stops);
         int64_t id = 0;
         check(specrt_add_chat(engine_, m.data(), m.size(), &p, &id));
         return id;
@@ -114,7 +118,8 @@ public:
     std::vector<int64_t> generate(const std::vector<int64_t>& prompt, const GenerateOptions& g = {}) {
         std::vector<int64_t> out(g.max_new_tokens);
         size_t n = 0;
-        specrt_params p = params(g);
+        std::vector<const char*> stops;
+        specrt_params p = params(g, stops);
         check(specrt_generate(engine_, prompt.data(), prompt.size(), &p, out.data(), &n));
         out.resize(n);
         return out;
@@ -156,7 +161,8 @@ private:
     static void check(specrt_status s) {
         if (s != SPECRT_OK) throw Exception(s, specrt_last_error());
     }
-    static specrt_params params(const GenerateOptions& g) {
+    // `stops` holds the stop strings' pointers for as long as p is used
+    static specrt_params params(const GenerateOptions& g, std::vector<const char*>& stops) {
         specrt_params p;
         specrt_params_init(&p);
         p.temperature = g.temperature;
@@ -167,6 +173,9 @@ private:
         p.stop_token_ids = g.stop_token_ids.data();
         p.n_stop_token_ids = g.stop_token_ids.size();
         p.ignore_eos = g.ignore_eos;
+        for (const std::string& stop : g.stop_strings) stops.push_back(stop.c_str());
+        p.stop_strings = stops.data();
+        p.n_stop_strings = stops.size();
         return p;
     }
 

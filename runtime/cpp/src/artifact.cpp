@@ -1,4 +1,5 @@
 #include "artifact.h"
+#include "io_names.h"
 
 #include <nlohmann/json.hpp>
 
@@ -14,8 +15,7 @@ namespace {
 
 constexpr int kFormatVersion = 4;  // specrt/artifact.py FORMAT_VERSION
 constexpr int kProfileVersion = 2;  // runtime/profile.py VERSION
-const char* const kCacheLen = "S";
-const std::set<std::string> kGreedyDrops{"draft_logits", "draft_probs"};  // specrt/artifact.py GREEDY_DROPS
+const std::set<std::string> kGreedyDrops{io::kDraftLogits, io::kDraftProbs};  // specrt/artifact.py GREEDY_DROPS
 
 TensorSpec tensor_spec(const json& j) {
     TensorSpec t{j.at("name").get<std::string>(), j.at("dtype").get<std::string>(), {}};
@@ -97,7 +97,7 @@ const Bucket& GraphSpec::bucket(const std::string& use, const Bucket& need) cons
 
 bool GraphSpec::sized_cache() const {
     return std::any_of(inputs.begin(), inputs.end(),
-                       [](const TensorSpec& t) { return t.name.rfind("past.", 0) == 0 && t.named(kCacheLen); });
+                       [](const TensorSpec& t) { return t.name.rfind(io::kPastPrefix, 0) == 0 && t.named(io::kCacheLen); });
 }
 
 std::optional<GraphSpec> GraphSpec::greedy() const {

@@ -3,6 +3,7 @@
 
 #include "engine.h"
 
+#include <algorithm>
 #include <cstring>
 
 using specrt::Error;
@@ -40,9 +41,24 @@ specrt_status guarded(F&& f) {
     }
 }
 
-specrt::Params params_of(const specrt_params* p) {
+// A caller's versioned struct: the fields its struct_size covers over the defaults of this library's version.
+template <typename T>
+T versioned(const T* given, void (*init)(T*), const char* what) {
+    T out;
+    init(&out);
+    if (!given) return out;
+    if (given->struct_size == 0)
+        throw Error(SPECRT_ERROR_REQUEST, std::string(what) + "->struct_size is 0: initialize it with " + what + "_init");
+    std::memcpy(&out, given, std::min(given->struct_size, sizeof(T)));
+    out.struct_size = sizeof(T);
+    return out;
+}
+
+specrt::Params params_of(const specrt_params* given) {
     specrt::Params out;
-    if (!p) return out;
+    if (!given) return out;
+    const specrt_params copy = versioned(given, specrt_params_init, "specrt_params");
+    const specrt_params* p = &copy;
     out.temperature = p->temperature;
     out.top_k = p->top_k;
     out.top_p = p->top_p;
@@ -50,6 +66,12 @@ specrt::Params params_of(const specrt_params* p) {
     out.max_new_tokens = static_cast<int64_t>(p->max_new_tokens);
     if (p->stop_token_ids) out.stop_token_ids.assign(p->stop_token_ids, p->stop_token_ids + p->n_stop_token_ids);
     out.ignore_eos = p->ignore_eos != 0;
+    if (p->n_stop_strings && !p->stop_strings)
+        throw Error(SPECRT_ERROR_REQUEST, "specrt_params: n_stop_strings without stop_strings");
+    for (size_t i = 0; i < p->n_stop_strings; ++i) {
+        if (!p->stop_strings[i]) throw Error(SPECRT_ERROR_REQUEST, "specrt_params: a stop string is NULL");
+        out.stop_strings.emplace_back(p->stop_strings[i]);
+    }
     return out;
 }
 
@@ -58,28 +80,29 @@ specrt::Params params_of(const specrt_params* p) {
 extern "C" {
 
 void specrt_options_init(specrt_options* o) {
-    if (o) *o = specrt_options{0, "ar", "fixed", 0, 0, 3, 0.3};
+    if (o) *o = specrt_options{sizeof(specrt_options), 0, "ar", "fixed", 0, 0, 3, 0.3};
 }
 
 void specrt_params_init(specrt_params* p) {
-    if (p) *p = specrt_params{0.0, 0, 1.0, -1, 128, nullptr, 0, 0};
+    if (p) *p = specrt_params{sizeof(specrt_params), 0.0, 0, 1.0, -1, 128, nullptr, 0, 0, nullptr, 0};
 }
 
 specrt_status specrt_engine_open(const char* artifact_dir, const specrt_options* options, specrt_engine** engine) {
     if (!engine) return fail(SPECRT_ERROR_REQUEST, "specrt_engine_open: engine is NULL");
     *engine = nullptr;
     if (!artifact_dir) return fail(SPECRT_ERROR_REQUEST, "specrt_engine_open: no artifact directory given");
-    specrt::Options o;
-    if (options) {
-        o.threads = options->threads;
-        if (options->method) o.method = options->method;
-        if (options->scheduler) o.scheduler = options->scheduler;
-        o.gamma = options->gamma;
-        o.slots = options->slots;
-        o.ngram = options->ngram;
-        o.threshold = options->threshold;
-    }
-    return guarded([&] { *engine = new specrt_engine(artifact_dir, o); });
+    return guarded([&] {
+        const specrt_options given = versioned(options, specrt_options_init, "specrt_options");
+        specrt::Options o;
+        o.threads = given.threads;
+        if (given.method) o.method = given.method;
+        if (given.scheduler) o.scheduler = given.scheduler;
+        o.gamma = given.gamma;
+        o.slots = given.slots;
+        o.ngram = given.ngram;
+        o.threshold = given.threshold;
+        *engine = new specrt_engine(artifact_dir, o);
+    });
 }
 
 void specrt_engine_close(specrt_engine* engine) { delete engine; }

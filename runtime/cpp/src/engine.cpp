@@ -1,4 +1,5 @@
 #include "engine.h"
+#include "io_names.h"
 
 #include "round.h"
 
@@ -107,6 +108,10 @@ int64_t Engine::add(const std::vector<int64_t>& prompt, Params params, std::opti
             throw Error(SPECRT_ERROR_REQUEST, "token id " + std::to_string(t) + " is outside the vocabulary (0.." +
                                                   std::to_string(vocab - 1) + ")");
     check_params(params, vocab);
+    if (!params.stop_strings.empty() && !tokenizer_)
+        throw Error(SPECRT_ERROR_REQUEST, "stop strings need the artifact's tokenizer: " + tokenizer_problem_);
+    for (const std::string& stop : params.stop_strings)
+        if (stop.empty()) throw Error(SPECRT_ERROR_REQUEST, "a stop string is empty");
     if (static_cast<int64_t>(prompt.size()) + params.max_new_tokens + gamma_ > capacity)
         throw Error(SPECRT_ERROR_REQUEST, "prompt of " + std::to_string(prompt.size()) + " tokens + max_new_tokens " +
                                               std::to_string(params.max_new_tokens) + " exceeds the artifact's " +
@@ -197,16 +202,16 @@ void Engine::prefill(int64_t index, Request request, std::map<int64_t, Event>& e
     const Tensors* out = nullptr;
     for (int64_t start = 0; start < n; start += t) {
         const int64_t len = std::min(t, n - start);
-        int64_t* ids = in.at("input_ids").i64();
+        int64_t* ids = in.at(io::kInputIds).i64();
         std::fill_n(ids, t, 0);
         std::copy_n(request.prompt.begin() + start, len, ids);
-        for (int64_t k = 0; k < t; ++k) in.at("position_ids").i[k] = start + k;
-        in.at("write_index").i[0] = start;
-        std::iota(in.at("token_rows").i.begin(), in.at("token_rows").i.end(), 0);
-        in.at("logit_rows").i[0] = len - 1;
+        for (int64_t k = 0; k < t; ++k) in.at(io::kPositionIds).i[k] = start + k;
+        in.at(io::kWriteIndex).i[0] = start;
+        std::iota(in.at(io::kTokenRows).i.begin(), in.at(io::kTokenRows).i.end(), 0);
+        in.at(io::kLogitRows).i[0] = len - 1;
         out = &target_->run(index, pb);
         if (keep) {  // the head's feature columns of the chunk's rows
-            const Tensor& f = out->at("features");
+            const Tensor& f = out->at(io::kFeatures);
             const int64_t all = f.shape[2];
             for (int64_t k = 0; k < len; ++k) {
                 const float* row = f.f.data() + k * all + feature_offset_;
@@ -215,7 +220,7 @@ void Engine::prefill(int64_t index, Request request, std::map<int64_t, Event>& e
         }
     }
     s.length = n;
-    const float* logits = out->at("logits").f.data();
+    const float* logits = out->at(io::kLogits).f.data();
     slots_[index] = std::move(s);
     Slot& slot = *slots_[index];
     emit(slot, {next_token(logits, vocab, slot.params, slot.rng)}, events);
@@ -248,9 +253,9 @@ Tensors& Engine::grid(const Bucket& bucket, const std::vector<Slot*>& slots, con
                       const Proposal* p, bool dense) {
     const int64_t n = static_cast<int64_t>(slots.size()), b = bucket.at("B"), T = bucket.at("T"), P = bucket.at("P");
     Tensors& in = target_->inputs(0, bucket);
-    int64_t* ids = in.at("input_ids").i64();
-    int64_t* pos = in.at("position_ids").i64();
-    int64_t* write = in.at("write_index").i64();
+    int64_t* ids = in.at(io::kInputIds).i64();
+    int64_t* pos = in.at(io::kPositionIds).i64();
+    int64_t* write = in.at(io::kWriteIndex).i64();
     auto verified = [&](int64_t i, int64_t k) { return i < n && slots[i] && k <= lengths[i]; };
     std::fill_n(ids, b * T, 0);
     for (int64_t i = 0; i < b; ++i) {
@@ -263,7 +268,7 @@ Tensors& Engine::grid(const Bucket& bucket, const std::vector<Slot*>& slots, con
         for (int64_t k = 0; k < T; ++k) pos[i * T + k] = start + k;
         write[i] = start;
     }
-    int64_t* rows = in.at("token_rows").i64();
+    int64_t* rows = in.at(io::kTokenRows).i64();
     if (dense) {
         std::iota(rows, rows + P, 0);
     } else {
@@ -273,7 +278,7 @@ Tensors& Engine::grid(const Bucket& bucket, const std::vector<Slot*>& slots, con
         for (int64_t c = 0; c < b * T && r < P; ++c)
             if (!verified(c / T, c % T)) rows[r++] = c;
     }
-    std::iota(in.at("logit_rows").i.begin(), in.at("logit_rows").i.end(), 0);
+    std::iota(in.at(io::kLogitRows).i.begin(), in.at(io::kLogitRows).i.end(), 0);
     return target_->run(0, bucket);
 }
 
@@ -282,7 +287,7 @@ void Engine::decode(std::map<int64_t, Event>& events) {
     const std::vector<Slot*> slots = live();
     const int64_t n = static_cast<int64_t>(slots.size()), vocab = manifest_.vocab_size;
     const Bucket& bucket = target_->spec().bucket("decode", {{"B", n}});
-    const float* logits = grid(bucket, slots, std::vector<int64_t>(n, 0), nullptr, true).at("logits").f.data();
+    const float* logits = grid(bucket, slots, std::vector<int64_t>(n, 0), nullptr, true).at(io::kLogits).f.data();
     ++stats_.rounds;
     for (int64_t i = 0; i < n; ++i) {
         if (!slots[i]) continue;
@@ -309,8 +314,7 @@ void Engine::round(std::map<int64_t, Event>& events) {
             lengths[i] = 0;
             continue;
         }
-        const int64_t room = std::clamp<int64_t>(views.slots[i]->budget() - 1, 0, gamma_);
-        lengths[i] = std::min({lengths[i], p.counts[i], room});
+        lengths[i] = cap(lengths[i], p.counts[i], views.slots[i]->budget(), gamma_);
         t = std::max(t, lengths[i] + 1);
         count += lengths[i] + 1;
     }
@@ -320,8 +324,8 @@ void Engine::round(std::map<int64_t, Event>& events) {
     const Bucket& bucket = t > 1 ? spec.bucket("verify", {{"B", n}, {"T", t}, {"P", count}}) : spec.bucket("decode", {{"B", n}});
     const int64_t T = bucket.at("T"), vocab = manifest_.vocab_size;
     Tensors& out = grid(bucket, views.slots, lengths, &p, false);
-    const float* logits = out.at("logits").f.data();
-    auto features = out.find("features");
+    const float* logits = out.at(io::kLogits).f.data();
+    auto features = out.find(io::kFeatures);
     const double call_ms = seconds_since(ts) * 1e3;
     if (costs_) {
         costs_->observe_verify(n, count, call_ms);
@@ -338,8 +342,7 @@ void Engine::round(std::map<int64_t, Event>& events) {
         std::vector<int64_t> drafts(p.tokens.begin() + i * p.width, p.tokens.begin() + i * p.width + ell);
         int64_t a = 0, bonus = 0;
         if (s->params.greedy()) {
-            while (a < ell && argmax(l + a * vocab, vocab) == drafts[a]) ++a;
-            bonus = argmax(l + a * vocab, vocab);
+            std::tie(a, bonus) = accept(drafts, l, vocab);
         } else {
             DraftDist q = p.q;
             if (q.probs && !p.onehot.empty() && p.onehot[i]) q = DraftDist{};
@@ -375,17 +378,38 @@ void Engine::round(std::map<int64_t, Event>& events) {
     }
 }
 
-// Append tokens until the request finishes (EOS or a stop token, or its length); returns how many.
+// Append tokens until the request finishes (EOS, a stop token or string, or its length); returns how many. With stop
+// strings the text grows token by token and is searched where a stop string may end in the new text (the Python
+// runtime's Sequence.append: the text is cut before the first one found).
 int64_t Engine::emit(Slot& s, const std::vector<int64_t>& tokens, std::map<int64_t, Event>& events) {
     Event& e = events[s.id];
     e.id = s.id;
     int64_t emitted = 0;
+    const bool stops = !s.params.stop_strings.empty();
     for (int64_t token : tokens) {
         s.output.push_back(token);
         s.history.push_back(token);
         s.pending = token;
         e.tokens.push_back(token);
         ++emitted;
+        if (stops) {
+            const std::string piece = s.stream->push(&token, 1);
+            if (!piece.empty()) {
+                const size_t before = s.text.size();
+                s.text += piece;
+                for (const std::string& stop : s.params.stop_strings) {
+                    const size_t from = before + 1 > stop.size() ? before + 1 - stop.size() : 0;
+                    const size_t cut = s.text.find(stop, from);
+                    if (cut != std::string::npos) {
+                        s.text.resize(cut);
+                        s.finish = "stop";
+                        break;
+                    }
+                }
+                if (s.text.size() > before) e.text += s.text.substr(before);
+            }
+            if (!s.finish.empty()) break;
+        }
         const auto& stop = s.params.stop_token_ids;
         if ((manifest_.eos.count(token) && !s.params.ignore_eos) || std::find(stop.begin(), stop.end(), token) != stop.end())
             s.finish = "eos";
@@ -393,7 +417,7 @@ int64_t Engine::emit(Slot& s, const std::vector<int64_t>& tokens, std::map<int64
             s.finish = "length";
         if (!s.finish.empty()) break;
     }
-    if (s.stream) e.text += s.stream->push(e.tokens.data() + e.tokens.size() - emitted, emitted);
+    if (s.stream && !stops) e.text += s.stream->push(e.tokens.data() + e.tokens.size() - emitted, emitted);
     return emitted;
 }
 
@@ -403,7 +427,7 @@ void Engine::retire(int64_t index, std::map<int64_t, Event>& events) {
     Event& e = events[s->id];
     e.id = s->id;
     e.finish = s->finish;
-    if (s->stream) e.text += s->stream->flush();
+    if (s->stream && s->finish != "stop") e.text += s->stream->flush();  // a stop string's tail is not text
     s.reset();
 }
 

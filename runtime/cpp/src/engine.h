@@ -45,8 +45,9 @@ struct Slot {
     Rng rng{0};
     std::vector<int64_t> history, output;  // prompt + output; output
     std::optional<Context> ctx;
-    std::string finish;  // "" while running: "eos", "length"
+    std::string finish;  // "" while running: "eos", "stop", "length"
     std::shared_ptr<StreamDecoder> stream;  // the text of its tokens, where the artifact has a tokenizer
+    std::string text;  // its text so far, where it has stop strings to find in it
 
     int64_t budget() const { return params.max_new_tokens - static_cast<int64_t>(output.size()); }
 };
@@ -55,7 +56,7 @@ struct Event {
     int64_t id = 0;
     std::vector<int64_t> tokens;
     std::string text;    // the text of those tokens (special tokens skipped; whole UTF-8 characters)
-    std::string finish;  // "" while running: "eos", "length", "abort"
+    std::string finish;  // "" while running: "eos", "stop", "length", "abort"
 };
 
 struct Stats {

@@ -1,4 +1,5 @@
 #include "round.h"
+#include "io_names.h"
 
 #include <algorithm>
 #include <cmath>
@@ -11,12 +12,6 @@ namespace {
 constexpr int LOOKUP = 0, HEAD = 1;  // runtime/hybrid.py
 constexpr double kLookupLater = 0.8, kDecay = 0.95, kPriorRounds = 4.0, kPriorTokens = 1.5;
 constexpr int64_t kExplore = 32, kExploreMax = 256;
-
-// Survivals with 0 past each row's counts[i] drafts (runtime/steps.py survive).
-void survive(std::vector<float>& a, int64_t g, const std::vector<int64_t>& counts) {
-    for (size_t i = 0; i < counts.size(); ++i)
-        for (int64_t k = std::max<int64_t>(counts[i], 0); k < g; ++k) a[i * g + k] = 0.0f;
-}
 
 // [n, g]: the first g columns of rows of width w.
 std::vector<float> columns(const std::vector<float>& x, int64_t n, int64_t w, int64_t g) {
@@ -161,11 +156,11 @@ GraphDrafter::GraphDrafter(const fs::path& dir, const Manifest& m, const HeadSpe
 void GraphDrafter::fill(Tensors& feeds, const std::vector<const Context*>& ctx, const std::vector<int64_t>& anchors,
                         int64_t b) {
     const bool dspark = head_.kind == "dspark";
-    Tensor& features = feeds.at(dspark ? "ctx_features" : "hidden");
+    Tensor& features = feeds.at(dspark ? io::kCtxFeatures : io::kMtpHidden);
     const int64_t c = features.shape[1], w = head_.feature_dim;
     std::fill(features.f.begin(), features.f.end(), 0.0f);
-    int64_t* positions = feeds.at(dspark ? "ctx_positions" : "positions").i64();
-    int64_t* tokens = dspark ? nullptr : feeds.at("tokens").i64();
+    int64_t* positions = feeds.at(dspark ? io::kCtxPositions : io::kMtpPositions).i64();
+    int64_t* tokens = dspark ? nullptr : feeds.at(io::kMtpTokens).i64();
     if (tokens) std::fill_n(tokens, b * c, 0);
     for (int64_t i = 0; i < b; ++i) {
         const Context* x = i < static_cast<int64_t>(ctx.size()) ? ctx[i] : nullptr;
@@ -174,12 +169,12 @@ void GraphDrafter::fill(Tensors& feeds, const std::vector<const Context*>& ctx, 
         if (x) std::copy(x->features.begin(), x->features.end(), features.f.begin() + i * c * w);
         for (int64_t k = 0; k < c; ++k) positions[i * c + k] = start + k;
         if (dspark) {
-            feeds.at("ctx_write_index").i[i] = start;
-            feeds.at("ctx_len").i[i] = start + rows;
-            feeds.at("anchor_ids").i[i] = anchors[i];
+            feeds.at(io::kCtxWriteIndex).i[i] = start;
+            feeds.at(io::kCtxLen).i[i] = start + rows;
+            feeds.at(io::kAnchorIds).i[i] = anchors[i];
         } else {
             if (x) std::copy(x->next_tokens.begin(), x->next_tokens.end(), tokens + i * c);
-            feeds.at("last_row").i[i] = std::max<int64_t>(rows - 1, 0);
+            feeds.at(io::kMtpLastRow).i[i] = std::max<int64_t>(rows - 1, 0);
         }
     }
 }
@@ -188,11 +183,11 @@ namespace {
 // Sampling inputs (temperature 0: argmax drafts) and ConfidenceTruncate's threshold 0 and budget -1 (report survival,
 // cut nothing: the host's scheduler cuts).
 void settings(Tensors& feeds) {
-    std::fill(feeds.at("temperature").f.begin(), feeds.at("temperature").f.end(), 0.0f);
-    std::fill(feeds.at("noise").f.begin(), feeds.at("noise").f.end(), 0.0f);
-    auto budget = feeds.find("truncate_budget");
+    std::fill(feeds.at(io::kTemperature).f.begin(), feeds.at(io::kTemperature).f.end(), 0.0f);
+    std::fill(feeds.at(io::kNoise).f.begin(), feeds.at(io::kNoise).f.end(), 0.0f);
+    auto budget = feeds.find(io::kTruncateBudget);
     if (budget != feeds.end()) {
-        feeds.at("truncate_threshold").f[0] = 0.0f;
+        feeds.at(io::kTruncateThreshold).f[0] = 0.0f;
         budget->second.i[0] = -1;
     }
 }
@@ -234,8 +229,8 @@ Proposal GraphDrafter::propose(const Views& views) {
         if (!s) continue;
         anchors[i] = s->pending;
         if (!s->params.greedy()) {
-            feeds.at("temperature").f[i] = static_cast<float>(s->params.temperature);
-            for (int64_t k = 0; k < steps; ++k) feeds.at("noise").f[i * steps + k] = static_cast<float>(s->rng.uniform());
+            feeds.at(io::kTemperature).f[i] = static_cast<float>(s->params.temperature);
+            for (int64_t k = 0; k < steps; ++k) feeds.at(io::kNoise).f[i * steps + k] = static_cast<float>(s->rng.uniform());
         }
     }
     fill(feeds, views.ctx, anchors, b);  // bucket padding past views: no rows
@@ -244,14 +239,14 @@ Proposal GraphDrafter::propose(const Views& views) {
     p.n = n;
     p.width = steps;
     p.head = head_.name;
-    const auto& drafts = out.at("draft_tokens").i;
+    const auto& drafts = out.at(io::kDraftTokens).i;
     p.tokens.assign(drafts.begin(), drafts.begin() + n * steps);
     p.counts.assign(n, 0);
     for (int64_t i = 0; i < n; ++i) p.counts[i] = views.slots[i] ? steps : 0;
-    if (auto s = out.find("survival"); s != out.end()) p.survival.assign(s->second.f.begin(), s->second.f.begin() + n * steps);
-    if (auto c = out.find("confidence_logits"); c != out.end())
+    if (auto s = out.find(io::kSurvival); s != out.end()) p.survival.assign(s->second.f.begin(), s->second.f.begin() + n * steps);
+    if (auto c = out.find(io::kConfidenceLogits); c != out.end())
         p.confidence.assign(c->second.f.begin(), c->second.f.begin() + n * steps);
-    if (auto q = out.find("draft_probs"); q != out.end() && !greedy) {
+    if (auto q = out.find(io::kDraftProbs); q != out.end() && !greedy) {
         p.q.probs = q->second.f.data();
         p.q.width = q->second.shape[2];
         p.q.vocab_ids = &head_.vocab_ids;
@@ -440,11 +435,7 @@ class Threshold : public Scheduler {
 public:
     Threshold(int64_t gamma, std::vector<float> t, double cut) : Scheduler(gamma, std::move(t)), cut_(static_cast<float>(cut)) {}
     std::vector<int64_t> schedule(const Views&, const Proposal& p) override {
-        std::vector<float> a = survival(p);
-        std::vector<int64_t> out(p.n, 0);
-        for (int64_t i = 0; i < p.n; ++i)
-            for (int64_t k = 0; k < gamma; ++k) out[i] += a[i * gamma + k] >= cut_;
-        return out;
+        return threshold(survival(p), p.n, gamma, cut_);
     }
 
 private:
@@ -478,14 +469,8 @@ public:
         std::vector<int64_t> plan = admission(a, p.n, gamma, on, costs_.draft_ms(p.head, p.n), costs_, true).lengths;
         const int64_t planned = std::accumulate(plan.begin(), plan.end(), int64_t{0});
         const int64_t budget = planned_ >= 0 ? planned_ : planned;
-        planned_ = planned;
-        std::vector<double> flat(a.size());
-        for (int64_t i = 0; i < p.n; ++i)
-            for (int64_t k = 0; k < gamma; ++k) flat[i * gamma + k] = on[i] ? a[i * gamma + k] : 0.0f;
-        std::vector<int64_t> order = descending(flat), out(p.n, 0);
-        for (int64_t j = 0; j < std::min<int64_t>(budget, static_cast<int64_t>(order.size())); ++j)
-            if (flat[order[j]] > 0) ++out[order[j] / gamma];
-        return out;
+        planned_ = planned;  // the next round's capacity
+        return admit(a, p.n, gamma, on, budget);
     }
 
 private:

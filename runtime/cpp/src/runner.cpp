@@ -1,4 +1,5 @@
 #include "runner.h"
+#include "io_names.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -13,7 +14,6 @@ namespace specrt {
 namespace {
 
 constexpr int64_t kGrowth = 64;  // positions a sized cache grows by (runtime/backends/ort.py GROWTH)
-const char* const kCacheLen = "S";
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
@@ -142,7 +142,7 @@ Runner::Runner(Ort::Env& env, const fs::path& dir, const GraphSpec& spec, int th
         greedy_session_ = open_session(env, dir, greedy_spec_, threads, spin);
     }
     for (const TensorSpec& t : spec.inputs) {
-        if (t.name.rfind("past.", 0) != 0) continue;
+        if (t.name.rfind(io::kPastPrefix, 0) != 0) continue;
         if (t.dtype == "float16" || t.dtype == "bfloat16") {  // `specrt export --kv-dtype`
             cache_type_ = t.dtype == "float16" ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16
                                                : ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
@@ -158,7 +158,7 @@ Runner::Runner(Ort::Env& env, const fs::path& dir, const GraphSpec& spec, int th
     }
     for (const auto* list : {&spec.inputs, &spec.outputs})
         for (const TensorSpec& t : *list)
-            if (t.name.rfind("past.", 0) != 0 && t.name.rfind("present.", 0) != 0 && t.dtype != "int64" &&
+            if (t.name.rfind(io::kPastPrefix, 0) != 0 && t.name.rfind(io::kPresentPrefix, 0) != 0 && t.dtype != "int64" &&
                 t.dtype != "float32")
                 throw Error(SPECRT_ERROR_ARTIFACT, spec.file + ": " + t.name + " is " + t.dtype +
                                                        " (this runtime reads int64 and float32 graphs)");
@@ -189,7 +189,7 @@ void Runner::prime() {
         for (auto& [name, t] : in) {
             std::fill(t.i.begin(), t.i.end(), 0);
             std::fill(t.f.begin(), t.f.end(), 0.0f);
-            if (name == "token_rows" || name == "logit_rows") std::iota(t.i.begin(), t.i.end(), 0);
+            if (name == io::kTokenRows || name == io::kLogitRows) std::iota(t.i.begin(), t.i.end(), 0);
         }
         run(0, bucket);
         ran = true;
@@ -203,7 +203,7 @@ Tensors& Runner::inputs(int64_t slot, const Bucket& bucket, bool greedy) { retur
 Tensors& Runner::run(int64_t slot, const Bucket& bucket, bool greedy) {
     Call& c = call(slot, bucket, greedy);
     if (sized_) {
-        const auto& w = c.in.at("write_index").i;
+        const auto& w = c.in.at(io::kWriteIndex).i;
         int64_t need = *std::max_element(w.begin(), w.end()) + bucket.at("T");
         if (need > length_ && length_ < spec_.max_seq) resize(std::min(spec_.max_seq, (need + kGrowth - 1) / kGrowth * kGrowth));
     }
@@ -234,7 +234,7 @@ Runner::Call& Runner::call(int64_t slot, const Bucket& bucket, bool greedy) {
     auto mem = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
     for (bool input : {true, false}) {
         for (const TensorSpec& t : input ? spec.inputs : spec.outputs) {
-            if (t.name.rfind(input ? "past." : "present.", 0) == 0) continue;
+            if (t.name.rfind(input ? io::kPastPrefix : io::kPresentPrefix, 0) == 0) continue;
             Tensor& x = (input ? c.in : c.out)[t.name];
             x.dtype = t.dtype;
             x.shape = t.resolve(bucket);
@@ -260,13 +260,13 @@ void Runner::bind_cache(Call& c) {
     c.cache_values.clear();
     for (size_t i = 0; i < cache_specs_.size(); ++i) {
         const TensorSpec& t = cache_specs_[i];
-        std::vector<int64_t> shape = t.resolve({{"B", c.slots}, {kCacheLen, length_}});
+        std::vector<int64_t> shape = t.resolve({{"B", c.slots}, {io::kCacheLen, length_}});
         size_t per_slot = count(shape) / static_cast<size_t>(c.slots);
         c.cache_values.push_back(Ort::Value::CreateTensor(mem, cache_[i] + c.slot * per_slot * cache_item_,
                                                           count(shape) * cache_item_, shape.data(), shape.size(),
                                                           cache_type_));
         c.binding->BindInput(t.name.c_str(), c.cache_values.back());
-        std::string present = "present." + t.name.substr(5);
+        std::string present = io::kPresentPrefix + t.name.substr(sizeof(io::kPastPrefix) - 1);
         c.binding->BindOutput(present.c_str(), c.cache_values.back());
     }
     c.length = length_;
@@ -278,7 +278,7 @@ void Runner::resize(int64_t length) {
     std::vector<size_t> at;  // each layer's offset in the block, on its own cache lines
     size_t total = 0;
     for (const TensorSpec& t : cache_specs_) {
-        shapes.push_back(t.resolve({{"B", slots_}, {kCacheLen, length}}));
+        shapes.push_back(t.resolve({{"B", slots_}, {io::kCacheLen, length}}));
         at.push_back(total);
         total += (count(shapes.back()) * cache_item_ + 63) / 64 * 64;
     }

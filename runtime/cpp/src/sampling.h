@@ -16,6 +16,7 @@ struct Params {
     int64_t seed = -1;         // -1: unseeded
     int64_t max_new_tokens = 128;
     std::vector<int64_t> stop_token_ids;
+    std::vector<std::string> stop_strings;  // end the request where its text first holds one (cut before it)
     bool ignore_eos = false;
 
     bool greedy() const { return temperature == 0.0; }

@@ -5,6 +5,41 @@
 
 namespace specrt {
 
+void survive(std::vector<float>& a, int64_t g, const std::vector<int64_t>& counts) {
+    for (size_t i = 0; i < counts.size(); ++i)
+        for (int64_t k = std::max<int64_t>(counts[i], 0); k < g; ++k) a[i * g + k] = 0.0f;
+}
+
+std::vector<int64_t> threshold(const std::vector<float>& a, int64_t n, int64_t g, float cut) {
+    std::vector<int64_t> out(n, 0);
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t k = 0; k < g; ++k) out[i] += a[i * g + k] >= cut;
+    return out;
+}
+
+std::vector<int64_t> admit(const std::vector<float>& a, int64_t n, int64_t g, const std::vector<char>& active,
+                           int64_t budget) {
+    std::vector<double> flat(a.size());
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t k = 0; k < g; ++k) flat[i * g + k] = active[i] ? a[i * g + k] : 0.0f;
+    std::vector<int64_t> order = descending(flat), out(n, 0);
+    for (int64_t j = 0; j < std::min<int64_t>(budget, static_cast<int64_t>(order.size())); ++j)
+        if (flat[order[j]] > 0) ++out[order[j] / g];
+    return out;
+}
+
+int64_t cap(int64_t planned, int64_t count, int64_t budget, int64_t gamma) {
+    return std::min({planned, count, std::clamp<int64_t>(budget - 1, 0, gamma)});
+}
+
+std::pair<int64_t, int64_t> accept(const std::vector<int64_t>& drafts, const float* logits, int64_t vocab) {
+    auto best = [&](int64_t row) { return std::max_element(logits + row * vocab, logits + (row + 1) * vocab) - (logits + row * vocab); };
+    int64_t a = 0;
+    const int64_t ell = static_cast<int64_t>(drafts.size());
+    while (a < ell && best(a) == drafts[a]) ++a;
+    return {a, best(a)};
+}
+
 // The indices of `values` by decreasing value, ties in index order (a stable argsort of -values).
 std::vector<int64_t> descending(const std::vector<double>& values) {
     std::vector<int64_t> order(values.size());

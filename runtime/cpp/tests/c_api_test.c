@@ -5,6 +5,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <stddef.h>
 #include <string.h>
 
 static int failures = 0;
@@ -95,6 +96,73 @@ int main(void) {
     CHECK(specrt_generate(engine, prompt, 8, &params, out, &n) == SPECRT_OK && n == 12 &&
               memcmp(out, first, sizeof(first)) == 0, "the engine still generates the same tokens");
     CHECK(specrt_step(engine, NULL, NULL) == SPECRT_ERROR_REQUEST, "step with NULL outputs");
+
+    /* versioned structs: one never initialized is an error; a caller built against an older, shorter specrt_params
+     * (no stop strings) gets the defaults of the fields it does not have */
+    specrt_params zeroed;
+    memset(&zeroed, 0, sizeof zeroed);
+    CHECK(specrt_add_request(engine, prompt, 8, &zeroed, &id) == SPECRT_ERROR_REQUEST, "params with struct_size 0");
+    CHECK(strstr(specrt_last_error(), "specrt_params_init") != NULL, "its message names the fix");
+    specrt_options unset;
+    memset(&unset, 0, sizeof unset);
+    specrt_engine* none = NULL;
+    CHECK(specrt_engine_open(art, &unset, &none) == SPECRT_ERROR_REQUEST && none == NULL, "options with struct_size 0");
+    specrt_params older = params;
+    older.struct_size = offsetof(specrt_params, stop_strings);
+    older.stop_strings = (const char* const*)1; /* past the caller's struct: never read */
+    older.n_stop_strings = 3;
+    CHECK(specrt_generate(engine, prompt, 8, &older, out, &n) == SPECRT_OK && n == 12 &&
+              memcmp(out, first, sizeof(first)) == 0, "an older specrt_params: the same tokens, no stop strings");
+
+    /* stop strings: the request ends where its text first holds one, the text cut before it (with a tokenizer) */
+    char text[4096];
+    size_t n_text = 0;
+    const char* stops[1];
+    params.stop_strings = stops;
+    params.n_stop_strings = 1;
+    if (specrt_detokenize(engine, first, 12, 1, text, sizeof text, &n_text) == SPECRT_OK) {
+        char piece[64] = {0};
+        size_t n_piece = 0;
+        size_t k = 3; /* a stop string: the text of the first token from the fourth on that has some */
+        while (k < 12 && (specrt_detokenize(engine, first + k, 1, 1, piece, sizeof piece, &n_piece) != SPECRT_OK ||
+                          n_piece == 0 || strchr(piece, '\xef') != NULL))
+            ++k;
+        if (k < 12) {
+            stops[0] = piece;
+            CHECK(specrt_add_request(engine, prompt, 8, &params, &id) == SPECRT_OK, "add a request with a stop string");
+            const char* reason = NULL;
+            char seen[4096] = {0};
+            while (specrt_has_unfinished(engine)) {
+                const specrt_event* events = NULL;
+                size_t count = 0;
+                CHECK(specrt_step(engine, &events, &count) == SPECRT_OK, "step");
+                for (size_t i = 0; i < count; ++i) {
+                    strncat(seen, events[i].text, sizeof seen - strlen(seen) - 1);
+                    if (events[i].finish_reason) reason = events[i].finish_reason;
+                }
+            }
+            CHECK(reason && strcmp(reason, "stop") == 0, "it finished for its stop string");
+            CHECK(strstr(seen, piece) == NULL && strncmp(seen, text, strlen(seen)) == 0,
+                  "its text is the unstopped text cut before the stop string");
+            printf("c_api_test: stop string checked (token %zu's text)\n", k);
+        }
+    } else {
+        stops[0] = "x";
+        CHECK(specrt_add_request(engine, prompt, 8, &params, &id) == SPECRT_ERROR_REQUEST &&
+                  strstr(specrt_last_error(), "tokenizer") != NULL,
+              "without a tokenizer, stop strings are refused");
+        printf("c_api_test: no tokenizer: stop strings refused\n");
+    }
+    params.stop_strings = NULL;
+    params.n_stop_strings = 0;
+    stops[0] = NULL;
+    params.stop_strings = stops;
+    params.n_stop_strings = 1;
+    CHECK(specrt_add_request(engine, prompt, 8, &params, &id) == SPECRT_ERROR_REQUEST, "a NULL stop string");
+    params.stop_strings = NULL;
+    CHECK(specrt_add_request(engine, prompt, 8, &params, &id) == SPECRT_ERROR_REQUEST, "n_stop_strings without them");
+    params.n_stop_strings = 0;
+    CHECK(!specrt_has_unfinished(engine), "refused requests leave nothing queued");
     specrt_engine_close(engine);
     specrt_engine_close(NULL); /* closing NULL is a no-op */
     if (failures) fprintf(stderr, "%d checks failed\n", failures);

@@ -1,6 +1,7 @@
 // specrt-cpp: the C API from the command line (an example of embedding it).
 //   specrt-cpp ART (--prompt TEXT | --input-ids 1,2,3) [more prompts] [--raw | --system TEXT] [--method M] [--scheduler S] [--max-new-tokens 64]
 //              [--threads N] [--gamma G] [--slots N] [--temperature T --top-k K --top-p P --seed S] [--ignore-eos]
+//              [--stop TEXT]...
 //              [--repeat N] [--json]
 // Every prompt (each --input-ids, each repeated N times) is queued at once and the engine is stepped until all have
 // finished, several in flight over the artifact's slots. Text prompts go through the chat template (unless --raw)
@@ -18,7 +19,7 @@
 static const char* kUsage =
     "usage: specrt-cpp ART (--prompt TEXT | --input-ids 1,2,3)... [--raw | --system TEXT] [--method ar|ngram|dspark|mtp|dspark+ngram|mtp+ngram] "
     "[--scheduler fixed|threshold|sps|sps-async] [--max-new-tokens 64] [--threads N] [--gamma G] [--temperature T] "
-    "[--top-k K] [--top-p P] [--seed S] [--ignore-eos] [--repeat N] [--json]";
+    "[--top-k K] [--top-p P] [--seed S] [--ignore-eos] [--stop TEXT]... [--repeat N] [--json]";
 
 static int usage(const std::string& why) {
     std::fprintf(stderr, "specrt-cpp: %s\n%s\n", why.c_str(), kUsage);
@@ -38,6 +39,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> texts;  // text prompts (added after the id prompts)
     bool raw = false;
     const char* system = nullptr;  // a system message before each text prompt
+    std::vector<const char*> stops;  // --stop texts (params.stop_strings points into it)
     specrt_options options;
     specrt_options_init(&options);
     specrt_params params;
@@ -90,6 +92,11 @@ int main(int argc, char** argv) {
             (a == "--temperature" ? params.temperature : params.top_p) = x;
         } else if (a == "--ignore-eos") {
             params.ignore_eos = 1;
+        } else if (a == "--stop") {
+            if (!value()) return usage("--stop needs a text");
+            stops.push_back(v);
+            params.stop_strings = stops.data();
+            params.n_stop_strings = stops.size();
         } else if (a == "--json") {
             as_json = true;
         } else if (a == "--help" || a == "-h") {
@@ -117,6 +124,7 @@ int main(int argc, char** argv) {
         std::vector<int64_t> ids;
         std::string text;
         bool is_text = false;
+        std::string finish;  // why it ended
     };
     std::map<int64_t, Output> outputs;  // request id -> what it generated (ids count up from 0, in the order added)
     for (long r = 0; r < repeat; ++r) {
@@ -145,6 +153,7 @@ int main(int argc, char** argv) {
             Output& o = outputs[events[i].request_id];
             o.ids.insert(o.ids.end(), events[i].token_ids, events[i].token_ids + events[i].n_tokens);
             o.text.append(events[i].text, events[i].n_text);
+            if (events[i].finish_reason) o.finish = events[i].finish_reason;
             if (stream) {
                 std::fwrite(events[i].text, 1, events[i].n_text, stdout);
                 std::fflush(stdout);
@@ -153,7 +162,7 @@ int main(int argc, char** argv) {
     }
     specrt_stats s = specrt_get_stats(engine);
     size_t tokens = 0;
-    std::string all, all_texts;
+    std::string all, all_texts, all_reasons;
     auto quoted = [](const std::string& t) {  // a JSON string (the text is valid UTF-8)
         std::string q = "\"";
         for (unsigned char c : t) {
@@ -174,15 +183,16 @@ int main(int argc, char** argv) {
         for (size_t i = 0; i < o.ids.size(); ++i) ids += (i ? "," : "") + std::to_string(o.ids[i]);
         all += (all.empty() ? "[" : ", [") + ids + "]";
         all_texts += (all_texts.empty() ? "" : ", ") + quoted(o.text);
+        all_reasons += (all_reasons.empty() ? "" : ", ") + quoted(o.finish);
         tokens += o.ids.empty() ? 0 : o.ids.size() - 1;  // the first token of each comes from its prefill
         if (!as_json && !stream) std::printf("%s\n", o.is_text ? o.text.c_str() : ids.c_str());
     }
     if (stream) std::printf("\n");
     const double tps = s.decode_seconds > 0 ? tokens / s.decode_seconds : 0.0;
     if (as_json)
-        std::printf("{\"outputs\": [%s], \"texts\": [%s], \"decode_tokens_per_s\": %.3f, \"decode_seconds\": %.6f, "
-                    "\"rounds\": %zu, \"accepted\": %zu, \"head_calls\": %zu, \"gamma\": %d}\n",
-                    all.c_str(), all_texts.c_str(), tps, s.decode_seconds, s.rounds, s.accepted, s.head_calls,
+        std::printf("{\"outputs\": [%s], \"texts\": [%s], \"finish_reasons\": [%s], \"decode_tokens_per_s\": %.3f, "
+                    "\"decode_seconds\": %.6f, \"rounds\": %zu, \"accepted\": %zu, \"head_calls\": %zu, \"gamma\": %d}\n",
+                    all.c_str(), all_texts.c_str(), all_reasons.c_str(), tps, s.decode_seconds, s.rounds, s.accepted, s.head_calls,
                     specrt_gamma(engine));
     else
         std::fprintf(stderr, "-- %zu requests, %zu tokens, decode %.1f tok/s, %zu rounds, %zu drafts accepted\n",
