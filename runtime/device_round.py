@@ -69,7 +69,7 @@ class DeviceRounds:
     """Decode steps (AR) or draft/verify rounds whose state lives on the target runner's device."""
 
     def __init__(self, target: DeviceRunner, drafter: Drafter | None, scheduler: Scheduler | None = None, *,
-                 gamma: int, threshold: float = 0.3, costs: Costs | None = None, capture: bool | None = None) -> None:
+                 gamma: int, costs: Costs | None = None, capture: bool | None = None) -> None:
         """`scheduler`: the host's scheduler of this method (its name, and the acceptance history survivals come
         from where no confidence head gives them); `costs`: what the sps schedulers plan on; `capture`: each round
         bucket in one CUDA graph (default: on CUDA)."""
@@ -85,7 +85,6 @@ class DeviceRounds:
         traits = scheduler.traits if scheduler is not None and self.gamma else None
         self.reads_survival = traits is not None and traits.reads_survival
         self.plans_on_costs = traits is not None and traits.plans_on_costs
-        self.threshold = threshold
         self.device = target.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.width = graph.width if graph is not None else 0

@@ -20,28 +20,24 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence as Seq
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.runtime import calls
-from specrt.runtime.backends import load_runner
 from specrt.runtime.config import EngineConfig
-from specrt.runtime.costs import CostTable
-from specrt.runtime.profile import Profile, load_profile, placement, profile_options
-from specrt.runtime.drafters import Context, make_drafter
+from specrt.runtime.drafters import Context
 from specrt.runtime.observers import RoundObserver, RoundRecord, TraceWriter
+from specrt.runtime.profile import Profile
+from specrt.runtime.rounds import Rounds
 from specrt.runtime.sampling import SamplingParams, next_token
-from specrt.runtime.schedulers import Load, make_scheduler, scheduler_class
+from specrt.runtime.schedulers import Load
 from specrt.runtime.sequence import Request, RequestDelta, RequestOutput, Sequence
-from specrt.runtime.speculative import Round, Speculator
+from specrt.runtime.speculative import Round
 from specrt.runtime.stats import RunStats
 from specrt.runtime.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from specrt.runtime.device_round import DeviceRounds
 
 __all__ = ["Engine", "Request", "RequestDelta", "RequestOutput", "Sequence", "check_room"]
 
@@ -96,7 +92,7 @@ class Engine:
             config = config or EngineConfig(**settings)
         except TypeError as e:  # an unknown keyword
             raise SpecrtError(f"Engine: {e}") from None
-        c, method = config, config.parsed
+        c = config
         self.config = config
         if trace is not None:
             TraceWriter.check(trace)  # before the graphs load
@@ -110,43 +106,12 @@ class Engine:
         self.max_batch = self.manifest.export.batch
         # The last cache position receives writes from padding tokens; valid tokens stay below it.
         self.capacity = self.manifest.export.max_seq - 1
-        where = {"device": c.device, "dtype": c.dtype}
-        if c.backend != "ort":  # torch on CUDA, and TensorRT, capture each call in a CUDA graph
-            where["graphs"] = c.cuda_graphs and (c.backend == "tensorrt" or c.device.startswith("cuda"))
-        self.target = load_runner(c.backend, self.art_dir, self.manifest, io.TARGET, threads=c.threads, spin=True,
-                                  **where)
-        self.drafter = scheduler = None
-        self.costs: CostTable | None = None  # what the cost-aware scheduler and the hybrid plan on
-        self.gamma = 0
-        if method.speculative:
-            exported = self.manifest.gamma
-            if c.gamma is not None and not 1 <= c.gamma <= exported:
-                raise SpecrtError(f"--gamma must be between 1 and {exported} (the artifact's verify length - 1), "
-                                  f"got {c.gamma}")
-            where_costs = placement(c.backend, c.device, c.dtype)  # a GPU's costs are not a CPU's
-            self.costs = self._costs(where_costs, c.threads, profile) if c.plans_on_costs else None
-            self.drafter = make_drafter(method, self.art_dir, self.manifest, gamma=c.gamma or exported,
-                                        backend=c.backend, threads=c.threads, ngram=c.ngram, costs=self.costs,
-                                        gated=c.gate_head and scheduler_class(c.scheduler).traits.gates_head, **where)
-            self.gamma = min(c.gamma or exported, self.drafter.steps)
-            head = self.manifest.heads.get(method.head) if method.head else None
-            scheduler = make_scheduler(c.scheduler, gamma=self.gamma, temperatures=head.temperatures if head else (),
-                                       threshold=c.threshold, costs=self.costs)
-        self.scheduler = scheduler
+        self.rounds = Rounds.open(self.art_dir, self.manifest, config, profile)
+        r = self.rounds  # what the engine's users and tests read of it:
+        self.target, self.drafter, self.scheduler, self.costs, self.gamma = (r.target, r.drafter, r.scheduler,
+                                                                              r.costs, r.gamma)
+        self.executor, self.device_rounds, self.device_note = r.executor, r.device_rounds, r.device_note
         self._keep_ctx = self.drafter is not None and self.drafter.needs_features
-        self.device_rounds: DeviceRounds | None = None
-        self.device_note = "the host loop runs every round on this backend"
-        if c.backend == "torch":  # imported here: the ONNX Runtime path never loads torch
-            from specrt.runtime.device_round import DeviceRounds
-
-            self.device_note = ""
-            self.device_rounds = DeviceRounds(self.target, self.drafter, scheduler, gamma=self.gamma,
-                                              threshold=c.threshold, costs=self.costs, capture=where["graphs"])
-            self.executor: Speculator | DeviceRounds = self.device_rounds
-            self._run_round = self.device_rounds.run
-        else:
-            self.executor = Speculator(self.target, self.drafter, scheduler, gamma=self.gamma, costs=self.costs)
-            self._run_round = self.executor.round
         self.observers: list[RoundObserver] = list(observers)
         if trace is not None:
             self.observers.append(TraceWriter(trace))
@@ -165,19 +130,6 @@ class Engine:
         self._text_deltas = True
         if c.slots is not None:
             self._allocate(min(c.slots, self.max_batch))
-
-    def _costs(self, backend: str, threads: int | None, profile: Profile | None) -> CostTable:
-        """The artifact's stored profile for this backend (its `placement`), or the one given; either is refined
-        online by the rounds this engine times (runtime/costs.py)."""
-        stored = load_profile(self.art_dir, backend=backend, threads=threads)
-        if stored is not None:
-            return CostTable(stored, f"artifact profile {stored.backend}/{stored.threads}")
-        if profile is None:
-            raise SpecrtError(f"--scheduler {self.scheduler_name} / --method {self.method} plan on a cost profile and "
-                              f"{self.art_dir} has none for {backend}: run `specrt profile {self.art_dir}"
-                              f"{profile_options(backend)}` once (or open it with Engine.open, or pass "
-                              f"Engine(..., profile=...))")
-        return CostTable(profile, f"profile measured {profile.created}")
 
     # -- the online API ---------------------------------------------------------------------------
 
@@ -247,7 +199,7 @@ class Engine:
             t0 = time.perf_counter()
             n = max(i for i, s in enumerate(self.slots) if s is not None) + 1
             live = self.slots[:n]
-            rnd = self._run_round(live, self._load(live))
+            rnd = self.rounds.run(live, self._load(live))
             self._commit(live, rnd, deltas, stats)
             stats.decode_s += time.perf_counter() - t0
         self._retire(deltas)
@@ -350,11 +302,7 @@ class Engine:
     def _allocate(self, n: int) -> None:
         n = next(b for b in io.batch_sizes(self.max_batch) if b >= n)
         io.check_memory(n * (self.capacity + 1) * 8, f"token ids for {n} slots x {self.capacity + 1} positions")
-        self.target.allocate(n)
-        if self.drafter:
-            self.drafter.allocate(n)
-        if self.device_rounds is not None:
-            self.device_rounds.allocate(n)
+        self.rounds.allocate(n)
         self.slots = [None] * n
 
     def _admit(self, deltas: dict[int, RequestDelta], stats: RunStats) -> None:
