@@ -30,7 +30,8 @@ captured after a warm-up whose state changes are undone. The cost table is read 
 graphs whose calls are not timed apart, so the device path neither refines it online nor explores its cells
 (runtime/costs.py; a gated head's explorations, which are the hybrid's, happen on both paths). A hybrid's backlog
 longer than one propose call takes is written through the head's prefill bucket before the round, outside its graph
-(the host knows every backlog's length without asking the device).
+(the host knows every backlog's length without asking the device), by the head's own `GraphDrafter.write_rows`, the
+host's prefill on the device's tensors.
 """
 from __future__ import annotations
 
@@ -244,18 +245,10 @@ class DeviceRounds:
         """Write every backlog longer than one propose call takes through the head's prefill bucket, all but its
         last row (which stays pending), as the host's hybrid does (GraphDrafter.prefill)."""
         t = self.gamma + 1
-        bucket = self.head.spec.bucket("prefill")
         for i in np.flatnonzero(self.pending[:n] > t):
             r = int(self.pending[i])
-            for start in range(0, r - 1, bucket["C"]):
-                stop = min(start + bucket["C"], r - 1)
-                feeds = self.head.module_inputs(int(i), bucket)
-                calls.head.settings(feeds)
-                rows = calls.ContextRows(self.ctx_features[i:i + 1, start:stop], self.ctx_next[i:i + 1, start:stop],
-                                         self.ctx_pos[i:i + 1] + start,
-                                         torch.full((1,), stop - start, dtype=torch.int64, device=self.device))
-                self.graph_drafter.calls.propose(feeds, rows, torch.zeros(1, dtype=torch.int64, device=self.device))
-                self.head.forward(int(i), bucket, graphed=False)
+            self.graph_drafter.write_rows(int(i), self.ctx_features[i, :r - 1, :self.width], self.ctx_next[i, :r - 1],
+                                          self.ctx_pos[i:i + 1], device=True)
             self.ctx_features[i, 0] = self.ctx_features[i, r - 1]
             self.ctx_next[i, 0] = self.ctx_next[i, r - 1]
             self.ctx_pos[i] += r - 1

@@ -19,6 +19,8 @@ import numpy as np
 from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.runtime import calls
+from specrt.runtime.arrays import Array, namespace
+from specrt.runtime.arrays import device as array_device
 from specrt.runtime.backends import load_runner
 from specrt.runtime.config import Method
 
@@ -140,15 +142,30 @@ class GraphDrafter:
     def prefill(self, slot: int, ctx: Context) -> Context:
         """Write all but the last pending row of a fresh slot in chunks; return the last row, still pending."""
         r = len(ctx.next_tokens)
-        bucket = self.runner.spec.bucket("prefill")
-        for start in range(0, r - 1, bucket["C"]):
-            stop = min(start + bucket["C"], r - 1)
-            piece = Context(ctx.pos + start, ctx.features[start:stop], ctx.next_tokens[start:stop])
-            feeds = self.runner.inputs(slot, bucket, greedy=True)  # only the cache writes matter
-            calls.head.settings(feeds)
-            self.calls.propose(feeds, self.rows([piece], 1), np.zeros(1, np.int64))
-            self.runner.run(slot, bucket, greedy=True)
+        feats = np.ascontiguousarray(ctx.features[:r - 1, self.offset:self.offset + self.width], np.float32)
+        self.write_rows(slot, feats, np.asarray(ctx.next_tokens[:r - 1], np.int64), np.array([ctx.pos], np.int64))
         return Context(ctx.pos + r - 1, ctx.features[r - 1:], ctx.next_tokens[r - 1:])
+
+    def write_rows(self, slot: int, features: Array, next_tokens: Array, start: Array, *, device: bool = False
+                   ) -> None:
+        """Write one slot's context rows into the head's cache through its prefill bucket, chunk by chunk (only the
+        cache writes matter): features [r, width] (the head's columns), next_tokens [r], start [1] the first row's
+        position. Arrays of the runner's namespace: numpy through its host call, or (`device`) the device round's
+        tensors through its device call (runtime/device_round.py writes a backlog so)."""
+        bucket = self.runner.spec.bucket("prefill")
+        xp, where = namespace(next_tokens), array_device(next_tokens)
+        anchor = xp.zeros(1, dtype=xp.int64, device=where)
+        for s0 in range(0, next_tokens.shape[0], bucket["C"]):
+            s1 = min(s0 + bucket["C"], next_tokens.shape[0])
+            feeds = self.runner.module_inputs(slot, bucket) if device else self.runner.inputs(slot, bucket, greedy=True)
+            calls.head.settings(feeds)
+            rows = calls.ContextRows(features[None, s0:s1], next_tokens[None, s0:s1], start + s0,
+                                     xp.full((1,), s1 - s0, dtype=xp.int64, device=where))
+            self.calls.propose(feeds, rows, anchor)
+            if device:
+                self.runner.forward(slot, bucket, graphed=False)
+            else:
+                self.runner.run(slot, bucket, greedy=True)
 
     def rows(self, ctxs: list[Context | None], b: int) -> calls.ContextRows:
         """The pending context rows of slots [0, b) padded into arrays (an idle slot: none, at position 0)."""
