@@ -78,13 +78,12 @@ class DeviceRounds:
         graph = drafter.graph if drafter is not None else None
         self.graph_drafter = graph  # the GraphDrafter whose head runs here (None: AR, n-gram lookups)
         self.head = graph.runner if graph is not None else None
-        # the host's lookups come down: a drafter that looks up, or chooses whether to call its head
-        self.ngram = drafter is not None and (drafter.picks or drafter.backlog_rounds > 1 or graph is None)
+        # the host's lookups come down: lookups alone, or a drafter that picks between them and its head
+        self.ngram = drafter is not None and (drafter.picks or graph is None)
         self.picks = drafter is not None and drafter.picks  # per slot, lookups or the head's block (`pick`)
         self.backlog = drafter is not None and drafter.backlog_rounds > 1  # rounds without the head wait
         self.gamma = gamma if drafter is not None else 0
         traits = scheduler.traits if scheduler is not None and self.gamma else None
-        self.reads_survival = traits is not None and traits.reads_survival
         self.plans_on_costs = traits is not None and traits.plans_on_costs
         self.device = target.device
         self.capture = self.device.type == "cuda" if capture is None else capture

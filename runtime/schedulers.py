@@ -250,7 +250,7 @@ class AsyncSPSScheduler(SPSScheduler):
 
     def rule(self, a: Array, counts: Array, active: Array, draft_ms, curve, capacity) -> Array:
         xp = namespace(a)
-        planned = xp.sum(steps.admission(a, active, draft_ms, curve)[0])
+        planned = xp.sum(super().rule(a, counts, active, draft_ms, curve, capacity))
         budget = xp.where(capacity >= 0, capacity, planned)
         capacity[...] = planned  # the next round's capacity
         return steps.admit(xp.where(active[:, None], a, xp.zeros_like(a)), budget)

@@ -20,7 +20,7 @@ from specrt.kernels.ops import KERNEL_OPS
 OPSET = 23
 ALIGN = 4096  # page-aligned offsets let ONNX Runtime memory-map the weights
 
-PLUGIN_DOMAIN = "specrt"  # specrt's ops (plugins/): an ONNX local function for ORT, a TensorRT plugin for engines
+PLUGIN_DOMAIN = kernel_ops.DOMAIN  # specrt's ops (plugins/): an ONNX local function for ORT, a TensorRT plugin
 # specrt's ONNX Runtime kernels (kernels/cpu, libspecrt_ops: KERNEL_OPS) are in the same domain: graphs
 # exported with `--kernels specrt` need the library (specrt.native)
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits, GatherBlockQuantized): quantized weights
@@ -120,7 +120,7 @@ class GraphBuilder:
         node_name = self._unique(name or op_type)
         outs = list(out_names) if out_names else (
             [f"{node_name}:0"] if outputs == 1 else [f"{node_name}:{i}" for i in range(outputs)])
-        if domain == kernel_ops.DOMAIN and op_type in KERNEL_OPS:  # what libspecrt_ops will be asked to run
+        if domain == PLUGIN_DOMAIN and op_type in KERNEL_OPS:  # what libspecrt_ops will be asked to run
             kernel_ops.check(op_type, len(inputs), len(outs), set(attrs))
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=node_name, domain=domain or None,
                                            **attrs))
