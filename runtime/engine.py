@@ -35,7 +35,7 @@ from specrt.runtime.rounds import Rounds
 from specrt.runtime.sampling import SamplingParams, next_token
 from specrt.runtime.schedulers import Load
 from specrt.runtime.sequence import Request, RequestDelta, RequestOutput, Sequence
-from specrt.runtime.speculative import Round
+from specrt.runtime.round import Round
 from specrt.runtime.stats import RunStats
 from specrt.runtime.tokenizer import Tokenizer
 

@@ -22,7 +22,8 @@ from specrt.runtime.costs import CostTable
 from specrt.runtime.drafters import Drafter, make_drafter
 from specrt.runtime.profile import Profile, load_profile, placement, profile_options
 from specrt.runtime.schedulers import Load, Scheduler, make_scheduler, scheduler_class
-from specrt.runtime.speculative import Round, Speculator
+from specrt.runtime.round import Round
+from specrt.runtime.speculative import Speculator
 
 if TYPE_CHECKING:
     from specrt.runtime.device_round import DeviceRounds

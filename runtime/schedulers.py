@@ -1,7 +1,8 @@
 """Schedulers: plug-ins that choose how many drafts each slot verifies this round.
 
-A scheduler sees the slots, the proposal (with confidence logits where the drafter has a confidence
-head) and the load, and returns verify lengths. The loop then caps every length by the drafts proposed
+A scheduler is its `rule`, written once on the array API: from the prefix survivals of a round's drafts (and, for
+the cost-aware ones, what the draft and verify calls cost) it returns verify lengths, in the host's round on numpy and
+inside the device round's graph on torch (runtime/round.py). The round then caps every length by the drafts proposed
 and by the request's remaining token budget, so a scheduler only expresses its policy.
 
     fixed      verify every draft (up to gamma)
@@ -29,7 +30,7 @@ from specrt.plugins.confidence_truncate import survival
 from specrt.runtime import steps
 from specrt.runtime.arrays import Array, namespace
 from specrt.runtime.config import SCHEDULER_TRAITS, SchedulerTraits
-from specrt.runtime.drafters import Proposal, SlotView
+from specrt.runtime.drafters import Proposal
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,15 +46,16 @@ class Scheduler(Protocol):
     name: str
     traits: SchedulerTraits  # what its rule reads (survivals, costs) and whether it gates a head
 
-    def schedule(self, slots: list[SlotView | None], proposal: Proposal, load: Load) -> np.ndarray:
-        """Verify lengths [n] for slots [0, n) (0 = a plain decode step for that slot), on the host."""
-
     def rule(self, a: Array, counts: Array, active: Array, draft_ms: Array | float, curve: Array | None,
-             capacity: Array) -> Array:
-        """The same lengths on the array API, from survivals a [n, γ] (zero past counts) of the `active` rows, the
-        draft side's cost and the verify cost curve (`verify_curve`; the cost-aware rules), and `capacity`, a 0-d
-        state array that lives with the round (sps-async's planned drafts, -1: none yet): what the device round
-        runs inside its graph."""
+             capacity: Array, explore: Array | None = None) -> Array:
+        """Verify lengths [n] (0: a plain decode step for that slot) from survivals a [n, γ] (zero past counts) of
+        the `active` rows, the draft side's cost and the verify cost curve (`verify_curve`; the cost-aware rules),
+        `capacity`, a 0-d state array that lives with the round (sps-async's planned drafts, -1: none yet), and
+        `explore`, the calls whose cost the table wants measured (host rounds; runtime/costs.py)."""
+
+    def survival(self, proposal: Proposal) -> np.ndarray:
+        """[n, γ] prefix survival of a host proposal's drafts (`prefix_survival`: the graph's, its calibrated
+        confidences, or the acceptance measured so far), 0 past the drafts each slot has."""
 
     def observe(self, verified: int, accepted: int) -> None:
         """One slot's round outcome, after the round (the acceptance history schedulers may learn from)."""
@@ -130,10 +132,7 @@ class FixedScheduler(_Base):
 
     name = "fixed"
 
-    def schedule(self, slots: list[SlotView | None], proposal: Proposal, load: Load) -> np.ndarray:
-        return np.minimum(proposal.counts, self.gamma)
-
-    def rule(self, a: Array, counts: Array, active: Array, draft_ms, curve, capacity) -> Array:
+    def rule(self, a: Array, counts: Array, active: Array, draft_ms, curve, capacity, explore=None) -> Array:
         return counts
 
 
@@ -148,10 +147,7 @@ class ThresholdScheduler(_Base):
             raise SpecrtError(f"--threshold must be a probability in [0, 1], got {threshold}")
         self.threshold = threshold
 
-    def schedule(self, slots: list[SlotView | None], proposal: Proposal, load: Load) -> np.ndarray:
-        return steps.threshold(self.survival(proposal), np.float32(self.threshold))
-
-    def rule(self, a: Array, counts: Array, active: Array, draft_ms, curve, capacity) -> Array:
+    def rule(self, a: Array, counts: Array, active: Array, draft_ms, curve, capacity, explore=None) -> Array:
         return steps.threshold(a, float(np.float32(self.threshold)))
 
 
@@ -173,11 +169,16 @@ def admission(a: np.ndarray, active: np.ndarray, fixed_ms: float, costs: Costs, 
     n, gamma = a.shape
     tokens = n * (gamma + 1)
     wants = getattr(costs, "exploring", None) if explore else None
-    cells = wants(n, tokens) if wants is not None else None
-    curve = verify_curve(costs, n, tokens)
+    return admit_on(a, active, fixed_ms, verify_curve(costs, n, tokens), wants(n, tokens) if wants else None, costs)
+
+
+def admit_on(a: np.ndarray, active: np.ndarray, fixed_ms: float, curve: np.ndarray, cells: np.ndarray | None,
+             costs: Costs) -> tuple[np.ndarray, float]:
+    """`admission` on a verify curve and the cells to explore (None: none), on numpy: the table is told when a pair
+    was admitted to explore."""
     nothing = _admits_nothing(a, active, fixed_ms, curve, cells)
     if nothing is not None:
-        return np.zeros(n, np.int64), nothing
+        return np.zeros(len(a), np.int64), nothing
     lengths, rate, explored = steps.admission(a, active, fixed_ms, curve, cells)
     if explored:
         costs.explored()
@@ -217,43 +218,27 @@ class SPSScheduler(_Base):
         if costs is None:
             raise SpecrtError(f"--scheduler {self.name} needs a cost profile (run `specrt profile ART`)")
         self.costs = costs
-        self.planned: int | None = None  # sps-async: drafts the next round admits
 
-    def plan(self, a: np.ndarray, active: np.ndarray, head: str) -> np.ndarray:
-        """Lengths [n] admitted by Algorithm 1 on survivals a [n, gamma] of the `active` rows; `head` drafted
-        them (its call is part of the round's cost)."""
-        return admission(a, active, self.costs.draft_ms(head, len(a)), self.costs, explore=True)[0]
-
-    def schedule(self, slots: list[SlotView | None], proposal: Proposal, load: Load) -> np.ndarray:
-        active = np.array([s is not None for s in slots])
-        return self.plan(self.survival(proposal), active, proposal.head)
-
-    def rule(self, a: Array, counts: Array, active: Array, draft_ms, curve, capacity) -> Array:
+    def rule(self, a: Array, counts: Array, active: Array, draft_ms, curve, capacity, explore=None) -> Array:
+        if isinstance(a, np.ndarray):  # eager: a round that admits nothing is found without a sort; explorations
+            return admit_on(a, active, float(draft_ms), curve, explore, self.costs)[0]
         return steps.admission(a, active, draft_ms, curve)[0]
 
 
 class AsyncSPSScheduler(SPSScheduler):
     """§5.2: this round admits as many drafts as Algorithm 1 chose on the previous round's survivals; the
     current survivals only choose which (ConfidenceTruncate's budget mode). The first round plans for itself; a round
-    with no drafts at all never reaches the scheduler (Speculator.schedule), so the plan waits for the next that has
+    with no drafts at all never reaches the scheduler (runtime/round.py), so the plan waits for the next that has
     some."""
 
     name = "sps-async"
 
-    def schedule(self, slots: list[SlotView | None], proposal: Proposal, load: Load) -> np.ndarray:
-        active = np.array([s is not None for s in slots])
-        a = self.survival(proposal)
-        planned = int(self.plan(a, active, proposal.head).sum())
-        budget = self.planned if self.planned is not None else planned
-        self.planned = planned  # the next round's capacity
-        return steps.admit(np.where(active[:, None], a, np.float32(0.0)), budget)  # idle rows: never admitted
-
-    def rule(self, a: Array, counts: Array, active: Array, draft_ms, curve, capacity) -> Array:
+    def rule(self, a: Array, counts: Array, active: Array, draft_ms, curve, capacity, explore=None) -> Array:
         xp = namespace(a)
-        planned = xp.sum(super().rule(a, counts, active, draft_ms, curve, capacity))
+        planned = xp.sum(super().rule(a, counts, active, draft_ms, curve, capacity, explore))
         budget = xp.where(capacity >= 0, capacity, planned)
         capacity[...] = planned  # the next round's capacity
-        return steps.admit(xp.where(active[:, None], a, xp.zeros_like(a)), budget)
+        return steps.admit(xp.where(active[:, None], a, xp.zeros_like(a)), budget)  # idle rows: never admitted
 
 
 # the implementation of each name in runtime/config.py's SCHEDULERS (a test ties the two)

@@ -16,7 +16,7 @@ from specrt.runtime.engine import Engine, Request
 from specrt.runtime.profile import Profile, save_profile
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime import schedulers
-from specrt.runtime.schedulers import (AcceptanceHistory, AsyncSPSScheduler, Load, SPSScheduler, make_scheduler)
+from specrt.runtime.schedulers import (AcceptanceHistory, AsyncSPSScheduler, SPSScheduler, make_scheduler)
 
 from test_speculative import _exact_pair_probs, _prompts, _pvalue, peaked, tiny_arts  # noqa: F401 (fixtures)
 from power import ALPHA, samples_for
@@ -76,13 +76,25 @@ def _proposal(conf: np.ndarray) -> Proposal:
                     confidence_logits=conf.astype(np.float32), head="dspark")
 
 
+def _schedule(s, proposal: Proposal, active: list[bool], capacity: np.ndarray | None = None) -> np.ndarray:
+    """The lengths the host round asks of a scheduler's rule (runtime/speculative.py `draft`, runtime/round.py
+    `run`): the proposal's survivals, and for the cost-aware rules the draft call's cost and the verify curve."""
+    from specrt.runtime.round import cost_inputs
+
+    n, active = len(active), np.array(active)
+    draft_ms, curve = (cost_inputs(s.costs, n, n * (s.gamma + 1), proposal.head) if s.traits.plans_on_costs
+                       else (0.0, None))
+    capacity = np.full((), -1, np.int64) if capacity is None else capacity
+    return s.rule(s.survival(proposal), proposal.counts, active, draft_ms, curve, capacity)
+
+
 def test_sps_admits_while_the_rate_improves():
     s = SPSScheduler(4, costs=LinearCosts(), temperatures=np.ones(4), head="dspark")
     # survival 0.95^k: every draft is worth 2 ms of a 12 ms round; a survival of 0.05 is not
     strong = np.log(0.95 / 0.05)
-    lengths = s.schedule([object()], _proposal(np.full((1, 4), strong)), Load(1, 1, 0))
+    lengths = _schedule(s, _proposal(np.full((1, 4), strong)), [True])
     assert lengths.tolist() == [4]
-    weak = s.schedule([object()], _proposal(np.full((1, 4), np.log(0.05 / 0.95))), Load(1, 1, 0))
+    weak = _schedule(s, _proposal(np.full((1, 4), np.log(0.05 / 0.95))), [True])
     assert weak.tolist() == [0]
     # survivals: row 0 .99, .495, .490, .485; row 1 .45, ...; a verify call costs 11 + 3 ms per extra token per
     # slot. Row 0's first draft pays; its second (.495, one more token for both slots) does not, and admission
@@ -92,8 +104,8 @@ def test_sps_admits_while_the_rate_improves():
     conf = np.log(sure / (1 - sure))
     s = SPSScheduler(4, costs=LinearCosts(step=10.0, per_token=1.5, draft=0.0), temperatures=np.ones(4),
                      head="dspark")
-    assert s.schedule([object(), object()], _proposal(conf), Load(2, 2, 0)).tolist() == [1, 0]
-    assert s.schedule([object(), None], _proposal(conf), Load(1, 2, 0))[1] == 0  # idle rows never verify
+    assert _schedule(s, _proposal(conf), [True, True]).tolist() == [1, 0]
+    assert _schedule(s, _proposal(conf), [True, False])[1] == 0  # idle rows never verify
 
 
 def _admission_by_pairs(a, active, fixed_ms, curve, explore=None):
@@ -181,9 +193,10 @@ def test_admission_is_algorithm_1_on_numpy_and_torch(seed):
 def test_async_sps_uses_the_previous_rounds_capacity():
     s = AsyncSPSScheduler(4, costs=LinearCosts(), temperatures=np.ones(4), head="dspark")
     strong, weak = _proposal(np.full((1, 4), 5.0)), _proposal(np.full((1, 4), -5.0))
-    assert s.schedule([object()], strong, Load(1, 1, 0)).tolist() == [4]  # first round: plans for itself
-    assert s.schedule([object()], weak, Load(1, 1, 0)).tolist() == [4]  # capacity planned on the strong round
-    assert s.schedule([object()], strong, Load(1, 1, 0)).tolist() == [0]  # ... and now on the weak one
+    capacity = np.full((), -1, np.int64)  # the round's state the rule keeps its plan in
+    assert _schedule(s, strong, [True], capacity).tolist() == [4]  # first round: plans for itself
+    assert _schedule(s, weak, [True], capacity).tolist() == [4]  # capacity planned on the strong round
+    assert _schedule(s, strong, [True], capacity).tolist() == [0]  # ... and now on the weak one
 
 
 def test_history_and_threshold_without_a_confidence_head():
@@ -195,7 +208,7 @@ def test_history_and_threshold_without_a_confidence_head():
     assert h.survival()[0] == pytest.approx(9 / 11) and h.tries.tolist() == [11, 10, 10]
     s = make_scheduler("threshold", gamma=3, threshold=0.5)
     p = Proposal(tokens=np.zeros((2, 3), np.int64), counts=np.array([3, 1]), probs=None)
-    assert s.schedule([object(), object()], p, Load(2, 2, 0)).tolist() == [1, 1]  # 0.5, then 0.25
+    assert _schedule(s, p, [True, True]).tolist() == [1, 1]  # 0.5, then 0.25
     with pytest.raises(SpecrtError, match="needs a cost profile"):
         make_scheduler("sps", gamma=3)
     with pytest.raises(SpecrtError, match="unknown scheduler"):

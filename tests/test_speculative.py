@@ -158,18 +158,27 @@ def test_a_round_that_admits_no_draft_is_a_decoding_step(tiny_arts):
     ar, _ = _generate(art, "ar", prompts, params)
     engine = Engine(art, method="ngram", scheduler="sps", threads=1, profile=profile)
     calls = {"verify": 0, "decode": 0, "observe": 0, "drafted": 0}
-    spec = engine.executor
+    drafter, target = engine.drafter, engine.target
+    last = {"drafts": False}
 
-    def spy(name, f):
-        def wrapped(*args, **kw):
-            calls[name] += 1
-            if name == "decode":
-                calls["drafted"] += int(args[1].counts.any())
-            return f(*args, **kw)
-        return wrapped
+    def propose(slots, f=drafter.propose):
+        p = f(slots)
+        last["drafts"] = bool(p.counts.any())
+        return p
 
-    spec.verify, spec.decode = spy("verify", spec.verify), spy("decode", spec.decode)
-    spec.drafter.observe = spy("observe", spec.drafter.observe)
+    def run(slot, bucket, f=target.run, **kw):  # a round's target call: the decoding step's bucket (T = 1) or not
+        if bucket not in target.spec.buckets["prefill"]:
+            kind = "decode" if bucket["T"] == 1 else "verify"
+            calls[kind] += 1
+            calls["drafted"] += kind == "decode" and last["drafts"]
+            last["drafts"] = False
+        return f(slot, bucket, **kw)
+
+    def observe(*args, f=drafter.observe):
+        calls["observe"] += 1
+        return f(*args)
+
+    drafter.propose, drafter.observe, target.run = propose, observe, run
     outs, stats = engine.generate([Request(prompt_ids=p, params=params, id=i) for i, p in enumerate(prompts)])
     assert [o.output_ids for o in outs] == ar
     assert calls["drafted"] > 0, calls  # rounds with drafts took the decode path
@@ -208,7 +217,7 @@ def test_commit_stops_inside_accepted_drafts(fixture_art, stop):
     from specrt.runtime.acceptance import Verdict
     from specrt.runtime.drafters import Proposal
     from specrt.runtime.sequence import Sequence
-    from specrt.runtime.speculative import Outcome, Round
+    from specrt.runtime.round import Outcome, Round
     from specrt.runtime.stats import RunStats
 
     engine = Engine(fixture_art, method="dspark", threads=1)
