@@ -119,7 +119,7 @@ class DeviceRounds:
             self.pending[i] = r
 
     def run(self, slots: list, load: Load) -> Round:
-        """The engine's executor call, as the host's (`Speculator.round`): one round over slots [0, n) (None: idle; a
+        """The engine's executor call, as the host's (`HostRounds.round`): one round over slots [0, n) (None: idle; a
         sampled one draws its uniforms from its rng here), each slot's outcome, the scheduler and drafter told how it
         fared."""
         t0 = time.perf_counter()

@@ -7,35 +7,31 @@
 
 Slots are rows of one preallocated cache; a step runs on slots [0, n) rounded up to a bucket, so
 finished slots are refilled with waiting requests (continuous batching) without moving any cache memory.
-The round runs on an executor: the host's (`Speculator`, runtime/speculative.py: ONNX Runtime, TensorRT) or the
+The round runs on an executor: the host's (`HostRounds`, runtime/host_round.py: ONNX Runtime, TensorRT) or the
 torch backend's device (`DeviceRounds`, runtime/device_round.py); both return each slot's outcome, which the
 engine commits to the slot's `Sequence` (runtime/sequence.py: tokens, text, stop checks).
 `step()` is the online API (servers add and abort requests between steps); `generate()` is built on it.
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence as Seq
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence as Seq
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.runtime import calls
 from specrt.runtime.config import EngineConfig
-from specrt.runtime.drafters import Context
+from specrt.runtime.driver import OneDriver
+from specrt.runtime.model_runner import ModelRunner
 from specrt.runtime.observers import RoundObserver, RoundRecord, TraceWriter
 from specrt.runtime.profile import Profile
-from specrt.runtime.rounds import Rounds
+from specrt.runtime.round import Round
 from specrt.runtime.sampling import SamplingParams, next_token
 from specrt.runtime.schedulers import Load
 from specrt.runtime.sequence import Request, RequestDelta, RequestOutput, Sequence
-from specrt.runtime.round import Round
 from specrt.runtime.stats import RunStats
 from specrt.runtime.tokenizer import Tokenizer
 
@@ -58,7 +54,7 @@ class Engine:
     """Loads an artifact's graphs on a backend and generates for requests that come and go.
 
     method "ar" decodes one token per step (a round without drafts); "ngram", "mtp", "dspark" and the hybrids run the
-    lossless draft/verify round of `runtime/speculative.py` with up to `gamma` drafts verified per round, as the
+    lossless draft/verify round of `runtime/host_round.py` with up to `gamma` drafts verified per round, as the
     scheduler says. `slots`: request slots to allocate up front (a server); by default the engine sizes them when
     idle. `device` / `dtype` (torch backend): where and in which precision the modules run ("cuda": CUDA graphs,
     unless `cuda_graphs` is False: eager launches, for comparison). On the torch backend every round stays on the
@@ -106,12 +102,12 @@ class Engine:
         self.max_batch = self.manifest.export.batch
         # The last cache position receives writes from padding tokens; valid tokens stay below it.
         self.capacity = self.manifest.export.max_seq - 1
-        self.rounds = Rounds.open(self.art_dir, self.manifest, config, profile)
-        r = self.rounds  # what the engine's users and tests read of it:
+        self.model_runner = ModelRunner.open(self.art_dir, self.manifest, config, profile)
+        r = self.model_runner  # what the engine's users and tests read of it:
         self.target, self.drafter, self.scheduler, self.costs, self.gamma = (r.target, r.drafter, r.scheduler,
                                                                               r.costs, r.gamma)
         self.executor, self.device_rounds, self.device_note = r.executor, r.device_rounds, r.device_note
-        self._keep_ctx = self.drafter is not None and self.drafter.needs_features
+        self._keep_rows = r.keeps_features and r.device_rounds is None  # the host holds each slot's context rows
         self.observers: list[RoundObserver] = list(observers)
         if trace is not None:
             self.observers.append(TraceWriter(trace))
@@ -120,9 +116,7 @@ class Engine:
         self.slots: list[Sequence | None] = []
         self.waiting: deque[Request] = deque()
         self._ids = 0
-        self._closed = False
-        self._lock = threading.Lock()  # held by the thread inside add_request / step / abort / generate
-        self._user: int | None = None  # that thread (it may call in again: generate's callbacks, generate -> step)
+        self._exclusive = OneDriver()  # add_request, step, abort, generate, close: one thread at a time
         self._fixed_slots = c.slots is not None
         self._collect: RunStats | None = None  # inside generate(): where each step's stats are summed
         # False inside a generate() without on_text: nobody reads a step's text, so a request without stop strings
@@ -132,27 +126,6 @@ class Engine:
             self._allocate(min(c.slots, self.max_batch))
 
     # -- the online API ---------------------------------------------------------------------------
-
-    @contextmanager
-    def _exclusive(self) -> Iterator[None]:
-        """One thread at a time drives the engine; a second one gets a clear error instead of corrupting the
-        slots and queue half-way through a round."""
-        if self._closed:
-            raise SpecrtError("this engine is closed")
-        me = threading.get_ident()
-        if self._user == me:
-            yield
-            return
-        if not self._lock.acquire(blocking=False):
-            raise SpecrtError("this Engine is in use by another thread: an Engine is driven by one thread at a time; "
-                              "to serve requests from several threads, share it through "
-                              "specrt.serve.loop.EngineLoop (submit and abort are thread-safe)")
-        self._user = me
-        try:
-            yield
-        finally:
-            self._user = None
-            self._lock.release()
 
     def add_request(self, prompt: Request | str | Seq[int], params: SamplingParams | None = None, *,
                     request_id: int | None = None, raw: bool = False, seed_offset: int | None = None) -> int:
@@ -199,7 +172,7 @@ class Engine:
             t0 = time.perf_counter()
             n = max(i for i, s in enumerate(self.slots) if s is not None) + 1
             live = self.slots[:n]
-            rnd = self.rounds.run(live, self._load(live))
+            rnd = self.model_runner.run(live, self._load(live))
             self._commit(live, rnd, deltas, stats)
             stats.decode_s += time.perf_counter() - t0
         self._retire(deltas)
@@ -278,10 +251,10 @@ class Engine:
 
     def close(self) -> None:
         """Close the observers (trace files); the engine takes no more calls (they raise "engine is closed")."""
-        if self._closed:
+        if self._exclusive.closed:
             return
         with self._exclusive():
-            self._closed = True
+            self._exclusive.closed = True
             for o in self.observers:
                 o.close()
 
@@ -302,7 +275,7 @@ class Engine:
     def _allocate(self, n: int) -> None:
         n = next(b for b in io.batch_sizes(self.max_batch) if b >= n)
         io.check_memory(n * (self.capacity + 1) * 8, f"token ids for {n} slots x {self.capacity + 1} positions")
-        self.rounds.allocate(n)
+        self.model_runner.allocate(n)
         self.slots = [None] * n
 
     def _admit(self, deltas: dict[int, RequestDelta], stats: RunStats) -> None:
@@ -323,59 +296,34 @@ class Engine:
         t0 = time.perf_counter()
         seq = Sequence(request, capacity=self.capacity, eos_ids=self.eos_ids, tokenizer=self.tokenizer,
                        stream=self._text_deltas)
-        ids = request.prompt_ids
-        features = []
-        out = None
-        for piece, out in calls.target.run_prefill(self.target, index, np.asarray(ids, np.int64)):
-            if self._keep_ctx:
-                features.append(out[io.FEATURES][0, :len(piece)].copy())
-        seq.length = len(ids)
-        seq.append([next_token(out[io.LOGITS][0], request.params, seq.rng)], self._delta(deltas, seq))
-        if self.drafter is not None and seq.finish_reason is None:
-            ctx = Context(pos=0, features=np.concatenate(features) if self._keep_ctx else np.zeros((len(ids), 0),
-                                                                                                   np.float32),
-                          next_tokens=np.asarray([*ids[1:], seq.pending], np.int64))
-            seq.ctx = self.drafter.prefill(index, ctx)
-        if self.device_rounds is not None and seq.finish_reason is None:
-            self.device_rounds.upload(index, seq.length, seq.pending, seq.budget, seq.ctx, request.params)
+        logits, features = self.model_runner.prefill(index, request.prompt_ids)
+        seq.length = len(request.prompt_ids)
+        seq.append([next_token(logits, request.params, seq.rng)], self._delta(deltas, seq))
+        if seq.finish_reason is None:
+            self.model_runner.start(index, seq, features)
         stats.prefill_s += time.perf_counter() - t0
         stats.generated_tokens += 1
         return seq
 
     def _commit(self, live: list[Sequence | None], rnd: Round, deltas: dict[int, RequestDelta],
                 stats: RunStats) -> None:
-        """Each slot's outcome: its accepted drafts and bonus appended (up to a stop), the cache length moved past
-        them, the verified rows kept as the draft head's next context rows."""
+        """Each slot's outcome committed to its sequence (runtime/sequence.py `commit`), counted, and observed."""
         stats.steps += 1
         stats.draft_s += rnd.draft_s
         stats.verify_s += rnd.verify_s
-        proposal = rnd.proposal
         for i, s in enumerate(live):
             o = rnd.outcomes[i]
             if s is None or o is None:
                 continue
             position, a = s.length, o.verdict.accepted
-            delta = self._delta(deltas, s)
-            committed = s.append(o.tokens, delta, drafted=a)
-            if s.finish_reason is None:
-                s.length += a + 1
-                s.ctx = (Context(pos=position, features=o.features.copy(), next_tokens=np.asarray(o.tokens, np.int64))
-                         if self._keep_ctx and o.features is not None else None)
-            else:
-                s.length += committed
+            committed = s.commit(o, self._delta(deltas, s), keep_rows=self._keep_rows)
             stats.rounds.append((o.verify_len, a, committed))
-            delta.rounds.append((o.verify_len, a, committed))
             stats.generated_tokens += committed
             stats.decode_tokens += committed
             if self.observers:
-                conf = proposal.confidence_logits
-                record = RoundRecord(request=s.id, round=s.rounds, position=position,
-                                     draft_tokens=proposal.tokens[i, :proposal.counts[i]].tolist(),
-                                     confidence_logits=conf[i].tolist() if conf is not None else None,
-                                     verify_len=o.verify_len, accepted=a, committed=committed)
+                record = RoundRecord.of(s.id, s.rounds - 1, position, rnd.proposal, i, o.verify_len, a, committed)
                 for obs in self.observers:
                     obs.on_round(record)
-            s.rounds += 1
 
     @staticmethod
     def _delta(deltas: dict[int, RequestDelta], s: Sequence) -> RequestDelta:

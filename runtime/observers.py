@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Protocol
 
 from specrt.errors import SpecrtError
+from specrt.runtime.drafters import Proposal
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +20,14 @@ class RoundRecord:
     verify_len: int
     accepted: int
     committed: int
+
+    @classmethod
+    def of(cls, request: int, round: int, position: int, proposal: Proposal, i: int, verify_len: int, accepted: int,
+           committed: int) -> "RoundRecord":
+        """Slot i's record of a round whose drafts were `proposal`."""
+        conf = proposal.confidence_logits
+        return cls(request, round, position, proposal.tokens[i, :proposal.counts[i]].tolist(),
+                   conf[i].tolist() if conf is not None else None, verify_len, accepted, committed)
 
 
 class RoundObserver(Protocol):

@@ -13,9 +13,9 @@
     advance   length += a + 1, budget -= a + 1, anchor = bonus (steps.advance); rejected drafts' K/V stay beyond the
               length and are overwritten later, so rollback is free
 
-Two executors run it: the host's, eager on numpy with packed verify rows (ONNX Runtime, TensorRT: runtime/
-speculative.py), and the torch backend's, captured with dense rows in one CUDA graph per round variant (runtime/
-device_round.py). What a round run on the device cannot ask the host while it runs, the host decides before it
+Two executors run it: the host's, eager on numpy with packed verify rows (ONNX Runtime, TensorRT:
+runtime/host_round.py), and the torch backend's, captured with dense rows in one CUDA graph per round variant
+(runtime/device_round.py). What a round run on the device cannot ask the host while it runs, the host decides before it
 (`plan`): which slots are active, the drafter's lookups and its choice to call its head, survivals measured so far,
 the cost curve the cost-aware rules read, and each sampled request's uniforms, drawn from its rng in the host round's
 order (the head's draft noise, gamma acceptance uniforms, the bonus's).

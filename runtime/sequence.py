@@ -7,7 +7,7 @@
                     rounds, new text, and its output if it finished
     RequestOutput   a finished request
 
-The engine's round reads a Sequence through `SlotState` (runtime/speculative.py) and `SlotView` (drafters); only
+The engine's round reads a Sequence through `SlotState` (runtime/host_round.py) and `SlotView` (drafters); only
 the engine's commit changes one (`append`).
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specrt.runtime.drafters import Context
+from specrt.runtime.round import Outcome
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.tokenizer import Tokenizer
 
@@ -136,6 +137,22 @@ class Sequence:
             if self.finish_reason:
                 break
         return emitted
+
+    def commit(self, o: Outcome, delta: RequestDelta, *, keep_rows: bool) -> int:
+        """A round's outcome: its accepted drafts and bonus emitted (up to a stop), the cache length moved past them,
+        the verified rows kept as the draft head's next context rows (`keep_rows`: where the host holds them).
+        Returns the tokens emitted."""
+        position, a = self.length, o.verdict.accepted
+        committed = self.append(o.tokens, delta, drafted=a)
+        if self.finish_reason is None:
+            self.length += a + 1
+            self.ctx = (Context(pos=position, features=o.features.copy(), next_tokens=np.asarray(o.tokens, np.int64))
+                        if keep_rows and o.features is not None else None)
+        else:
+            self.length += committed
+        delta.rounds.append((o.verify_len, a, committed))
+        self.rounds += 1
+        return committed
 
     def output(self, reason: str) -> RequestOutput:
         """The request's output, finished for `reason` (the detokenizer's tail flushed, or the text decoded once)."""

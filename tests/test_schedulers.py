@@ -77,7 +77,7 @@ def _proposal(conf: np.ndarray) -> Proposal:
 
 
 def _schedule(s, proposal: Proposal, active: list[bool], capacity: np.ndarray | None = None) -> np.ndarray:
-    """The lengths the host round asks of a scheduler's rule (runtime/speculative.py `draft`, runtime/round.py
+    """The lengths the host round asks of a scheduler's rule (runtime/host_round.py `draft`, runtime/round.py
     `run`): the proposal's survivals, and for the cost-aware rules the draft call's cost and the verify curve."""
     from specrt.runtime.round import cost_inputs
 

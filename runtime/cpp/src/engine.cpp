@@ -297,7 +297,7 @@ void Engine::decode(std::map<int64_t, Event>& events) {
     }
 }
 
-// One draft/verify round over slots [0, n) (runtime/speculative.py): propose, schedule, verify (packed), accept,
+// One draft/verify round over slots [0, n) (runtime/host_round.py): propose, schedule, verify (packed), accept,
 // commit.
 void Engine::round(std::map<int64_t, Event>& events) {
     Views views{live(), {}};

@@ -1,4 +1,4 @@
-// The C++ engine: the Python engine's loop (runtime/engine.py, runtime/speculative.py) over an artifact's slots:
+// The C++ engine: the Python engine's loop (runtime/engine.py, runtime/host_round.py) over an artifact's slots:
 // requests are added, each step admits waiting ones into free slots (chunked prefill, first token) and runs one
 // decode step (ar) or one draft/verify round over the active slots, and finished requests leave their slot.
 //

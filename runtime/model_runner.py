@@ -1,10 +1,13 @@
 """What runs an engine's rounds, built from its config: the target's runner, the drafter, the scheduler, the cost
 table they plan on, and the executor that runs a round over them (nano-vllm's model-runner side of the engine).
 
-    Rounds.open(art_dir, manifest, config, profile)   loads the graphs on the config's backend and picks the
-                                                       executor: the torch backend's device rounds
-                                                       (runtime/device_round.py), else the host's (Speculator)
-    rounds.run(slots, load) -> Round                  one round over slots [0, n): each slot's outcome
+    ModelRunner.open(art_dir, manifest, config, profile)   loads the graphs on the config's backend and picks the
+                                                            executor: the torch backend's device rounds
+                                                            (runtime/device_round.py), else the host's (HostRounds)
+    runner.prefill(slot, ids) -> logits, features          a new request's prompt into its slot, chunk by chunk
+    runner.start(slot, seq, features)                      its first token sampled: the drafter's prompt context and
+                                                            the device round's slot state
+    runner.run(slots, load) -> Round                       one round over slots [0, n): each slot's outcome
 
 The Engine (runtime/engine.py) owns requests, slots and their sequences; it calls `run` once per step.
 """
@@ -12,37 +15,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.runtime.backends import Runner, load_runner
+from specrt.runtime import calls
 from specrt.runtime.config import EngineConfig
 from specrt.runtime.costs import CostTable
-from specrt.runtime.drafters import Drafter, make_drafter
+from specrt.runtime.drafters import Context, Drafter, make_drafter
 from specrt.runtime.profile import Profile, load_profile, placement, profile_options
-from specrt.runtime.schedulers import Load, Scheduler, make_scheduler, scheduler_class
+from specrt.runtime.host_round import HostRounds
 from specrt.runtime.round import Round
-from specrt.runtime.speculative import Speculator
+from specrt.runtime.schedulers import Load, Scheduler, make_scheduler, scheduler_class
 
 if TYPE_CHECKING:
     from specrt.runtime.device_round import DeviceRounds
+    from specrt.runtime.sequence import Sequence
 
 
 @dataclass
-class Rounds:
+class ModelRunner:
     target: Runner
     drafter: Drafter | None  # None: AR (every round a decoding step)
     scheduler: Scheduler | None
     costs: CostTable | None  # what the cost-aware scheduler and the hybrid plan on
     gamma: int  # drafts verified per round at most (0: AR)
-    executor: Speculator | DeviceRounds
-    run: Callable[[list, Load], Round]
+    executor: HostRounds | DeviceRounds
     device_rounds: DeviceRounds | None  # the torch backend's executor, else None
     device_note: str  # why the rounds run on the host ("" on the device)
 
     @classmethod
-    def open(cls, art_dir: Path, manifest: io.Manifest, config: EngineConfig, profile: Profile | None) -> "Rounds":
+    def open(cls, art_dir: Path, manifest: io.Manifest, config: EngineConfig, profile: Profile | None) -> "ModelRunner":
         c, method = config, config.parsed
         where = {"device": c.device, "dtype": c.dtype}
         if c.backend != "ort":  # torch on CUDA, and TensorRT, capture each call in a CUDA graph
@@ -68,10 +74,38 @@ class Rounds:
             from specrt.runtime.device_round import DeviceRounds
 
             device = DeviceRounds(target, drafter, scheduler, gamma=gamma, costs=costs, capture=where["graphs"])
-            return cls(target, drafter, scheduler, costs, gamma, device, device.run, device, "")
-        host = Speculator(target, drafter, scheduler, gamma=gamma, costs=costs)
-        return cls(target, drafter, scheduler, costs, gamma, host, host.round, None,
-                   "the host loop runs every round on this backend")
+            return cls(target, drafter, scheduler, costs, gamma, device, device, "")
+        host = HostRounds(target, drafter, scheduler, gamma=gamma, costs=costs)
+        return cls(target, drafter, scheduler, costs, gamma, host, None, "the host loop runs every round on this backend")
+
+    @property
+    def keeps_features(self) -> bool:
+        """Whether the drafter reads the target's features (its context rows)."""
+        return self.drafter is not None and self.drafter.needs_features
+
+    def run(self, slots: list, load: Load) -> Round:
+        """One round over slots [0, n) (None: idle) on the executor."""
+        return self.executor.run(slots, load)
+
+    def prefill(self, slot: int, ids: list[int]) -> tuple[np.ndarray, np.ndarray | None]:
+        """Write a prompt into `slot`'s cache from position 0, a chunk per call: the last token's logits [V], and the
+        prompt's features [len(ids), F] where the drafter reads them."""
+        features, out = [], None
+        for piece, out in calls.target.run_prefill(self.target, slot, np.asarray(ids, np.int64)):
+            if self.keeps_features:
+                features.append(out[io.FEATURES][0, :len(piece)].copy())
+        return out[io.LOGITS][0], np.concatenate(features) if features else None
+
+    def start(self, slot: int, seq: Sequence, features: np.ndarray | None) -> None:
+        """After a prefill and its first token: the drafter takes the prompt's context rows (the slot's pending rows
+        are what it returns), the device round the slot's state."""
+        ids = seq.request.prompt_ids
+        if self.drafter is not None:
+            ctx = Context(pos=0, features=features if features is not None else np.zeros((len(ids), 0), np.float32),
+                          next_tokens=np.asarray([*ids[1:], seq.pending], np.int64))
+            seq.ctx = self.drafter.prefill(slot, ctx)
+        if self.device_rounds is not None:
+            self.device_rounds.upload(slot, seq.length, seq.pending, seq.budget, seq.ctx, seq.params)
 
     def allocate(self, slots: int) -> None:
         """Caches and per-slot state for `slots` slots."""

@@ -38,7 +38,7 @@ class SlotState(SlotView, Protocol):
     budget: int  # tokens the request may still generate
 
 
-class Speculator:
+class HostRounds:
     """Runs rounds over a target runner with a drafter and a scheduler, on the host. Without a drafter (AR) every
     round is a plain decoding step. `costs`: the cost table the rounds' timings refine (runtime/costs.py)."""
 
@@ -54,7 +54,7 @@ class Speculator:
         self._proposal: Proposal | None = None
         self._draft_s = self._call_s = 0.0
 
-    def round(self, slots: list[SlotState | None], load: Load) -> Round:
+    def run(self, slots: list[SlotState | None], load: Load) -> Round:
         """One round over slots [0, n) (None: idle): each slot's outcome, the scheduler and drafter told how it fared,
         the cost table what its calls cost."""
         n = len(slots)
