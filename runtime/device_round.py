@@ -9,8 +9,9 @@ device and each round is one host synchronisation, for every method, scheduler a
               anyway, and on a GPU a short verify costs about what a long one does); a round without drafts runs the
               decoding step's bucket
     sample    every slot's rejection sampling at once (acceptance.py `accept_rows`) beside the greedy match
-    keep      the verified rows' features become the head's next context rows (a round that skipped the head
-              appends them to the slot's backlog), all on the device
+    commit    the verified rows' features become the head's next context rows (a round that skipped the head
+              appends them to the slot's backlog), and the slots' lengths, budgets and anchors advance, all on the
+              device
     copy back accepted counts, tokens, lengths, drafts and confidences into host memory (pinned on CUDA), then the
               round's one synchronisation
 
@@ -279,10 +280,14 @@ class _Captured:
                                     self.x["v"])
         return torch.where(greedy, accepted, a_s), torch.where(greedy[:, None], tokens, tokens_s)
 
-    def keep(self, state: RoundState, verified: Verified, accepted: Tensor, tokens: Tensor) -> None:
+    def commit(self, state: RoundState, verified: Verified, accepted: Tensor, tokens: Tensor, bonus: Tensor) -> None:
+        if self.r.head is not None:
+            self._keep_rows(state, verified, accepted, tokens)
+        steps.advance(state.length, state.budget, state.anchor, accepted, bonus, state.active)
+
+    def _keep_rows(self, state: RoundState, verified: Verified, accepted: Tensor, tokens: Tensor) -> None:
+        """The verified rows as the head's next context rows (a round without the head: after the backlog's)."""
         r, b, active = self.r, self.b, state.active
-        if r.head is None:
-            return
         t = r.gamma + 1
         gd = r.graph_drafter
         feats = verified.features[..., gd.offset:gd.offset + gd.width]

@@ -7,8 +7,8 @@
               the decoding step's bucket, the same bits per row
     sample    each sampled slot by rejection sampling on its own rows, its uniforms drawn from its rng as it goes
               (`acceptance.accept_sampled`: the target's distribution only up to the first rejection)
-    keep      nothing: each slot's outcome carries its verified rows' features, which the engine keeps as the head's
-              next context rows
+    commit    nothing here: the slots are the engine's sequences, which it commits from each outcome (its tokens, and
+              its verified rows' features as the head's next context rows)
 
 It is the engine's executor on ONNX Runtime and TensorRT; runtime/device_round.py is the torch backend's.
 """
@@ -49,6 +49,7 @@ class HostRounds:
         self.capacity = np.full((), -1, np.int64)  # the scheduler's state across rounds (RoundState.capacity)
         self.sampled = False
         self._none: dict[int, Proposal] = {}
+        self._states: dict[int, RoundState] = {}
         # this round's: its slots, the drafter's proposal, the draft and verify calls' times
         self._slots: list[SlotState | None] = []
         self._proposal: Proposal | None = None
@@ -59,20 +60,14 @@ class HostRounds:
         the cost table what its calls cost."""
         n = len(slots)
         self._slots, self._proposal, self._draft_s, self._call_s = slots, None, 0.0, 0.0
-        self.sampled = any(s is not None and not s.params.greedy for s in slots)
-        active, length, anchor, budget = (np.zeros(n, bool), np.zeros(n, np.int64), np.zeros(n, np.int64),
-                                          np.zeros(n, np.int64))
-        for i, s in enumerate(slots):
-            if s is not None:
-                active[i], length[i], anchor[i], budget[i] = True, s.length, s.pending, s.budget
+        state = self._state(slots)
         t0 = time.perf_counter()
-        res = rounds.run(self, RoundState(active, length, anchor, budget, self.capacity))
+        res = rounds.run(self, state)
         elapsed = time.perf_counter() - t0
-        v = res.verified
-        outcomes = rounds.outcomes(slots, res.lengths, res.accepted, res.tokens, v.features, self.drafter,
+        outcomes = rounds.outcomes(slots, res.lengths, res.accepted, res.tokens, res.verified.features, self.drafter,
                                    self.scheduler, drafted=res.drafted is not None)
         proposal = self._proposal if self._proposal is not None else self._nothing(n)
-        verified = int(np.where(active, res.lengths + 1, 0).sum())
+        verified = int(res.lengths.sum()) + sum(s is not None for s in slots)  # idle slots' lengths are 0
         rnd = Round(proposal, outcomes, draft_s=self._draft_s, verify_s=elapsed - self._draft_s, verified=verified,
                     call_s=self._call_s)
         if self.costs is not None:  # what the round's calls cost, for the next rounds' plans
@@ -80,6 +75,24 @@ class HostRounds:
             if proposal.head and not proposal.catch_up:
                 self.costs.observe_draft(proposal.head, n, self._draft_s * 1e3)
         return rnd
+
+    def _state(self, slots: list[SlotState | None]) -> RoundState:
+        """The round's state, in arrays kept per slot count (a round reads them, the engine commits the slots)."""
+        n = len(slots)
+        if n not in self._states:
+            self._states[n] = RoundState(np.zeros(n, bool), np.zeros(n, np.int64), np.zeros(n, np.int64),
+                                         np.zeros(n, np.int64), self.capacity)
+        state = self._states[n]
+        state.draft_ms, state.curve, state.explore = 0.0, None, None
+        self.sampled = False
+        for i, s in enumerate(slots):
+            if s is None:
+                state.active[i] = False
+                state.length[i] = state.anchor[i] = state.budget[i] = 0
+            else:
+                state.active[i], state.length[i], state.anchor[i], state.budget[i] = True, s.length, s.pending, s.budget
+                self.sampled |= not s.params.greedy
+        return state
 
     def _nothing(self, n: int) -> Proposal:
         """No drafts for n slots (AR)."""
@@ -130,7 +143,9 @@ class HostRounds:
         out = self.target.run(0, bucket)
         self._call_s = time.perf_counter() - t0
         logits = out[io.LOGITS]
-        return Verified(steps.best(logits, rows, b, T)[:n], grid[:n], logits, out.get(io.FEATURES), first)
+        # a decoding step's rows are its slots: the argmax of each, without the grid's scatter
+        best = logits[:n].argmax(-1)[:, None] if t == 1 else steps.best(logits, rows, b, T)[:n]
+        return Verified(best, grid[:n], logits, out.get(io.FEATURES), first)
 
     def sample(self, state: RoundState, drafted: Drafted | None, verified: Verified, lengths: np.ndarray,
                accepted: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -149,5 +164,6 @@ class HostRounds:
             tokens[i, v.accepted] = v.bonus
         return accepted, tokens
 
-    def keep(self, state: RoundState, verified: Verified, accepted: np.ndarray, tokens: np.ndarray) -> None:
-        """Nothing here: each outcome carries its verified rows' features (the engine keeps them)."""
+    def commit(self, state: RoundState, verified: Verified, accepted: np.ndarray, tokens: np.ndarray,
+               bonus: np.ndarray) -> None:
+        """Nothing here: the engine commits each outcome to its sequence."""

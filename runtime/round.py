@@ -9,9 +9,10 @@
               length..length+l of every slot; the target's argmax at every cell
     accept    greedy: the longest prefix of drafts equal to the argmax (steps.accept); sampled rows: rejection sampling
               with the request's uniforms (ex.sample: runtime/acceptance.py), the bonus at index accepted
-    keep      ex.keep(state, verified, accepted, tokens): the verified rows become the head's next context rows
-    advance   length += a + 1, budget -= a + 1, anchor = bonus (steps.advance); rejected drafts' K/V stay beyond the
-              length and are overwritten later, so rollback is free
+    commit    ex.commit(state, verified, accepted, tokens, bonus): the verified rows become the head's next context
+              rows, and where the executor keeps the slots' state, length += a + 1, budget -= a + 1, anchor = bonus
+              (steps.advance; the host's slots are the engine's sequences, which it commits from each outcome);
+              rejected drafts' K/V stay beyond the length and are overwritten later, so rollback is free
 
 Two executors run it: the host's, eager on numpy with packed verify rows (ONNX Runtime, TensorRT:
 runtime/host_round.py), and the torch backend's, captured with dense rows in one CUDA graph per round variant
@@ -97,12 +98,12 @@ class Executor(Protocol):
                tokens: Array) -> tuple[Array, Array]:
         """The sampled rows' verdicts by rejection sampling; greedy rows keep `accepted` and `tokens`."""
 
-    def keep(self, state: RoundState, verified: Verified, accepted: Array, tokens: Array) -> None:
-        """Keep the verified rows' features as the head's next context rows (before the state advances)."""
+    def commit(self, state: RoundState, verified: Verified, accepted: Array, tokens: Array, bonus: Array) -> None:
+        """Keep the verified rows' features as the head's next context rows; advance the state it keeps."""
 
 
 def run(ex: Executor, state: RoundState) -> Result:
-    """One round over every row of `state`, which it advances in place."""
+    """One round over every row of `state`."""
     xp = namespace(state.length)
     drafted = ex.draft(state)
     if drafted is None:
@@ -118,9 +119,8 @@ def run(ex: Executor, state: RoundState) -> Result:
     accepted, tokens = steps.accept(verified.drafts, verified.best, lengths)
     if ex.sampled:
         accepted, tokens = ex.sample(state, drafted, verified, lengths, accepted, tokens)
-    bonus = xp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
-    ex.keep(state, verified, accepted, tokens)
-    steps.advance(state.length, state.budget, state.anchor, accepted, bonus, state.active)
+    bonus = tokens[:, 0] if tokens.shape[1] == 1 else xp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
+    ex.commit(state, verified, accepted, tokens, bonus)
     return Result(drafted, lengths, accepted, tokens, verified)
 
 

@@ -110,9 +110,11 @@ def accept(drafts: Array, best: Array, lengths: Array) -> tuple[Array, Array]:
     [B] and tokens [B, T] (the accepted drafts, the bonus at index accepted; later entries are drafts)."""
     xp = namespace(drafts)
     t = best.shape[1]
+    if t == 1:  # nothing verified (a decoding step): the argmax is the bonus
+        return xp.zeros_like(lengths), best
     within = xp.arange(t - 1, device=device(drafts))[None, :] < lengths[:, None]
     ok = xp.astype((drafts == best[:, :t - 1]) & within, drafts.dtype)
-    accepted = xp.sum(xp.cumulative_prod(ok, axis=1), axis=1) if t > 1 else xp.zeros_like(lengths)
+    accepted = xp.sum(xp.cumulative_prod(ok, axis=1), axis=1)
     bonus = xp.take_along_axis(best, accepted[:, None], axis=1)
     tokens = xp.concat([drafts[:, :t - 1], bonus], axis=1)
     at = xp.arange(t, device=device(drafts))[None, :] == accepted[:, None]
