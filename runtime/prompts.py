@@ -1,6 +1,7 @@
 """Prompt inputs: text through the chat template, raw ids, and `{"turns": [...]}` JSONL files."""
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -12,7 +13,8 @@ NO_TOKENIZER = "this artifact has no tokenizer (its model had none)"
 
 
 def read_prompts_file(path: str | Path, limit: int | None = None) -> list[str]:
-    """First turn of each `{"turns": [...]}` line (the format of the prompt sets in datasets/)."""
+    """First turn of each `{"turns": [...]}` line (the format of the prompt sets in datasets/; a `.gz` file is read
+    through gzip)."""
     return [text for _, text in read_prompt_lines(path, limit)]
 
 
@@ -25,8 +27,9 @@ def read_prompt_lines(path: str | Path, limit: int | None = None) -> list[tuple[
         raise SpecrtError(f"prompts file not found: {p}")
     prompts: list[tuple[int, str]] = []
     try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        data = p.read_bytes()
+        text = (gzip.decompress(data) if p.suffix == ".gz" else data).decode("utf-8")
+    except (OSError, EOFError, UnicodeDecodeError) as e:
         raise SpecrtError(f"cannot read prompts file {p}: {e}") from None
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
