@@ -55,3 +55,21 @@ def test_the_committed_sets_are_disjoint_from_the_eval_rows(name):
     split = training_prompts(prompt_files=[path])  # what distillation reads: checked disjoint again there
     assert len(split.prompts) == len(rows)
     assert f"| `{name}.jsonl.gz` |" in (CORPUS / "README.md").read_text()  # its row in the README: source, licence
+
+
+def test_the_committed_responses_answer_the_training_prompts_in_order():
+    """datasets/corpus/responses/greedy-256 (scripts/corpus_generate.py): one greedy response per training prompt, in
+    the order `training_prompts` gives them, each prompt's file and row recorded."""
+    from specrt.distill.prompts import dataset_files
+
+    base = CORPUS / "responses" / "greedy-256"
+    rows = [json.loads(line) for line in gzip.decompress(Path(f"{base}.jsonl.gz").read_bytes()).decode().splitlines()]
+    meta = json.loads(Path(f"{base}.meta.json").read_text())
+    split = training_prompts(files=[p.stem for p in dataset_files()], prompt_files=sorted(CORPUS.glob("*.jsonl.gz")))
+    assert meta["num_prompts"] == len(rows) == len(split.prompts)
+    assert [r["index"] for r in rows] == list(range(len(rows)))
+    assert [(r["file"], r["row"]) for r in rows] == [
+        (f"corpus/{Path(p.file).name}" if "/" in p.file else p.file, p.row) for p in split.prompts]
+    assert {r["finish_reason"] for r in rows} <= {"eos", "length", "prompt_too_long"}
+    assert all(r["prompt_ids"] and len(r["response_ids"]) <= meta["sampling_params"]["max_new_tokens"] for r in rows)
+    assert sum(len(r["response_ids"]) for r in rows) == meta["response_tokens"]
