@@ -58,16 +58,6 @@ def grid(feeds: dict[str, Array], anchor: Array, start: Array, drafts: Array | N
     r[...] = xp.arange(r.shape[0], dtype=r.dtype, device=device(r))
 
 
-def anchors(slots, b: int) -> tuple[np.ndarray, np.ndarray]:
-    """[b] anchor tokens and their positions (each slot's pending token at its length) of slots with `pending` and
-    `length`; idle slots (None) and bucket padding write a dummy token at position 0 of their own row."""
-    anchor, start = np.zeros(b, np.int64), np.zeros(b, np.int64)
-    for i, s in enumerate(slots):
-        if s is not None:
-            anchor[i], start[i] = s.pending, s.length
-    return anchor, start
-
-
 def packed_rows(lengths: np.ndarray, active: np.ndarray, bucket: io.Bucket) -> np.ndarray:
     """token_rows [P] of a packed verify (host: the lengths decide P): each active slot's anchor and `lengths[i]`
     drafts in slot order, then distinct cells no real token uses (budget padding)."""
