@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrt.runtime.arrays import device, namespace
-from specrt.runtime.sampling import Array, SamplingParams, distribution, draw
+from specrt.runtime.sampling import Array, SamplingParams, distribution, draw, draw_row
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,17 +75,23 @@ def accept_sampled(drafts: np.ndarray, draft_probs: np.ndarray | None, target_lo
     """One slot on the host: drafts [l], draft_probs [l, V] the distribution each draft was drawn from (None for
     one-hot drafts such as n-gram lookups), target_logits [l+1, V]. Draws `gamma` (default l) acceptance uniforms,
     then one for the bonus. The target's distribution is computed only up to the first rejection (the rows after it
-    cannot change the verdict), then `accept_rows` decides."""
+    cannot change the verdict); the verdict is `accept_rows`'s on that one row, its bonus drawn over the nonzero
+    entries (the same token: see `sampling.sample`) without the batched path's vocabulary-wide temporaries."""
     ell = len(drafts)
     u = rng.random(ell if gamma is None else gamma)[:ell]
-    v = rng.random()
-    p = np.zeros((ell + 1, target_logits.shape[-1]))
+    v = float(rng.random())
     for k in range(ell + 1):
-        p[k] = distribution(target_logits[k], params)
-        if k == ell or not accepts(u[k], 1.0 if draft_probs is None else float(draft_probs[k, drafts[k]]),
-                                   p[k, drafts[k]]):
+        p = distribution(target_logits[k], params)
+        if k == ell:  # every draft accepted: the bonus comes from the target's next distribution
+            return Verdict(ell, draw_row(p, v))
+        d = int(drafts[k])
+        if not accepts(u[k], 1.0 if draft_probs is None else float(draft_probs[k, d]), p[d]):
             break
-    q = None if draft_probs is None else draft_probs[None, :ell]
-    a, tokens = accept_rows(np.asarray(drafts, np.int64)[None], p[None], q, None, np.array([ell]), u[None],
-                            np.array([v]))
-    return Verdict(int(a[0]), int(tokens[0, a[0]]))
+    # rejected at k: the bonus comes from the residual max(p - q, 0), normalised (p itself when it has no mass)
+    if draft_probs is None:  # a one-hot draft: p without the drafted token
+        residual = p.copy()
+        residual[d] = 0.0
+    else:
+        residual = np.clip(p - draft_probs[k].astype(np.float64), 0.0, None)
+    mass = residual.sum()
+    return Verdict(k, draw_row(residual / mass if mass > 1e-12 else p, v))

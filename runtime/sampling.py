@@ -60,6 +60,10 @@ def warp(logits: Array, temperature: Array, top_k: Array, top_p: Array, *, filte
     Top-k keeps the tokens at least as large as the k-th largest; top-p then keeps the smallest prefix, in order of
     probability (ties in token order), whose mass reaches top_p (the token crossing the line stays)."""
     xp = namespace(logits)
+    if isinstance(logits, np.ndarray) and logits.ndim == 1 and 0 < int(top_k) < logits.shape[-1]:
+        p = _top_k_row(logits, float(temperature), int(top_k), float(top_p))
+        if p is not None:
+            return p
     x = xp.astype(logits, xp.float64) / xp.astype(temperature, xp.float64)[..., None]
     v = x.shape[-1]
     if filters is None:
@@ -84,6 +88,28 @@ def warp(logits: Array, temperature: Array, top_k: Array, top_p: Array, *, filte
         drop = xp.take_along_axis(drop_sorted, _inverse(order), axis=-1) & (top_p < 1.0)[..., None]
         p = xp.where(drop, xp.zeros_like(p), p)
         p = p / xp.sum(p, axis=-1, keepdims=True)
+    return p
+
+
+def _top_k_row(logits: np.ndarray, temperature: float, k: int, top_p: float) -> np.ndarray | None:
+    """`warp` of one host row with top-k, bit for bit, its exponentials computed on the kept tokens only (a sampled
+    host round calls it once a slot, and the whole vocabulary's float64 softmax cost ~2 ms a row). Dividing by a
+    temperature > 0 keeps the order of float32 logits, so the kept set is the logits' k largest (and their ties);
+    the sums run over the whole row as in `warp`. None (use the general path) when no token passes: NaN logits."""
+    kth = np.partition(logits, -k)[-k]
+    live = np.flatnonzero(logits >= kth)
+    if live.size == 0:
+        return None
+    x = logits[live].astype(np.float64) / temperature
+    p = np.zeros(logits.shape[-1])
+    p[live] = np.exp(x - x.max())
+    p /= p.sum()
+    if top_p < 1.0:  # the smallest prefix by probability (ties in token order) whose mass reaches top_p
+        live = live[p[live] > 0]
+        order = live[np.argsort(-p[live], kind="stable")]
+        sorted_p = p[order]
+        p[order[(np.cumsum(sorted_p) - sorted_p) >= top_p]] = 0.0
+        p /= p.sum()
     return p
 
 
@@ -128,13 +154,26 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
                 filters=(0 < params.top_k < logits.shape[-1], params.top_p < 1.0))
 
 
+INVALID = "sampling got an invalid distribution (NaN, inf or all zero); the logits or parameters are broken"
+
+
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """Draw one token id from a 1-D distribution by inverse CDF (`draw`)."""
-    total = probs.sum()
-    if not 0.0 < total < np.inf or not (probs >= 0).all():  # NaN fails this too: never draw from a broken one
-        raise SpecrtError("sampling got an invalid distribution (NaN, inf or all zero); the logits or parameters "
-                          "are broken")
-    return int(draw(probs, np.asarray(rng.random())))
+    """Draw one token id from a 1-D distribution by inverse CDF (`draw`), over its nonzero entries only: adding a
+    zero leaves a cumulative sum as it is, so the tokens' CDF values, and the token drawn, are the full row's."""
+    live = np.flatnonzero(probs)  # NaN is nonzero: it reaches the check below
+    q = probs[live]
+    total = q.sum()
+    if not 0.0 < total < np.inf or not (q > 0).all():  # NaN fails this too: never draw from a broken one
+        raise SpecrtError(INVALID)
+    return int(live[draw(q, np.asarray(rng.random()))])
+
+
+def draw_row(probs: np.ndarray, u: float) -> int:
+    """`draw` of one host row [V] with uniform u, over its nonzero entries only (the same token, see `sample`)."""
+    live = np.flatnonzero(probs)
+    if live.size == 0:
+        raise SpecrtError(INVALID)
+    return int(live[draw(probs[live], np.asarray(u))])
 
 
 def next_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
