@@ -21,7 +21,7 @@ from specrt.errors import SpecrtError
 from specrt.distill.prompts import Prompt
 from specrt.runtime.config import EngineConfig
 from specrt.runtime.engine import Engine, Request
-from specrt.runtime.prompts import encode_prompt
+from specrt.runtime.prompts import encode_conversation, encode_prompt
 from specrt.runtime.sampling import SamplingParams
 
 # DeepSpec regenerated its training responses with T=0.7, top-p 0.8, top-k 20 (non-thinking mode).
@@ -71,7 +71,7 @@ def read_responses(path: str | Path, *, repair: bool = False) -> list[dict[str, 
 def _prompt_ids(engine: Engine, prompt: PromptLike) -> tuple[list[int], str | None, int | None]:
     """(ids, file, row) of one prompt; text goes through the chat template."""
     if isinstance(prompt, Prompt):
-        ids = list(prompt.ids) if prompt.ids is not None else encode_prompt(engine.tokenizer, prompt.text)
+        ids = list(prompt.ids) if prompt.ids is not None else encode_conversation(engine.tokenizer, prompt.turns)
         return ids, prompt.file, prompt.row
     if isinstance(prompt, str):
         return encode_prompt(engine.tokenizer, prompt), None, None

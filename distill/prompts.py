@@ -15,7 +15,7 @@ import numpy as np
 
 from specrt.datasets import DATASETS_DIR
 from specrt.errors import SpecrtError
-from specrt.runtime.prompts import read_prompts_file
+from specrt.runtime.prompts import read_conversations, read_prompts_file
 
 EVAL_ROWS = 20
 SPLITS = ("train", "calib")
@@ -29,10 +29,23 @@ class Prompt:
     row: int  # index among the file's prompts (the numbering `read_prompts_file` uses)
     text: str | None = None
     ids: tuple[int, ...] | None = None
+    history: tuple[str, ...] = ()  # a multi-turn prompt's earlier turns (user, assistant, ...) before `text`
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.ids is None):
             raise ValueError("a Prompt has exactly one of text and ids")
+        if len(self.history) % 2 or (self.history and self.text is None):
+            raise ValueError("a Prompt's history is (user, assistant) pairs before a text turn")
+
+    @property
+    def turns(self) -> tuple[str, ...]:
+        """The conversation up to the turn to answer (user, assistant, ..., user)."""
+        return (*self.history, self.text) if self.text is not None else ()
+
+    @property
+    def first(self) -> str | None:
+        """The conversation's first user turn (the one eval rows are compared with)."""
+        return self.history[0] if self.history else self.text
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +103,11 @@ def training_prompts(datasets_dir: str | Path = DATASETS_DIR, *, files: Sequence
             texts = read_prompts_file(path)
             per_file.append([Prompt(path.stem, r, text=t) for r, t in enumerate(texts) if r >= eval_rows])
     for path in prompt_files:
-        per_file.append([Prompt(str(path), r, text=t) for r, t in enumerate(read_prompts_file(path))])
+        per_file.append([Prompt(str(path), r, text=turns[-1], history=turns[:-1])
+                         for r, turns in enumerate(read_conversations(path))])
     # A later row can repeat an eval row's text (mbpp has duplicates): drop those too.
     held_out = {t for texts in eval_prompts(datasets_dir, eval_rows=eval_rows).values() for t in texts}
-    per_file = [[p for p in rows if p.text not in held_out] for rows in per_file]
+    per_file = [[p for p in rows if p.text not in held_out and p.first not in held_out] for rows in per_file]
     rng = np.random.default_rng(seed)
     if limit is not None:
         quotas = _even_quotas([len(rows) for rows in per_file], limit)
@@ -120,7 +134,7 @@ def assert_disjoint_from_eval(split: PromptSplit, datasets_dir: str | Path = DAT
     """Raise if any prompt is an eval row of `datasets_dir` (by file/row or by identical text)."""
     evals = eval_prompts(datasets_dir, eval_rows=eval_rows)
     texts = {t for ts in evals.values() for t in ts}
-    bad = [p for p in split.prompts if (p.file in evals and p.row < eval_rows) or p.text in texts]
+    bad = [p for p in split.prompts if (p.file in evals and p.row < eval_rows) or p.text in texts or p.first in texts]
     if bad:
         raise SpecrtError(f"{len(bad)} training prompts are eval rows (first: {bad[0].file} row {bad[0].row})")
 

@@ -3,6 +3,12 @@
     stdlib    Python's standard library (PSF-2.0, shipped with every Python): each public function, and each
               public method of a public class, of a fixed list of pure-library modules that documents itself
     numpy     numpy's public functions (BSD-3-Clause, a dependency of specrt)
+    careers   chat: Faker's English job titles (MIT; `pip install faker`, only to rebuild the set)
+    world     chat: pycountry's countries, languages and currencies (LGPL-2.1, Debian's iso-codes data;
+              `pip install pycountry`, only to rebuild the set)
+    followups multi-turn: a training prompt, the default model's own greedy answer to it (the committed corpus),
+              then a second request: mt-bench's own second turn where the row has one, else a follow-up of the
+              prompt's kind (code, math, chat), chosen by a hash of its file and row
 
 Each documented callable gives one prompt, in one of a few phrasings chosen by a hash of its name (write it without
 the library, explain it with an example, write tests for it, use it in a small program), with the first paragraphs
@@ -15,6 +21,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib
+import importlib.metadata
 import inspect
 import io
 import json
@@ -23,7 +30,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from specrt.datasets import DATASETS_DIR
+from specrt.distill.prompts import PromptSplit, dataset_files, training_prompts
 from specrt.errors import SpecrtError
+
+CORPUS_DIR = DATASETS_DIR / "corpus"
 
 # pure-library modules whose documented functions make self-contained code tasks (no OS services, no GUI)
 STDLIB_MODULES = (
@@ -149,11 +160,190 @@ def prompts(source: str) -> list[dict]:
     return rows
 
 
+# Chat sources: everyday assistant requests (advice, writing, explanation, planning, stories) about subjects taken
+# from packaged lists; each subject gets `per_subject` of its source's templates, chosen by a hash of its name.
+CAREER_TEMPLATES = (
+    "What does {a} {s} do on a typical working day? Describe the main tasks, the skills the work needs and how "
+    "someone trains for it.",
+    "Write a short, friendly job advertisement for {a} {s} at a small company.",
+    "I have an interview next week for a job as {a} {s}. What questions should I expect, and how should I prepare?",
+    "Write a cover letter for a job as {a} {s}, for someone changing careers after ten years in retail.",
+    "What are the five hardest parts of working as {a} {s}, and how do experienced people handle each?",
+    "Write a short story, about 200 words, whose main character is {a} {s} having a very unusual day at work.",
+    "My teenager wants to become {a} {s}. What should we know about the work, the pay and the path into it?",
+    "Explain to a ten-year-old what {a} {s} does and why the job matters.",
+)
+COUNTRY_TEMPLATES = (
+    "Plan a one-week trip to {s}: where to go, what to see and eat, and what a visitor should know before going.",
+    "Give a short overview of the history of {s}, from its earliest records to today.",
+    "Describe the geography and climate of {s}, and how they shape daily life there.",
+    "Write a short poem about {s}.",
+    "What are some traditional dishes from {s}? Describe two of them and give a simple recipe for one.",
+    "What are the main industries and exports of {s}, and what challenges does its economy face?",
+    "Write a friendly email to a colleague who is moving to {s} for work, with practical advice for the first "
+    "month.",
+    "What festivals and holidays are celebrated in {s}, and how do people celebrate them?",
+)
+LANGUAGE_TEMPLATES = (
+    "I want to learn {s}. Where should a beginner start, and what makes it hard or easy for an English speaker?",
+    "Tell me about the {s} language: where it is spoken, how it is written and where it comes from.",
+    "Teach me ten useful everyday phrases in {s}, with a pronunciation guide for each.",
+)
+CURRENCY_TEMPLATES = (
+    "Tell me about the {s}: which countries use it, its history, and what moves its exchange rate.",
+    "I am travelling to a country that uses the {s}. How should I handle money there: cash, cards, tipping?",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatSource:
+    licence: str
+    package: str  # the package whose data the subjects come from (needed only to rebuild the set)
+
+
+CHAT_SOURCES = {
+    "careers": ChatSource("MIT", "faker"),
+    "world": ChatSource("LGPL-2.1-only", "pycountry"),
+}
+
+
+def chat_prompts(source: str) -> list[dict]:
+    """The prompt rows of a chat source: `{"turns": [text], "source", "licence", "subject"}`, in a fixed order,
+    each text distinct."""
+    if source not in CHAT_SOURCES:
+        raise SpecrtError(f"unknown chat source {source!r}; choose one of {', '.join(CHAT_SOURCES)}")
+    s = CHAT_SOURCES[source]
+    try:
+        groups = _careers() if source == "careers" else _world()
+    except ImportError:
+        raise SpecrtError(f"building the {source!r} prompt set needs {s.package}: pip install {s.package}") from None
+    rows, texts = [], set()
+    for templates, per_subject, subjects in groups:
+        for subject in subjects:
+            start = int(hashlib.sha256(subject.encode()).hexdigest(), 16) % len(templates)
+            for j in range(per_subject):
+                text = templates[(start + j) % len(templates)].format(s=subject, a=_article(subject))
+                if text not in texts:
+                    texts.add(text)
+                    rows.append({"turns": [text], "source": source, "licence": s.licence, "subject": subject})
+    return rows
+
+
+def _careers() -> list[tuple[tuple[str, ...], int, list[str]]]:
+    from faker.providers.job.en_US import Provider
+
+    return [(CAREER_TEMPLATES, 2, sorted({_job(j) for j in Provider.jobs}))]
+
+
+def _job(title: str) -> str:
+    """'Engineer, civil (contracting)' -> 'civil engineer (contracting)': the list's inverted titles in reading
+    order, lower case except acronyms."""
+    note = ""
+    if "(" in title:
+        title, note = title.split("(", 1)
+        note = " (" + note.strip()
+    parts = [p.strip() for p in title.split(",") if p.strip()]
+    words = " ".join(reversed(parts)).split()
+    return " ".join(w if w.isupper() and len(w) > 1 else w.lower() for w in words) + note
+
+
+def _world() -> list[tuple[tuple[str, ...], int, list[str]]]:
+    import pycountry
+
+    countries = sorted({_reading_order(getattr(c, "common_name", c.name)) for c in pycountry.countries})
+    languages = sorted({lang.name for lang in pycountry.languages if hasattr(lang, "alpha_2")})
+    currencies = sorted({c.name for c in pycountry.currencies if not any(w in c.name for w in NOT_CURRENCIES)})
+    return [(COUNTRY_TEMPLATES, 3, countries), (LANGUAGE_TEMPLATES, 1, languages), (CURRENCY_TEMPLATES, 1, currencies)]
+
+
+# ISO 4217's entries that are no country's money: metals, units of account, funds, codes
+NOT_CURRENCIES = ("(", "Bond", "SDR", "WIR", "Unidad", "Unit", "Code", "codes", "Gold", "Silver", "Palladium",
+                  "Platinum", "Sucre", "Mvdol", "Accounting")
+
+
+def _article(subject: str) -> str:
+    return "an" if subject[:1].lower() in "aeiou" else "a"
+
+
+def _reading_order(name: str) -> str:
+    """'Korea, Republic of' -> 'Republic of Korea'."""
+    if "," not in name:
+        return name
+    head, tail = name.split(",", 1)
+    return f"{tail.strip()} {head.strip()}"
+
+
+FOLLOWUPS = {
+    "code": (
+        "Now write pytest tests for it, including the edge cases.",
+        "Can you make it simpler or faster? Show the new version and explain what changed.",
+        "Add type hints and a docstring, and say which inputs it does not handle.",
+        "Explain how it works, step by step, for someone new to Python.",
+    ),
+    "math": (
+        "Check the answer by solving the problem in a different way.",
+        "Make up a similar problem with different numbers, and solve it step by step.",
+        "Which step is the easiest to get wrong, and why?",
+    ),
+    "chat": (
+        "Make that shorter: three sentences at most.",
+        "Rewrite it for a ten-year-old.",
+        "Turn it into a bulleted list of the key points.",
+    ),
+}
+# the licence of each training file's first turns (datasets/README.md, datasets/corpus/README.md)
+FILE_KINDS = {"gsm8k": ("math", "MIT"), "math500": ("math", "MIT"), "mbpp": ("code", "CC-BY-4.0"),
+              "humaneval": ("code", "MIT"), "mt-bench": ("chat", "Apache-2.0"),
+              "corpus/stdlib": ("code", "PSF-2.0"), "corpus/numpy": ("code", "BSD-3-Clause"),
+              "corpus/careers": ("chat", "MIT"), "corpus/world": ("chat", "LGPL-2.1-only")}
+REPLIES_LICENCE = "Apache-2.0 (SmolLM2-135M-Instruct's output)"
+
+
+def followup_prompts(conversations: list[tuple[str, tuple[str, ...], str]], *, replies_by: str = REPLIES_LICENCE
+                     ) -> list[dict]:
+    """Multi-turn rows `{"turns": [first, second], "replies": [answer], "source", "licence", "from"}` from
+    (file, turns, answer) triples: a training prompt's turns (its own second turn where it has one), and the
+    target's answer to the first."""
+    rows = []
+    for origin, turns, answer in conversations:
+        file, _, row = origin.rpartition(":")
+        kind, licence = FILE_KINDS[file.removesuffix(".jsonl.gz")]
+        if len(turns) > 1:
+            second = turns[1]
+        else:
+            options = FOLLOWUPS[kind]
+            second = options[int(hashlib.sha256(origin.encode()).hexdigest(), 16) % len(options)]
+        rows.append({"turns": [turns[0], second], "replies": [answer], "source": "followups",
+                     "licence": f"{licence}; replies {replies_by}", "from": origin})
+    return rows
+
+
+# The corpus's parts: which prompt sets of datasets/corpus/ each answers (scripts/corpus_generate.py --part)
+PARTS = {"base": ("numpy", "stdlib"), "chat": ("careers", "world"), "followups": ("followups",)}
+
+
+def part_prompts(part: str, *, limit: int | None = None) -> PromptSplit:
+    """The training prompts of a corpus part, in the order its responses are written: base is the eval files'
+    spare rows, then its code sets; the others are their sets' rows."""
+    if part not in PARTS:
+        raise SpecrtError(f"unknown corpus part {part!r}; choose one of {', '.join(PARTS)}")
+    files = [CORPUS_DIR / f"{name}.jsonl.gz" for name in PARTS[part]]
+    if part == "base":
+        return training_prompts(files=[p.stem for p in dataset_files()], prompt_files=files, limit=limit)
+    return training_prompts(prompt_files=files, limit=limit)
+
+
 def built_with() -> dict:
     """What a prompt set was built with (its docstrings are these versions')."""
     import numpy
 
-    return {"python": platform.python_version(), "numpy": numpy.__version__}
+    versions = {"python": platform.python_version(), "numpy": numpy.__version__}
+    for package in ("faker", "pycountry"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
 
 
 def write(rows: list[dict], path: str | Path) -> Path:

@@ -57,19 +57,101 @@ def test_the_committed_sets_are_disjoint_from_the_eval_rows(name):
     assert f"| `{name}.jsonl.gz` |" in (CORPUS / "README.md").read_text()  # its row in the README: source, licence
 
 
-def test_the_committed_responses_answer_the_training_prompts_in_order():
-    """datasets/corpus/responses/greedy-256 (scripts/corpus_generate.py): one greedy response per training prompt, in
-    the order `training_prompts` gives them, each prompt's file and row recorded."""
-    from specrt.distill.prompts import dataset_files
+def _rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in gzip.decompress((CORPUS / f"{name}.jsonl.gz").read_bytes()).decode().splitlines()]
 
-    base = CORPUS / "responses" / "greedy-256"
-    rows = [json.loads(line) for line in gzip.decompress(Path(f"{base}.jsonl.gz").read_bytes()).decode().splitlines()]
-    meta = json.loads(Path(f"{base}.meta.json").read_text())
-    split = training_prompts(files=[p.stem for p in dataset_files()], prompt_files=sorted(CORPUS.glob("*.jsonl.gz")))
-    assert meta["num_prompts"] == len(rows) == len(split.prompts)
+
+@pytest.mark.parametrize("name", sorted(sources.CHAT_SOURCES))
+def test_the_committed_chat_sets_are_their_templates_over_their_subjects(name):
+    rows = _rows(name)
+    templates = (sources.CAREER_TEMPLATES if name == "careers" else
+                 sources.COUNTRY_TEMPLATES + sources.LANGUAGE_TEMPLATES + sources.CURRENCY_TEMPLATES)
+    assert len(rows) > 1000 and {r["licence"] for r in rows} == {sources.CHAT_SOURCES[name].licence}
+    texts = [r["turns"][0] for r in rows]
+    assert len(set(texts)) == len(texts)
+    for r in rows:  # each text is one of the source's templates, about its subject
+        subject = r["subject"]
+        assert r["turns"][0] in {t.format(s=subject, a=sources._article(subject)) for t in templates}, r
+    held_out = {t for ts in eval_prompts(DATASETS_DIR).values() for t in ts}
+    assert not held_out & set(texts)
+    assert f"| `{name}.jsonl.gz` |" in (CORPUS / "README.md").read_text()
+    try:  # rebuilding needs the package the subjects come from (not a dependency of specrt)
+        rebuilt = sources.chat_prompts(name)
+    except SpecrtError as e:
+        pytest.skip(f"{e} (only rebuilding the committed set needs it)")
+    assert rebuilt == rows
+
+
+def test_chat_subjects_read_naturally():
+    assert sources._job("Engineer, civil (contracting)") == "civil engineer (contracting)"
+    assert sources._job("IT trainer") == "IT trainer"
+    assert sources._reading_order("Korea, Republic of") == "Republic of Korea"
+    assert sources._article("engineer") == "an" and sources._article("nurse") == "a"
+    with pytest.raises(SpecrtError, match="unknown chat source 'nope'"):
+        sources.chat_prompts("nope")
+
+
+def test_followups_continue_a_training_conversation():
+    """Each multi-turn row is a base training prompt, the default model's answer to it, and a second request of
+    the prompt's kind (mt-bench's own second turn where it has one); all read as conversations disjoint from the
+    eval rows."""
+    from specrt.distill.prompts import dataset_files
+    from specrt.runtime.prompts import read_conversations
+
+    rows = _rows("followups")
+    base = training_prompts(files=[p.stem for p in dataset_files()],
+                            prompt_files=[CORPUS / f"{n}.jsonl.gz" for n in sorted(sources.SOURCES)])
+    first = {(f"corpus/{Path(p.file).name}" if "/" in p.file else p.file, p.row): p.text for p in base.prompts}
+    mt_bench = [json.loads(line)["turns"] for line in (DATASETS_DIR / "mt-bench.jsonl").read_text().splitlines()]
+    assert len(rows) > 1500
+    for r in rows:
+        file, _, row = r["from"].rpartition(":")
+        assert r["turns"][0] == first[(file, int(row))] and len(r["replies"]) == 1 and r["replies"][0].strip()
+        kind = sources.FILE_KINDS[file.removesuffix(".jsonl.gz")][0]
+        second = mt_bench[int(row)][1] if file == "mt-bench" else None
+        assert r["turns"][1] == second if second else r["turns"][1] in sources.FOLLOWUPS[kind], r["from"]
+    conversations = read_conversations(CORPUS / "followups.jsonl.gz")
+    assert conversations[0] == (rows[0]["turns"][0], rows[0]["replies"][0], rows[0]["turns"][1])
+    split = training_prompts(prompt_files=[CORPUS / "followups.jsonl.gz"])
+    assert len(split.prompts) == len(rows) and split.prompts[0].turns == conversations[0]
+    assert sources.followup_prompts([(r["from"], tuple(r["turns"][:1]) if not r["from"].startswith("mt-bench")
+                                      else (r["turns"][0], r["turns"][1]), r["replies"][0]) for r in rows]) == rows
+
+
+def test_a_conversation_file_is_checked_and_held_out(tmp_path):
+    from specrt.runtime.prompts import read_conversations
+
+    evals = eval_prompts(DATASETS_DIR)
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"turns": ["a question", "more"], "replies": ["an answer"]}) + "\n"
+                    + json.dumps({"turns": [evals["gsm8k"][0], "more"], "replies": ["x"]}) + "\n"
+                    + json.dumps({"turns": ["single"]}) + "\n")
+    assert read_conversations(path) == [("a question", "an answer", "more"), (evals["gsm8k"][0], "x", "more"),
+                                         ("single",)]
+    assert read_prompts_file(path) == ["a question", evals["gsm8k"][0], "single"]  # first turns, as before
+    split = training_prompts(prompt_files=[path])  # a conversation opening with an eval row is dropped
+    assert [p.turns for p in split.prompts] == [("a question", "an answer", "more"), ("single",)]
+    path.write_text(json.dumps({"turns": ["a", "b"], "replies": []}) + "\n")
+    with pytest.raises(SpecrtError, match=r"c.jsonl:1: \"replies\" must be one string per turn but the last"):
+        read_conversations(path)
+
+
+RESPONSES = sorted((CORPUS / "responses").glob("*.jsonl.gz"))
+
+
+@pytest.mark.parametrize("path", RESPONSES, ids=[p.name for p in RESPONSES])
+def test_the_committed_responses_answer_their_parts_prompts_in_order(path):
+    """datasets/corpus/responses/<part>-<sampling>-<n> (scripts/corpus_generate.py): one response per training prompt
+    of the part, in the order `part_prompts` gives them, each prompt's file and row recorded."""
+    part, sampling, _ = path.name.removesuffix(".jsonl.gz").split("-", 2)
+    rows = [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode().splitlines()]
+    meta = json.loads(path.with_name(path.name.replace(".jsonl.gz", ".meta.json")).read_text())
+    split = sources.part_prompts(part)
+    assert meta["sampling"] == sampling and meta["num_prompts"] == len(rows) == len(split.prompts)
     assert [r["index"] for r in rows] == list(range(len(rows)))
     assert [(r["file"], r["row"]) for r in rows] == [
         (f"corpus/{Path(p.file).name}" if "/" in p.file else p.file, p.row) for p in split.prompts]
     assert {r["finish_reason"] for r in rows} <= {"eos", "length", "prompt_too_long"}
     assert all(r["prompt_ids"] and len(r["response_ids"]) <= meta["sampling_params"]["max_new_tokens"] for r in rows)
     assert sum(len(r["response_ids"]) for r in rows) == meta["response_tokens"]
+    assert f"| `responses/{path.name}` |" in (CORPUS / "README.md").read_text()

@@ -83,6 +83,22 @@ def test_no_template_is_user_error(bpe_dir):
         tok.apply_chat_template(CONVERSATIONS[0])
 
 
+def test_a_conversation_is_encoded_through_the_template(bpe_dir):
+    """A multi-turn prompt (user, assistant, user) is the template's rendering of its messages, with a generation
+    prompt; one turn is the single-prompt encoding; no template is a user error."""
+    from specrt.runtime.prompts import encode_conversation, encode_prompt
+
+    tok = Tokenizer.from_dir(bpe_dir, read_tokenizer_info(bpe_dir))
+    turns = ("What is 2+2?", "4.", "And 3+3?")
+    messages = [{"role": r, "content": t} for r, t in zip(("user", "assistant", "user"), turns)]
+    ids = encode_conversation(tok, turns)
+    assert tok.decode(ids) == tok.apply_chat_template(messages, add_generation_prompt=True)
+    assert tok.decode(ids).count("<|user|>") == 2 and tok.decode(ids).endswith("<|assistant|>")
+    assert encode_conversation(tok, turns[:1]) == encode_prompt(tok, turns[0])
+    with pytest.raises(SpecrtError, match="multi-turn prompt needs a chat template"):
+        encode_conversation(Tokenizer.from_dir(bpe_dir, {"chat_template": None}), turns)
+
+
 def _stream(tok: Tokenizer, ids: list[int], step: int = 1) -> list[str]:
     dec = StreamDecoder(tok)
     deltas = [dec.push(ids[i:i + step]) for i in range(0, len(ids), step)]
