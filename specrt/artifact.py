@@ -40,7 +40,9 @@ import numpy as np
 from specrt.errors import SpecrtError
 from specrt.model_config import ModelConfig
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
+# the versions this specrt reads: 4 is 5 without the target's tree_mask input (such a target verifies chains only)
+READS_VERSIONS = (4, 5)
 # Fields added to the manifest within a format version (readers ignore what they do not know); a cached default
 # artifact (tools/default_artifact.py) is re-exported when this moves. 2: tokenizer.chat (the chat template's text
 # around one user message, for the C++ runtime).
@@ -49,7 +51,8 @@ MANIFEST_REVISION = 2
 # default artifact is re-exported when this moves. 2: a target layer's attention as one specrt::PackedAttention.
 # 3: with specrt's kernels, the draft heads' own matrices as Q4_1 blocks (specrt::MatMulGGUF, not MatMulNBits).
 # 4: with specrt's kernels, norms as specrt::RMSNorm / SkipRMSNorm and an MLP's SiLU and product in its MatMulGGUF.
-GRAPHS_REVISION = 4
+# 5: the target's tree_mask input (draft trees: runtime/tree.py).
+GRAPHS_REVISION = 5
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.bin"
 TOKENIZER_DIR = "tokenizer"
@@ -61,6 +64,9 @@ POSITION_IDS = "position_ids"
 WRITE_INDEX = "write_index"
 TOKEN_ROWS = "token_rows"
 LOGIT_ROWS = "logit_rows"
+# [B, T, T] int64: nonzero at [b, t, j] hides grid cell j from cell t (a draft tree's cells that are not t's
+# ancestors); all zeros is a chain, each cell seeing every earlier one. Targets exported before trees lack it.
+TREE_MASK = "tree_mask"
 LOGITS = "logits"
 FEATURES = "features"
 
@@ -218,7 +224,8 @@ def target_signature(*, num_layers: int, num_kv_heads: int, head_dim: int, vocab
               TensorSpec(POSITION_IDS, "int64", ("B", "T")),
               TensorSpec(WRITE_INDEX, "int64", ("B",)),
               TensorSpec(TOKEN_ROWS, "int64", ("P",)),
-              TensorSpec(LOGIT_ROWS, "int64", ("R",))]
+              TensorSpec(LOGIT_ROWS, "int64", ("R",)),
+              TensorSpec(TREE_MASK, "int64", ("B", "T", "T"))]
     outputs = [TensorSpec(LOGITS, dtype, ("R", vocab_size))]
     if feature_dim:
         outputs.append(TensorSpec(FEATURES, dtype, ("B", "T", feature_dim)))
@@ -540,9 +547,9 @@ def load_manifest(art_dir: str | Path) -> Manifest:
     if not isinstance(d, dict):
         raise SpecrtError(f"{path} is malformed: expected a JSON object, got a {type(d).__name__}")
     version = d.get("format_version")
-    if version != FORMAT_VERSION:
-        raise SpecrtError(f"{art} has artifact format version {version}, this specrt reads version "
-                          f"{FORMAT_VERSION}; re-export it with this specrt")
+    if version not in READS_VERSIONS or isinstance(version, bool):
+        raise SpecrtError(f"{art} has artifact format version {version}, this specrt reads versions "
+                          f"{', '.join(map(str, READS_VERSIONS))}; re-export it with this specrt")
     try:
         m = Manifest.from_dict(d)
     except SpecrtError as e:
@@ -625,8 +632,8 @@ MTP_POSITIONS = "positions"
 MTP_LAST_ROW = "last_row"
 # The graph input/output names above, and the cache's prefixes: what scripts/gen_cpp_names.py writes into the C++
 # runtime's runtime/cpp/src/io_names.h (a test checks that header is current)
-IO_NAMES = ("INPUT_IDS", "POSITION_IDS", "WRITE_INDEX", "TOKEN_ROWS", "LOGIT_ROWS", "LOGITS", "FEATURES",
-            "CTX_FEATURES", "CTX_POSITIONS", "CTX_WRITE_INDEX", "CTX_LEN", "ANCHOR_IDS", "TEMPERATURE", "NOISE",
+IO_NAMES = ("INPUT_IDS", "POSITION_IDS", "WRITE_INDEX", "TOKEN_ROWS", "LOGIT_ROWS", "TREE_MASK", "LOGITS",
+            "FEATURES", "CTX_FEATURES", "CTX_POSITIONS", "CTX_WRITE_INDEX", "CTX_LEN", "ANCHOR_IDS", "TEMPERATURE", "NOISE",
             "DRAFT_TOKENS", "DRAFT_LOGITS", "DRAFT_PROBS", "CONFIDENCE_LOGITS", "TRUNCATE_THRESHOLD", "TRUNCATE_BUDGET",
             "SURVIVAL", "VERIFY_LENGTHS", "MTP_TOKENS", "MTP_HIDDEN", "MTP_POSITIONS", "MTP_LAST_ROW", "PAST_PREFIX",
             "PRESENT_PREFIX", "CACHE_LEN")

@@ -479,6 +479,33 @@ def test_cache_attention_rows_do_not_depend_on_the_call(ops_lib, isa, kv):
 
 @pytest.mark.parametrize("kv", KV_TYPES)
 @pytest.mark.parametrize("isa", ISAS)
+def test_cache_attention_a_tree_row_gets_the_bits_of_its_path_decoded(ops_lib, isa, kv):
+    """A draft tree's row sees the cache, the anchor and its ancestors, with its siblings' cells masked between them
+    (runtime/tree.py): it gets the bits its path gives decoded, the same keys in the same order with nothing between
+    them (each weight summed in the lane of its key's rank among the keys the row sees)."""
+    if not _supported(ops_lib, isa):
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    rng = np.random.default_rng(11)
+    neg = np.finfo(np.float32).min / 2
+    for D, base, seen in ((64, 37, (1, 4, 5, 9)), (32, 5, (2, 3)), (64, 40, (3,)), (128, 13, (1, 2, 6, 7, 8)),
+                          (8, 20, (4, 6))):
+        H, Hkv, S = 6, 3, base + 16
+        session = _attention_session(ops_lib, isa, D ** -0.5, kv)
+        q = rng.normal(size=(1, 1, H, D)).astype(np.float32)
+        k, k32 = _stored(rng.normal(size=(1, Hkv, S, D)).astype(np.float32), kv)
+        v, v32 = _stored(rng.normal(size=(1, Hkv, S, D)).astype(np.float32), kv)
+        keys = [*range(base + 1), *(base + c for c in seen)]  # the cache, the anchor, the row's ancestors
+        bias = np.full((1, 1, 1, 1, base + max(seen) + 1), neg, np.float32)
+        bias[..., keys] = 0.0
+        (tree_row,) = session.run(None, {"q": q, "k": k, "v": v, "bias": bias})
+        take = lambda x32: _stored(np.ascontiguousarray(x32[:, :, keys]), kv)[0]  # exact: stored values  # noqa: E731
+        (decoded,) = session.run(None, {"q": q, "k": take(k32), "v": take(v32),
+                                        "bias": np.zeros((1, 1, 1, 1, len(keys)), np.float32)})
+        np.testing.assert_array_equal(tree_row, decoded, err_msg=f"D={D} anchor at {base}, ancestors {seen}")
+
+
+@pytest.mark.parametrize("kv", KV_TYPES)
+@pytest.mark.parametrize("isa", ISAS)
 def test_cache_attention_keys_masked_past_every_row_change_no_bit(ops_lib, isa, kv):
     """A bias wider than the positions (a cache allocated past them: keys masked for every query of a batch row)
     gives the bits of the bias cut after the last visible key, however wide, whatever the cache holds there; a

@@ -140,7 +140,8 @@ def _run_plain(sess: ort.InferenceSession, spec: io.GraphSpec, cache: dict[str, 
     b, t = ids.shape
     feeds = {io.INPUT_IDS: ids, io.POSITION_IDS: np.broadcast_to(np.arange(start, start + t), (b, t)).copy(),
              io.WRITE_INDEX: np.full((b,), start, np.int64), io.TOKEN_ROWS: np.arange(b * t),
-             io.LOGIT_ROWS: (np.arange(b)[:, None] * t + rows).ravel(), **cache}
+             io.LOGIT_ROWS: (np.arange(b)[:, None] * t + rows).ravel(), io.TREE_MASK: np.zeros((b, t, t), np.int64),
+             **cache}
     names = [o.name for o in spec.outputs]
     out = dict(zip(names, sess.run(names, feeds)))
     for name in cache:
@@ -500,7 +501,7 @@ def test_golden_io_signatures():
     cache = ("float32", ("B", 2, 128, 16))
     assert rows(ins) == [
         ("input_ids", "int64", ("B", "T")), ("position_ids", "int64", ("B", "T")), ("write_index", "int64", ("B",)),
-        ("token_rows", "int64", ("P",)), ("logit_rows", "int64", ("R",)),
+        ("token_rows", "int64", ("P",)), ("logit_rows", "int64", ("R",)), ("tree_mask", "int64", ("B", "T", "T")),
         ("past.0.key", *cache), ("past.0.value", *cache), ("past.1.key", *cache), ("past.1.value", *cache)]
     assert rows(outs) == [
         ("logits", "float32", ("R", 256)), ("features", "float32", ("B", "T", 128)),

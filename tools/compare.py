@@ -92,6 +92,8 @@ def random_feeds(manifest: io.Manifest, family: str, bucket: io.Bucket, call: in
         cells = np.concatenate([i * t + np.arange(c) for i, c in enumerate(computed)]).astype(np.int64)
         ids = feeds[io.INPUT_IDS]
         calls.target.grid(feeds, ids[:, 0], start, ids[:, 1:], cells)
+        if io.TREE_MASK in feeds:  # chains: the torch backend's modules verify no trees
+            feeds[io.TREE_MASK][...] = 0
         if r != p:
             feeds[io.LOGIT_ROWS][:] = rng.integers(0, p, r)
         return feeds, start + computed  # the next call overwrites the cells not computed

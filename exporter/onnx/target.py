@@ -42,7 +42,22 @@ def cache_io(g: GraphBuilder, shapes: Shapes, write_index: str, cfg: ModelConfig
         qpos = g.op("Add", g.op("Unsqueeze", write_index, g.const([1], "axis1", "int64")), t_range,
                     name="query_positions")  # [B,T]: cache slot of each new token
         sized = g.op("Shape", io.past_names(0)[0], start=2, end=3, name="cache_length") if lowering == "cpu" else None
-        return slot_io(g, shapes, qpos, cfg, max_seq, lowering=lowering, sized=sized, fused=fused)
+        return slot_io(g, shapes, qpos, cfg, max_seq, lowering=lowering, sized=sized, fused=fused,
+                       tree=(io.TREE_MASK, write_index))
+
+
+def _tree_hidden(g: GraphBuilder, shapes: Shapes, keys: str, mask: str, first: str) -> str:
+    """[B,T,L] bool: key k is grid cell j = k - first[b] of the call and `mask` [B,T,T] hides cell j from cell t."""
+    with g.scope("tree"):
+        cell = g.op("Sub", keys, g.op("Unsqueeze", first, g.const([1, 2], "axes12", "int64")), name="key_cell")
+        in_grid = g.op("And", g.op("GreaterOrEqual", cell, g.const(np.int64(0), "zero", "int64")),
+                       g.op("Less", cell, g.op("Squeeze", shapes.tokens, g.const([0], "axis0", "int64"))),
+                       name="in_grid")  # [B,1,L]
+        last = g.op("Sub", shapes.tokens, g.const([1], "one", "int64"), name="last_cell")
+        index = g.op("Min", g.op("Max", cell, g.const(np.int64(0), "zero_cell", "int64")), last, name="cell_index")
+        size = g.op("Concat", shapes.batch, shapes.tokens, g.op("Shape", keys, start=2, end=3), axis=0)
+        hidden = g.op("GatherElements", mask, g.op("Expand", index, size), axis=2, name="gather")  # [B,T,L]
+        return g.op("And", in_grid, g.op("Cast", hidden, to=9), name="hidden")  # 9: BOOL
 
 
 def _row_indices(g: GraphBuilder, shapes: Shapes, slots: str, heads: int) -> str:
@@ -59,14 +74,16 @@ def _row_indices(g: GraphBuilder, shapes: Shapes, slots: str, heads: int) -> str
 
 
 def slot_io(g: GraphBuilder, shapes: Shapes, slots: str, cfg: ModelConfig, max_seq: int, *,
-            lowering: str = "standard", sized: str | None = None, fused: bool = False) -> tuple[str, str, int | str]:
+            lowering: str = "standard", sized: str | None = None, fused: bool = False,
+            tree: tuple[str, str] | None = None) -> tuple[str, str, int | str]:
     """For new tokens at cache slots [B,T]: scatter indices, the bias [B,1,1,T,L] and the cache window L the
     keys are cut to: S, or in the cpu lowering a [1] i64 tensor, one past the largest slot written; with `sized`
     (the [1] length of a runtime-sized cache) L is all of it, and nothing is cut.
 
     The indices are ScatterElements' [B,Hkv,T,D] (`standard`), or ScatterND's [B,Hkv,T,3] (b, h, slot) in the
     cpu lowering, where ONNX Runtime copies whole D-rows (4x faster per layer at T=1): see `write_cache`; with
-    `fused`, the slots themselves (specrt::PackedAttention writes its rows)."""
+    `fused`, the slots themselves (specrt::PackedAttention writes its rows). `tree`: (the io.TREE_MASK input, the
+    slots' first slot write_index [B]): a cell also does not see the grid cells the mask hides from it."""
     # Writes past the end go to the last slot, which the runtime never lets a valid token reach.
     last = g.op("Min", slots, g.const([max_seq - 1], "last_slot", "int64"))
     if fused:
@@ -97,6 +114,8 @@ def slot_io(g: GraphBuilder, shapes: Shapes, slots: str, cfg: ModelConfig, max_s
         keys = g.const(np.arange(max_seq, dtype=np.int64).reshape(1, 1, max_seq), "key_positions")
         window = max_seq
     visible = g.op("LessOrEqual", keys, g.op("Unsqueeze", slots, g.const([2], "axis2", "int64")))
+    if tree is not None:
+        visible = g.op("And", visible, g.op("Not", _tree_hidden(g, shapes, keys, *tree)), name="visible")
     neg = np.finfo(np.float32).min / 2  # finite: a fully masked (padding) row stays NaN-free
     bias = g.op("Where", visible, g.const(np.float32(0.0), "zero_f"), g.const(np.float32(neg), "neg_f"))
     return scatter_idx, g.op("Unsqueeze", bias, g.const([1, 2], "axes12", "int64"), name="attention_bias"), window

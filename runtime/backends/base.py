@@ -36,6 +36,14 @@ class Runner(Protocol):
         outputs; the same cache."""
 
 
+class TreeRunner(Runner, Protocol):
+    """A target runner that can keep a draft tree's accepted path (runtime/tree.py): the ONNX Runtime and TensorRT
+    runners."""
+
+    def move_rows(self, moves: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        """Copy cache positions src to dst of slot `slot`, for each (slot, src, dst), in every layer."""
+
+
 class DeviceRunner(Runner, Protocol):
     """A runner whose calls can also be driven on its device without host copies (the torch backend): what the
     device round (runtime/device_round.py) uses."""
@@ -55,6 +63,8 @@ def bucket_of(spec: io.GraphSpec, feeds: dict[str, np.ndarray]) -> io.Bucket:
     sizes: io.Bucket = {}
     for t in spec.host_inputs():
         if t.name not in feeds:
+            if t.name == io.TREE_MASK:  # optional: a chain's (its axes are input_ids')
+                continue
             raise ValueError(f"{spec.name}: missing input {t.name}")
         shape = feeds[t.name].shape
         if len(shape) != len(t.shape):
@@ -66,7 +76,11 @@ def bucket_of(spec: io.GraphSpec, feeds: dict[str, np.ndarray]) -> io.Bucket:
 
 
 def infer(runner: Runner, slot: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Copy whole input arrays into the bound buffers and run (for tools and tests; the loop fills in place)."""
+    """Copy whole input arrays into the bound buffers and run (for tools and tests; the loop fills in place). A
+    target call given no io.TREE_MASK is a chain's (the mask all zeros)."""
+    if io.TREE_MASK not in feeds and any(t.name == io.TREE_MASK for t in runner.spec.inputs):
+        b, t = feeds[io.INPUT_IDS].shape
+        feeds = {**feeds, io.TREE_MASK: np.zeros((b, t, t), np.int64)}
     bucket = bucket_of(runner.spec, feeds)
     for name, buf in runner.inputs(slot, bucket).items():
         buf[...] = feeds[name]

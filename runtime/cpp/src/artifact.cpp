@@ -13,7 +13,8 @@ using json = nlohmann::json;
 
 namespace {
 
-constexpr int kFormatVersion = 4;  // specrt/artifact.py FORMAT_VERSION
+constexpr int kFormatVersion = 5;  // specrt/artifact.py FORMAT_VERSION
+constexpr int kOldestFormat = 4;   // READS_VERSIONS: 4 is 5 without the target's tree_mask input
 constexpr int kProfileVersion = 2;  // runtime/profile.py VERSION
 const std::set<std::string> kGreedyDrops{io::kDraftLogits, io::kDraftProbs};  // specrt/artifact.py GREEDY_DROPS
 
@@ -119,9 +120,10 @@ Manifest load_manifest(const fs::path& dir) {
     try {
         json j = json::parse(f);
         int version = j.at("format_version").get<int>();
-        if (version != kFormatVersion)
+        if (version < kOldestFormat || version > kFormatVersion)
             throw Error(SPECRT_ERROR_ARTIFACT, dir.string() + ": artifact format " + std::to_string(version) +
-                                                   ", this runtime reads format " + std::to_string(kFormatVersion) +
+                                                   ", this runtime reads formats " + std::to_string(kOldestFormat) +
+                                                   " to " + std::to_string(kFormatVersion) +
                                                    " (re-export it with this version of specrt)");
         const json& exp = j.at("export");
         m.gamma = exp.at("verify_len").get<int64_t>() - 1;

@@ -9,6 +9,7 @@ inline constexpr const char kPositionIds[] = "position_ids";
 inline constexpr const char kWriteIndex[] = "write_index";
 inline constexpr const char kTokenRows[] = "token_rows";
 inline constexpr const char kLogitRows[] = "logit_rows";
+inline constexpr const char kTreeMask[] = "tree_mask";
 inline constexpr const char kLogits[] = "logits";
 inline constexpr const char kFeatures[] = "features";
 inline constexpr const char kCtxFeatures[] = "ctx_features";
