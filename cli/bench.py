@@ -8,7 +8,8 @@ from pathlib import Path
 import click
 
 from specrt.errors import SpecrtError
-from specrt.runtime.config import BACKENDS, DEFAULT_SCHEDULER, DTYPES, METHODS, SCHEDULERS, TORCH_SCHEDULER
+from specrt.runtime.config import (BACKENDS, DEFAULT_SCHEDULER, DTYPES, METHODS, SCHEDULERS, TORCH_SCHEDULER,
+                                   method_variant)
 from specrt.cli.options import say_kernels, scheduler_for
 
 
@@ -18,7 +19,8 @@ from specrt.cli.options import say_kernels, scheduler_for
               help='JSONL of {"turns": [...]}; repeat for several prompt sets (reported one by one).')
 @click.option("--limit", type=int, default=None, help="Use the first N prompts of each file.")
 @click.option("--max-new-tokens", default=128, help="Tokens to generate per prompt (greedy, batch 1).")
-@click.option("--methods", default="ar", help="Comma-separated specrt methods to run: " + ", ".join(METHODS) + ".")
+@click.option("--methods", default="ar", help="Comma-separated specrt methods to run: " + ", ".join(METHODS)
+              + " (a variant: ngram:tree=3, n-gram lookups drafting trees of 3 continuations).")
 @click.option("--gamma", type=int, default=None, help="Drafts verified per round [default: the artifact's].")
 @click.option("--scheduler", type=click.Choice(SCHEDULERS), default=None,
               help=f"Verify lengths per round (see `specrt run --help`) [default: {DEFAULT_SCHEDULER}; "
@@ -70,9 +72,12 @@ def bench(artifact: Path, prompt_files: tuple[Path, ...], limit, max_new_tokens:
     from specrt.tools.bench_workers import require
 
     names = [m.strip() for m in methods.split(",") if m.strip()]
-    bad = [m for m in names if m not in METHODS]
+    bad = [m for m in names if m.partition(":")[0] not in METHODS]
     if bad or not names:
-        raise SpecrtError(f"--methods: unknown method {bad[0] if bad else '(none)'}; choose from {', '.join(METHODS)}")
+        raise SpecrtError(f"--methods: unknown method {bad[0] if bad else '(none)'}; choose from {', '.join(METHODS)} "
+                          "(a variant: ngram:tree=3)")
+    for m in names:
+        method_variant(m)  # a variant's options are checked before anything is loaded
     names = ["ar", *dict.fromkeys(m for m in names if m != "ar")]  # speedups are relative to specrt's own AR
     stems = [p.stem for p in prompt_files]
     if len(set(stems)) != len(stems):

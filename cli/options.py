@@ -25,10 +25,12 @@ def say_kernels(artifact, backend: str = "ort") -> None:
 
 
 def engine_config(method: str, gamma: int | None, scheduler: str | None, threshold: float, ngram: int, backend: str,
-                   device: str, dtype: str | None, threads: int | None, slots: int | None = None) -> EngineConfig:
+                  device: str, dtype: str | None, threads: int | None, slots: int | None = None, tree: int = 1
+                  ) -> EngineConfig:
     """The engine settings of `engine_options` (the scheduler defaulting by backend)."""
     return EngineConfig(method=method, gamma=gamma, scheduler=scheduler_for(scheduler, backend), threshold=threshold,
-                        ngram=ngram, backend=backend, device=device, dtype=dtype, threads=threads, slots=slots)
+                        ngram=ngram, backend=backend, device=device, dtype=dtype, threads=threads, slots=slots,
+                        tree=tree)
 
 
 
@@ -142,6 +144,9 @@ def engine_options(f):
         click.option("--threshold", default=0.3, show_default=True,
                      help="--scheduler threshold: the prefix survival below which drafts are not verified."),
         click.option("--ngram", default=3, help="--method ngram: longest suffix looked up (n-gram size)."),
+        click.option("--tree", default=1, show_default=True,
+                     help="--method ngram: draft a tree of this many continuations with different first tokens "
+                          "(verified in one call; the scheduler admits its likeliest nodes; 1: a chain)."),
         click.option("--backend", type=click.Choice(BACKENDS), default="ort",
                      help="Runtime backend: ONNX Runtime, the exporter's torch modules (eager on CPU, CUDA "
                           "graphs on a GPU; greedy rounds stay on the device), or the TensorRT engines of "

@@ -26,8 +26,8 @@ from specrt.cli.options import (build_requests, engine_config, engine_options, s
 @click.option("--trace", type=click.Path(path_type=Path), default=None,
               help="Write one JSON line per round per request (speculative methods).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, scheduler, threshold, ngram, backend,
-        device, dtype, threads, trace, as_json, **sampling) -> None:
+def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, scheduler, threshold, ngram, tree,
+        backend, device, dtype, threads, trace, as_json, **sampling) -> None:
     """Generate with an exported artifact."""
     from specrt.runtime.engine import Engine
 
@@ -37,7 +37,7 @@ def run(artifact: Path, prompt, input_ids, prompts, limit, raw, method, gamma, s
             if value is not None:
                 click.echo(f"specrt: warning: {flag} is ignored with --method ar (it does not draft)", err=True)
         trace = gamma = None
-    config = engine_config(method, gamma, scheduler, threshold, ngram, backend, device, dtype, threads)
+    config = engine_config(method, gamma, scheduler, threshold, ngram, backend, device, dtype, threads, tree=tree)
     with Engine.open(artifact, config, trace=trace) as engine:
         requests = build_requests(engine, prompt, input_ids, prompts, limit, raw, params)
         stream = len(requests) == 1 and not as_json and engine.tokenizer is not None

@@ -40,7 +40,7 @@ from specrt.cli.options import engine_config, engine_options, say_kernels
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               help="uvicorn's log level.")
 def serve(artifact: Path, host: str, port: int, model_name: str | None, slots: int | None, method, gamma, scheduler,
-          threshold, ngram, backend, device, dtype, threads, api_key: str | None, cors_origins: tuple[str, ...],
+          threshold, ngram, tree, backend, device, dtype, threads, api_key: str | None, cors_origins: tuple[str, ...],
           allowed_hosts: tuple[str, ...], max_body_bytes: int, header_timeout: float, body_timeout: float,
           max_connections: int, log_level: str) -> None:
     """Serve ARTIFACT over the OpenAI HTTP API (/v1/completions, /v1/chat/completions), with a playground at /
@@ -75,7 +75,7 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, slots: i
                           body_timeout_s=body_timeout, max_connections=max_connections, api_key=api_key,
                           cors_origins=tuple(cors_origins), allowed_hosts=guard.allowed_hosts(host, allowed_hosts))
     engine = Engine.open(artifact, engine_config(method, gamma, scheduler, threshold, ngram, backend, device, dtype,
-                                                  threads, slots=slots or manifest.export.batch))
+                                                  threads, slots=slots or manifest.export.batch, tree=tree))
     name = model_name or manifest.name or artifact.resolve().name
     loop = EngineLoop(engine)
     click.echo(f"specrt: serving {name!r} ({method}, {len(engine.slots)} slots, {backend}) on http://{host}:{port}"

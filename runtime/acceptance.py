@@ -95,3 +95,46 @@ def accept_sampled(drafts: np.ndarray, draft_probs: np.ndarray | None, target_lo
         residual = np.clip(p - draft_probs[k].astype(np.float64), 0.0, None)
     mass = residual.sum()
     return Verdict(k, draw_row(residual / mass if mass > 1e-12 else p, v))
+
+
+def accept_tree_sampled(drafts: np.ndarray, parents: np.ndarray, draft_probs: np.ndarray | None,
+                        target_logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, *,
+                        gamma: int | None = None) -> tuple[Verdict, list[int]]:
+    """One slot's draft tree on the host, sampled: drafts [l] and parents [l] (runtime/tree.py), draft_probs [l, V]
+    the distribution each node was drawn from (None, or a zero row: a node chosen without sampling, q one-hot),
+    target_logits [l + 1, V] in grid cell order (the anchor, then node j at cell j + 1). Returns the verdict and the
+    path's cells (the anchor's 0 first).
+
+    From the anchor, with r the target's distribution there, each child c in node order is tried against r: accepted
+    with probability min(1, r(c) / q_c(c)) (a one-hot q: r(c)); on rejection r becomes norm(max(0, r - q_c)) (one-hot:
+    r without c). The first accepted child is the next node; when none is, the bonus is drawn from r. With at most one
+    sampled child per node, tried first, and the others chosen before any of the target's uniforms is drawn, the token
+    committed at each position is distributed as the target's distribution there (SpecInfer's multi-step speculative
+    sampling; with deterministic candidates, sampling by elimination). Uniforms: node j's test reads u[j] of `gamma`
+    (default l) drawn first, the bonus one more, as a chain's do."""
+    ell = len(drafts)
+    u = rng.random(ell if gamma is None else gamma)[:ell]
+    v = float(rng.random())
+    cur, cells = 0, [0]
+    while True:
+        r = distribution(target_logits[cur], params)
+        moved = False
+        for j in np.flatnonzero(parents[:ell] == cur - 1).tolist():
+            d = int(drafts[j])
+            q = None if draft_probs is None or not draft_probs[j].any() else draft_probs[j].astype(np.float64)
+            if accepts(u[j], 1.0 if q is None else float(q[d]), r[d]):
+                cur, moved = j + 1, True
+                cells.append(cur)
+                break
+            if q is None:
+                r = r.copy()
+                r[d] = 0.0
+            else:
+                r = np.clip(r - q, 0.0, None)
+            mass = r.sum()
+            if mass <= 1e-12:  # nothing left to draw (q covered r): the target's own distribution, as a chain does
+                r = distribution(target_logits[cur], params)
+                break
+            r = r / mass
+        if not moved:
+            return Verdict(len(cells) - 1, draw_row(r, v)), cells

@@ -75,6 +75,20 @@ class Method:
         return self.head is not None and self.ngram
 
 
+def method_variant(spec: str) -> tuple[str, dict[str, int]]:
+    """A bench row's method and its engine options: "ngram:tree=3" -> ("ngram", {"tree": 3}) (so one run can compare
+    a method's variants); a plain method has none."""
+    method, _, rest = spec.partition(":")
+    options: dict[str, int] = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key != "tree" or not value.isdigit():
+            raise SpecrtError(f"{spec!r}: a method's variant is METHOD:tree=W (e.g. ngram:tree=3), got {item!r}")
+        options[key] = int(value)
+    Method.parse(method)
+    return method, options
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """How an engine runs an artifact; every name is checked against the registries on creation.
@@ -84,7 +98,8 @@ class EngineConfig:
     lookups match; `threshold`: the threshold scheduler's survival cut; `device`, `dtype`, `cuda_graphs`: the
     torch backend's (and TensorRT's graphs); `gate_head`: under sps and sps-async a head alone (`dspark`, `mtp`) is
     called only on rounds where it promises more than a decoding step (runtime/hybrid.py; the host decides, on the
-    torch backend's device rounds too)."""
+    torch backend's device rounds too); `tree`: n-gram lookups draft a tree of this many continuations with different
+    first tokens, verified in one call (runtime/tree.py; 1: one continuation, a chain)."""
 
     method: str = "ar"
     scheduler: str = "fixed"
@@ -98,6 +113,7 @@ class EngineConfig:
     dtype: str | None = None
     cuda_graphs: bool = True
     gate_head: bool = True
+    tree: int = 1
 
     def __post_init__(self) -> None:
         Method.parse(self.method)
@@ -113,6 +129,13 @@ class EngineConfig:
                 raise SpecrtError(f"--{name} must be >= 1, got {value!r}")
         if not isinstance(self.ngram, int) or self.ngram < 1:
             raise SpecrtError(f"--ngram must be >= 1, got {self.ngram!r}")
+        if not isinstance(self.tree, int) or isinstance(self.tree, bool) or not 1 <= self.tree <= 8:
+            raise SpecrtError(f"--tree must be between 1 and 8, got {self.tree!r}")
+        if self.tree > 1 and self.parsed.name != "ngram":
+            raise SpecrtError(f"--tree drafts trees of n-gram lookups: use it with --method ngram (got {self.method})")
+        if self.tree > 1 and self.backend == "torch":
+            raise SpecrtError("--tree runs on the host's rounds (the ort and tensorrt backends), not the torch "
+                              "backend's device rounds")
 
     @property
     def parsed(self) -> Method:

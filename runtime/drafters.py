@@ -52,6 +52,9 @@ class Proposal:
     # the head's call first wrote rows of rounds it skipped (a gated head's backlog): its time is not what a draft
     # call costs, so the cost table does not learn from it
     catch_up: bool = False
+    # [n, K] i64: a draft tree's parents (runtime/tree.py: -1 the anchor, each node after its parent, a prefix of the
+    # nodes a subtree); None: each row is a chain
+    parents: np.ndarray | None = None
 
     def draft_probs(self, i: int, n: int, vocab_size: int) -> np.ndarray | None:
         """Slot i's first n draft distributions over the whole vocabulary (zero outside a draft vocabulary);
@@ -107,8 +110,8 @@ class Drafter(Protocol):
     def propose(self, slots: list[SlotView | None]) -> Proposal:
         """Drafts for slots [0, n) (None = an idle slot)."""
 
-    def observe(self, slot: int, verified: int, accepted: int) -> None:
-        """How slot's drafts of the last proposal fared (after the round)."""
+    def observe(self, slot: int, verified: int, accepted: int, path: np.ndarray | None = None) -> None:
+        """How slot's drafts of the last proposal fared (after the round); `path`: a tree's accepted cells."""
 
     def plan(self, slots: list[SlotView | None], scheduler) -> DraftPlan:
         """The host's part of a round drafted elsewhere: lookups, the choice to call the head, survivals."""
@@ -212,7 +215,7 @@ class GraphDrafter:
     def graph(self) -> GraphDrafter:
         return self
 
-    def observe(self, slot: int, verified: int, accepted: int) -> None:
+    def observe(self, slot: int, verified: int, accepted: int, path: np.ndarray | None = None) -> None:
         pass
 
     def plan(self, slots: list[SlotView | None], scheduler) -> DraftPlan:
@@ -237,24 +240,32 @@ class NGramDrafter:
     picks = False
     backlog_rounds = 1
 
-    def __init__(self, steps: int, *, max_n: int = 3, later: float = 0.5) -> None:
+    def __init__(self, steps: int, *, max_n: int = 3, later: float = 0.5, width: int = 1, branch: int = 2) -> None:
         from specrt.runtime.schedulers import AcceptanceHistory  # (schedulers imports this module)
 
-        if steps < 1 or max_n < 1:
-            raise SpecrtError(f"n-gram drafting needs gamma >= 1 and n >= 1, got gamma {steps}, n {max_n}")
-        self.steps, self.max_n = steps, max_n
+        if steps < 1 or max_n < 1 or width < 1 or branch < 1:
+            raise SpecrtError(f"n-gram drafting needs gamma >= 1, n >= 1 and a tree width >= 1, got gamma {steps}, "
+                              f"n {max_n}, width {width}")
+        self.steps, self.max_n, self.width, self.branch = steps, max_n, width, min(branch, steps)
         # per match length (0: none); `later`: the prior acceptance of the drafts after a lookup's first
         self.histories = [AcceptanceHistory(steps, later=later) for _ in range(max_n + 1)]
-        self._tokens = np.zeros((0, steps), np.int64)
+        # a tree's other continuations, by rank: their acceptance when the best one's first draft was rejected
+        self.branches = [AcceptanceHistory(self.branch, later=later) for _ in range(width - 1)]
+        self.nodes = steps + (width - 1) * self.branch  # drafts a proposal may hold
+        self._tokens = np.zeros((0, self.nodes), np.int64)
         self._counts = np.zeros(0, np.int64)
-        self._survival = np.zeros((0, steps), np.float32)
+        self._survival = np.zeros((0, self.nodes), np.float32)
+        self._parents = np.zeros((0, self.nodes), np.int64)
+        self._branch_of = np.zeros((0, self.nodes), np.int64)  # each node's continuation (0: the best one)
         self.match = np.zeros(0, np.int64)  # each slot's last lookup's match length
 
     def allocate(self, slots: int) -> None:
         if len(self._counts) != slots:
-            self._tokens = np.zeros((slots, self.steps), np.int64)
+            self._tokens = np.zeros((slots, self.nodes), np.int64)
             self._counts = np.zeros(slots, np.int64)
-            self._survival = np.zeros((slots, self.steps), np.float32)
+            self._survival = np.zeros((slots, self.nodes), np.float32)
+            self._parents = np.zeros((slots, self.nodes), np.int64)
+            self._branch_of = np.zeros((slots, self.nodes), np.int64)
             self.match = np.zeros(slots, np.int64)
 
     def prefill(self, slot: int, ctx: Context) -> None:
@@ -266,6 +277,8 @@ class NGramDrafter:
             self.allocate(n)
         tokens, counts, survival, match = self._tokens[:n], self._counts[:n], self._survival[:n], self.match[:n]
         counts[:], survival[:], match[:] = 0, 0.0, 0
+        if self.width > 1:
+            return self._propose_trees(slots)
         for i, s in enumerate(slots):
             if s is not None:
                 follow, match[i] = lookup_match(s.history(), self.max_n, self.steps)
@@ -275,9 +288,47 @@ class NGramDrafter:
                     survival[i] = self.histories[match[i]].survival()
         return Proposal(tokens=tokens, counts=counts, probs=None, survival=survival)
 
-    def observe(self, slot: int, verified: int, accepted: int) -> None:
-        """A round's outcome for `slot`: the acceptance of lookups of its match length."""
-        self.histories[self.match[slot]].observe(verified, accepted)
+    def _propose_trees(self, slots: list[SlotView | None]) -> Proposal:
+        """The best continuation and up to width - 1 others with other first tokens (`lookup_tree`), as one tree per
+        slot, its nodes in order of survival: the best continuation's from its match length's history, another's its
+        rank's history times the chance the best one's first draft is rejected."""
+        n = len(slots)
+        tokens, counts, survival, match = self._tokens[:n], self._counts[:n], self._survival[:n], self.match[:n]
+        parents, branch_of = self._parents[:n], self._branch_of[:n]
+        parents[:] = np.arange(self.nodes) - 1
+        for i, s in enumerate(slots):
+            if s is None:
+                continue
+            follows, match[i] = lookup_tree(s.history(), self.max_n, self.steps, self.width, self.branch)
+            if not follows:
+                continue
+            best = self.histories[match[i]].survival()
+            nodes = []  # (survival, branch, depth, token), branches in rank order, each in depth order
+            for r, follow in enumerate(follows):
+                surv = best if r == 0 else (1.0 - best[0]) * self.branches[r - 1].survival()
+                nodes += [(float(surv[d]), r, d, int(t)) for d, t in enumerate(follow)]
+            order = sorted(range(len(nodes)), key=lambda k: -nodes[k][0])  # stable: a parent before its child
+            index = {(nodes[k][1], nodes[k][2]): j for j, k in enumerate(order)}
+            for j, k in enumerate(order):
+                sv, r, d, t = nodes[k]
+                tokens[i, j], survival[i, j], branch_of[i, j] = t, sv, r
+                parents[i, j] = index[(r, d - 1)] if d else -1
+            counts[i] = len(nodes)
+        return Proposal(tokens=tokens, counts=counts, probs=None, survival=survival, parents=parents)
+
+    def observe(self, slot: int, verified: int, accepted: int, path: np.ndarray | None = None) -> None:
+        """A round's outcome for `slot`: the acceptance of lookups of its match length (a tree's: of each
+        continuation it verified; `path`, the accepted cells, says which one they followed)."""
+        if self.width == 1 or verified == 0:
+            self.histories[self.match[slot]].observe(verified, accepted)
+            return
+        admitted = self._branch_of[slot, :verified]
+        first = path[1] - 1 if path is not None else 0  # no path: the admitted nodes were a chain
+        taken = int(admitted[first]) if accepted else -1
+        self.histories[self.match[slot]].observe(int((admitted == 0).sum()), accepted if taken == 0 else 0)
+        if taken != 0:  # the best continuation's first draft was rejected: the others were tried
+            for r in range(1, self.width):
+                self.branches[r - 1].observe(int((admitted == r).sum()), accepted if taken == r else 0)
 
     def plan(self, slots: list[SlotView | None], scheduler) -> DraftPlan:
         found = self.propose(slots)
@@ -316,16 +367,45 @@ def lookup_match(history: np.ndarray, max_n: int, steps: int) -> tuple[np.ndarra
     return history[best + 1:best + 1 + steps], best_n
 
 
+def lookup_tree(history: np.ndarray, max_n: int, steps: int, width: int, branch: int
+                ) -> tuple[list[np.ndarray], int]:
+    """`lookup_match`'s continuation (up to `steps` tokens) and up to width - 1 others (up to `branch` tokens each),
+    each after an earlier occurrence of the suffix whose next token no chosen continuation starts with, by match length
+    then recency; and the best one's match length (0: none found)."""
+    size = len(history)
+    ends = np.flatnonzero(history[:size - 1] == history[size - 1]) if size > 1 else np.zeros(0, np.int64)
+    if not len(ends):
+        return [], 0
+    top = min(max_n, size - 1)
+    n = np.ones(len(ends), np.int64)
+    alive = np.ones(len(ends), bool)
+    for k in range(1, top):  # grow every candidate's match backwards at once
+        alive &= (ends >= k) & (history[np.maximum(ends - k, 0)] == history[size - 1 - k])
+        n += alive
+    order = np.lexsort((-ends, -n))  # longest match first, then the latest
+    best = int(ends[order[0]])
+    follows = [history[best + 1:best + 1 + steps]]
+    firsts = {int(history[best + 1])}
+    for k in order[1:].tolist():
+        if len(follows) == width:
+            break
+        j = int(ends[k])
+        if int(history[j + 1]) not in firsts:
+            firsts.add(int(history[j + 1]))
+            follows.append(history[j + 1:j + 1 + branch])
+    return follows, int(n[order[0]])
+
+
 def make_drafter(method: Method, art_dir: Path, manifest: io.Manifest, *, gamma: int, backend: str = "ort",
                  threads: int | None = None, ngram: int = 3, costs: Costs | None = None, gated: bool = False,
-                 **where) -> Drafter:
+                 tree: int = 1, **where) -> Drafter:
     """The drafter of a speculative method: n-gram lookups, a head ("mtp", "dspark"), or a head with lookups
     ("dspark+ngram", "mtp+ngram": runtime/hybrid.py, which needs the cost profile `costs`). `gated`: a head alone is
     called only on the rounds where it promises more committed tokens per ms than a plain decoding step (the hybrid's
     choice without lookups; the engine asks for it under sps and sps-async), and a hybrid looks up only on the rounds
     where a lookup could be admitted or the head is called. `where`: load_runner's device, dtype."""
     if method.head is None:
-        return NGramDrafter(gamma, max_n=ngram)
+        return NGramDrafter(gamma, max_n=ngram, width=tree)
     name = method.head
     if name not in manifest.heads:
         have = ", ".join(manifest.heads) or "none"

@@ -20,8 +20,8 @@ from typing import Protocol
 import numpy as np
 
 from specrt import artifact as io
-from specrt.runtime import calls, round as rounds, steps
-from specrt.runtime.acceptance import accept_sampled
+from specrt.runtime import calls, round as rounds, steps, tree
+from specrt.runtime.acceptance import accept_sampled, accept_tree_sampled
 from specrt.runtime.backends import Runner
 from specrt.runtime.costs import CostTable
 from specrt.runtime.drafters import Drafter, Proposal, SlotView
@@ -54,6 +54,7 @@ class HostRounds:
         self._slots: list[SlotState | None] = []
         self._proposal: Proposal | None = None
         self._draft_s = self._call_s = 0.0
+        self._masked: set[int] = set()  # tree_mask buffers a tree call left nonzero
 
     def run(self, slots: list[SlotState | None], load: Load) -> Round:
         """One round over slots [0, n) (None: idle): each slot's outcome, the scheduler and drafter told how it fared,
@@ -65,7 +66,7 @@ class HostRounds:
         res = rounds.run(self, state)
         elapsed = time.perf_counter() - t0
         outcomes = rounds.outcomes(slots, res.lengths, res.accepted, res.tokens, res.verified.features, self.drafter,
-                                   self.scheduler, drafted=res.drafted is not None)
+                                   self.scheduler, drafted=res.drafted is not None, cells=res.cells)
         proposal = self._proposal if self._proposal is not None else self._nothing(n)
         verified = int(res.lengths.sum()) + sum(s is not None for s in slots)  # idle slots' lengths are 0
         rnd = Round(proposal, outcomes, draft_s=self._draft_s, verify_s=elapsed - self._draft_s, verified=verified,
@@ -115,12 +116,14 @@ class HostRounds:
             tokens = n * (self.gamma + 1)
             state.draft_ms, state.curve = rounds.cost_inputs(self.costs, n, tokens, p.head)
             state.explore = self.costs.exploring(n, tokens)
-        return Drafted(p.tokens, p.counts, self.scheduler.survival(p))
+        return Drafted(p.tokens, p.counts, self.scheduler.survival(p), parents=p.parents)
 
-    def verify(self, state: RoundState, drafts: np.ndarray, lengths: np.ndarray) -> Verified:
+    def verify(self, state: RoundState, drafts: np.ndarray, lengths: np.ndarray, parents: np.ndarray | None
+               ) -> Verified:
         """One target call over [anchor, drafts] of every active slot (runtime/calls/target.py), packed: only the
         slots' tokens are computed, in the smallest exported token budget P that holds them, so a short verify costs
-        its own tokens, not the longest slot's."""
+        its own tokens, not the longest slot's. A tree's nodes (`parents`) sit at their depths' positions, each
+        seeing only its ancestors (runtime/tree.py)."""
         t0 = time.perf_counter()
         n, active = len(lengths), state.active
         t = int(lengths.max()) + 1 if n else 1
@@ -139,7 +142,15 @@ class HostRounds:
             first = np.concatenate([[0], np.cumsum(np.where(active, lengths + 1, 0))[:-1]])
         else:
             rows, first = calls.target.dense_rows(bucket), np.arange(n)
-        calls.target.grid(self.target.inputs(0, bucket), anchor, start, grid, rows)
+        feeds = self.target.inputs(0, bucket)
+        calls.target.grid(feeds, anchor, start, grid, rows)
+        if parents is not None:
+            feeds[io.POSITION_IDS][:n] = tree.positions(start[:n], parents, T)
+            tree.mask(parents, lengths, T, feeds[io.TREE_MASK])
+            self._masked.add(id(feeds[io.TREE_MASK]))
+        elif self._masked and io.TREE_MASK in feeds and id(feeds[io.TREE_MASK]) in self._masked:
+            feeds[io.TREE_MASK][...] = 0  # a bucket a tree used: a chain again
+            self._masked.discard(id(feeds[io.TREE_MASK]))
         out = self.target.run(0, bucket)
         self._call_s = time.perf_counter() - t0
         logits = out[io.LOGITS]
@@ -148,22 +159,35 @@ class HostRounds:
         return Verified(best, grid[:n], logits, out.get(io.FEATURES), first)
 
     def sample(self, state: RoundState, drafted: Drafted | None, verified: Verified, lengths: np.ndarray,
-               accepted: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Each sampled slot on its own rows (`accept_sampled`, its uniforms drawn from its rng: gamma, then the
-        bonus's); greedy ones keep the prefix match."""
+               accepted: np.ndarray, tokens: np.ndarray, cells: np.ndarray | None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Each sampled slot on its own rows (`accept_sampled`, a tree's `accept_tree_sampled`; its uniforms drawn from
+        its rng: gamma, then the bonus's); greedy ones keep the prefix match (a tree's walk)."""
         logits, first, p = verified.logits, verified.first, self._proposal
         for i, s in enumerate(self._slots):
             if s is None or s.params.greedy:
                 continue
             ell, f = int(lengths[i]), int(first[i])
             probs = p.draft_probs(i, ell, logits.shape[-1]) if ell else None
-            v = accept_sampled(verified.drafts[i, :ell], probs, logits[f:f + ell + 1], s.params, s.rng,
-                               gamma=self.gamma)
+            if cells is None:
+                v = accept_sampled(verified.drafts[i, :ell], probs, logits[f:f + ell + 1], s.params, s.rng,
+                                   gamma=self.gamma)
+                tokens[i, :-1] = verified.drafts[i]  # the drafts, the bonus at index accepted
+            else:
+                v, path = accept_tree_sampled(verified.drafts[i, :ell], drafted.parents[i, :ell], probs,
+                                              logits[f:f + ell + 1], s.params, s.rng, gamma=self.gamma)
+                cells[i] = 0
+                cells[i, :len(path)] = path
+                tokens[i, :v.accepted] = verified.drafts[i, np.asarray(path[1:], np.int64) - 1]
             accepted[i] = v.accepted
-            tokens[i, :-1] = verified.drafts[i]  # the drafts, the bonus at index accepted
             tokens[i, v.accepted] = v.bonus
-        return accepted, tokens
+        return accepted, tokens, cells
 
     def commit(self, state: RoundState, verified: Verified, accepted: np.ndarray, tokens: np.ndarray,
-               bonus: np.ndarray) -> None:
-        """Nothing here: the engine commits each outcome to its sequence."""
+               bonus: np.ndarray, cells: np.ndarray | None) -> None:
+        """A tree's accepted path moves to the cache rows after the anchor; the engine commits each outcome to its
+        sequence."""
+        if cells is not None:
+            moves = tree.moves(cells, accepted, state.length)
+            if moves:
+                self.target.move_rows(moves)

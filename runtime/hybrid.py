@@ -149,9 +149,9 @@ class HybridDrafter:
         self.backlog[slot] = []
         return self.head.prefill(slot, ctx)
 
-    def observe(self, slot: int, verified: int, accepted: int) -> None:
+    def observe(self, slot: int, verified: int, accepted: int, path: np.ndarray | None = None) -> None:
         if self.source[slot] == LOOKUP:
-            self.lookup.observe(slot, verified, accepted)  # into its match length's history
+            self.lookup.observe(slot, verified, accepted, path)  # into its match length's history
         else:
             self.head_history.observe(verified, accepted)
         if not self.held[slot]:  # a slot the head did not draft for is not one of its rounds

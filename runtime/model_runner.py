@@ -63,8 +63,11 @@ class ModelRunner:
                                   f"got {c.gamma}")
             if c.plans_on_costs:  # a GPU's costs are not a CPU's
                 costs = cost_table(art_dir, config, placement(c.backend, c.device, c.dtype), profile)
+            if c.tree > 1 and not any(t.name == io.TREE_MASK for t in target.spec.inputs):
+                raise SpecrtError("--tree needs a target graph with a tree_mask input, which this artifact (exported "
+                                  "by an older specrt) lacks: re-export it")
             drafter = make_drafter(method, art_dir, manifest, gamma=c.gamma or exported, backend=c.backend,
-                                   threads=c.threads, ngram=c.ngram, costs=costs,
+                                   threads=c.threads, ngram=c.ngram, costs=costs, tree=c.tree,
                                    gated=c.gate_head and scheduler_class(c.scheduler).traits.gates_head, **where)
             gamma = min(c.gamma or exported, drafter.steps)
             head = manifest.heads.get(method.head) if method.head else None

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
-from specrt.runtime import steps
+from specrt.runtime import steps, tree
 from specrt.runtime.acceptance import Verdict
 from specrt.runtime.arrays import Array, device, namespace
 from specrt.runtime.drafters import Drafter, Proposal
@@ -57,6 +57,7 @@ class Drafted:
     counts: Array  # [b] i64
     survival: Array  # [b, γ] prefix survival of each slot's drafts (what the scheduler's rule reads)
     lookup: Array | None = None  # [b] bool: rows that kept the host's lookups (a hybrid's pick)
+    parents: Array | None = None  # [b, K] i64: a draft tree's (runtime/tree.py; host rounds only); None: chains
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Result:
     accepted: Array  # [b]
     tokens: Array  # [b, T]: the accepted drafts, then the bonus at index accepted
     verified: Verified
+    cells: Array | None = None  # [b, T]: a tree's accepted path, the grid cell of each (None: a chain's, 0..a)
 
 
 class Executor(Protocol):
@@ -91,21 +93,24 @@ class Executor(Protocol):
     def draft(self, state: RoundState) -> Drafted | None:
         """This round's drafts (None: no slot has any)."""
 
-    def verify(self, state: RoundState, drafts: Array, lengths: Array) -> Verified:
-        """The target over each active slot's anchor and its first lengths[i] drafts."""
+    def verify(self, state: RoundState, drafts: Array, lengths: Array, parents: Array | None) -> Verified:
+        """The target over each active slot's anchor and its first lengths[i] drafts (a tree's nodes: `parents`)."""
 
     def sample(self, state: RoundState, drafted: Drafted | None, verified: Verified, lengths: Array, accepted: Array,
-               tokens: Array) -> tuple[Array, Array]:
-        """The sampled rows' verdicts by rejection sampling; greedy rows keep `accepted` and `tokens`."""
+               tokens: Array, cells: Array | None) -> tuple[Array, Array, Array | None]:
+        """The sampled rows' verdicts by rejection sampling; greedy rows keep `accepted`, `tokens` and `cells`."""
 
-    def commit(self, state: RoundState, verified: Verified, accepted: Array, tokens: Array, bonus: Array) -> None:
-        """Keep the verified rows' features as the head's next context rows; advance the state it keeps."""
+    def commit(self, state: RoundState, verified: Verified, accepted: Array, tokens: Array, bonus: Array,
+               cells: Array | None) -> None:
+        """Keep the verified rows' features as the head's next context rows (a tree's: its path's, which also
+        become the cache rows after the anchor); advance the state it keeps."""
 
 
 def run(ex: Executor, state: RoundState) -> Result:
     """One round over every row of `state`."""
     xp = namespace(state.length)
     drafted = ex.draft(state)
+    parents = None
     if drafted is None:
         lengths = xp.zeros_like(state.length)
         drafts = xp.zeros((state.length.shape[0], 0), dtype=xp.int64, device=device(state.length))
@@ -115,13 +120,19 @@ def run(ex: Executor, state: RoundState) -> Result:
                                     state.explore)
         lengths = steps.cap(planned, drafted.counts, state.budget, state.active, ex.gamma)
         drafts = drafted.tokens
-    verified = ex.verify(state, drafts, lengths)
-    accepted, tokens = steps.accept(verified.drafts, verified.best, lengths)
+        if drafted.parents is not None and not tree.is_chain(drafted.parents, lengths):
+            parents = drafted.parents  # the admitted nodes branch somewhere: a tree's verify and walk
+    verified = ex.verify(state, drafts, lengths, parents)
+    if parents is None:
+        accepted, tokens = steps.accept(verified.drafts, verified.best, lengths)
+        cells = None
+    else:
+        accepted, tokens, cells = tree.accept(verified.drafts, verified.best, parents, lengths)
     if ex.sampled:
-        accepted, tokens = ex.sample(state, drafted, verified, lengths, accepted, tokens)
+        accepted, tokens, cells = ex.sample(state, drafted, verified, lengths, accepted, tokens, cells)
     bonus = tokens[:, 0] if tokens.shape[1] == 1 else xp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
-    ex.commit(state, verified, accepted, tokens, bonus)
-    return Result(drafted, lengths, accepted, tokens, verified)
+    ex.commit(state, verified, accepted, tokens, bonus, cells)
+    return Result(drafted, lengths, accepted, tokens, verified, cells)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,10 +159,11 @@ class Round:
 
 
 def outcomes(slots: list, lengths: np.ndarray, accepted: np.ndarray, tokens: np.ndarray,
-             features: np.ndarray | None, drafter: Drafter | None, scheduler: Scheduler | None, *, drafted: bool
-             ) -> list[Outcome | None]:
-    """Each slot's outcome from a round's host arrays; the scheduler and drafter told how a round with drafts fared
-    (a round without drafts verified nothing: no acceptance history counts it)."""
+             features: np.ndarray | None, drafter: Drafter | None, scheduler: Scheduler | None, *, drafted: bool,
+             cells: np.ndarray | None = None) -> list[Outcome | None]:
+    """Each slot's outcome from a round's host arrays (a tree's features: its path's `cells`); the scheduler and
+    drafter told how a round with drafts fared (a round without drafts verified nothing: no acceptance history counts
+    it)."""
     out: list[Outcome | None] = []
     for i, s in enumerate(slots):
         if s is None:
@@ -161,8 +173,12 @@ def outcomes(slots: list, lengths: np.ndarray, accepted: np.ndarray, tokens: np.
         row = tokens[i, :a + 1].tolist()
         if drafted:
             scheduler.observe(ell, a)
-            drafter.observe(i, ell, a)
-        out.append(Outcome(ell, Verdict(a, row[-1]), row, features[i, :a + 1] if features is not None else None))
+            drafter.observe(i, ell, a) if cells is None else drafter.observe(i, ell, a, cells[i])
+        if features is None:
+            rows = None
+        else:
+            rows = features[i, :a + 1] if cells is None else features[i, cells[i, :a + 1]]
+        out.append(Outcome(ell, Verdict(a, row[-1]), row, rows))
     return out
 
 

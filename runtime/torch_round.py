@@ -106,7 +106,8 @@ class TorchRound:
             self._onehot = lookup
         return Drafted(proposed, counts, a, lookup)
 
-    def verify(self, state: RoundState, drafts: Tensor, lengths: Tensor) -> Verified:
+    def verify(self, state: RoundState, drafts: Tensor, lengths: Tensor, parents: None) -> Verified:
+        """Chains only: no device drafter proposes a tree."""
         drafts = drafts[:, :self.tt - 1]
         calls.target.grid(self.tin, state.anchor, torch.where(state.active, state.length, 0), drafts, self.grid)
         v = self.r.target.forward(0, self.tb, graphed=False)
@@ -114,7 +115,7 @@ class TorchRound:
         return Verified(steps.best(logits, self.grid, self.b, self.tt), drafts, logits, v.get(io.FEATURES))
 
     def sample(self, state: RoundState, drafted: Drafted | None, verified: Verified, lengths: Tensor,
-               accepted: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+               accepted: Tensor, tokens: Tensor, cells: None) -> tuple[Tensor, Tensor, None]:
         r, b, tt = self.r, self.b, self.tt
         temperature = r.temperature[:b]
         greedy = temperature <= 0
@@ -123,9 +124,10 @@ class TorchRound:
         q = self._q if drafted is not None else None
         a_s, tokens_s = accept_rows(verified.drafts, p, q, self._onehot, lengths, self.x["u"][:, :tt - 1],
                                     self.x["v"])
-        return torch.where(greedy, accepted, a_s), torch.where(greedy[:, None], tokens, tokens_s)
+        return torch.where(greedy, accepted, a_s), torch.where(greedy[:, None], tokens, tokens_s), None
 
-    def commit(self, state: RoundState, verified: Verified, accepted: Tensor, tokens: Tensor, bonus: Tensor) -> None:
+    def commit(self, state: RoundState, verified: Verified, accepted: Tensor, tokens: Tensor, bonus: Tensor,
+               cells: None) -> None:
         if self.r.head is not None:
             self._keep_rows(state, verified, accepted, tokens)
         steps.advance(state.length, state.budget, state.anchor, accepted, bonus, state.active)

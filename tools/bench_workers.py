@@ -78,12 +78,14 @@ class EngineSpec:
 # -- in the worker ------------------------------------------------------------------------------------
 
 def _specrt(spec: EngineSpec):
-    from specrt.runtime.config import EngineConfig
+    from specrt.runtime.config import EngineConfig, method_variant
     from specrt.runtime.engine import Request
     from specrt.runtime.engine import Engine
     from specrt.runtime.sampling import SamplingParams
 
-    engine = Engine.open(spec.artifact, EngineConfig(method=spec.name, threads=spec.threads, **dict(spec.options)))
+    method, variant = method_variant(spec.name)
+    engine = Engine.open(spec.artifact, EngineConfig(method=method, threads=spec.threads,
+                                                     **dict(spec.options), **variant))
 
     def generate(ids: list[int], max_new_tokens: int, eos: list[int]) -> Generation:
         times: list[float] = []

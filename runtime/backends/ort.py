@@ -219,6 +219,13 @@ class OrtRunner:
             b.bind_ortvalue_input(name, views[-1])
             b.bind_ortvalue_output(name.replace("past.", "present.", 1), views[-1])
 
+    def move_rows(self, moves: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        """Copy cache positions `src` to `dst` of slot `slot`, for each (slot, src, dst), in every layer (a draft
+        tree's accepted path, to the positions after its anchor)."""
+        for buf in self._cache.values():
+            for slot, src, dst in moves:
+                buf[slot, :, dst] = buf[slot, :, src]
+
     def _fit(self, host: dict[str, np.ndarray], bucket: io.Bucket) -> None:
         """Grow a sized cache so the call's writes (write_index + T) land inside it."""
         need = int(host[io.WRITE_INDEX].max()) + bucket["T"]

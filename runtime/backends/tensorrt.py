@@ -93,6 +93,15 @@ class TrtRunner:
             self._cache = {t.name: self._torch.zeros(t.resolve(sizes), dtype=self._dtype(t.dtype), device="cuda")
                            for t in self.spec.cache_inputs()}
 
+    def move_rows(self, moves: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        """Copy cache positions src to dst of slot `slot`, for each (slot, src, dst), in every layer (a draft tree's
+        accepted path)."""
+        t = self._torch
+        for slot, src, dst in moves:
+            s, d = t.as_tensor(src, device="cuda"), t.as_tensor(dst, device="cuda")
+            for buf in self._cache.values():
+                buf[slot, :, d] = buf[slot, :, s]
+
     def _call(self, slot: int, bucket: io.Bucket) -> dict:
         key = (slot, *sorted(bucket.items()))
         if key in self._calls:
