@@ -20,9 +20,12 @@ def _layer_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @click.command()
 @click.argument("target")
 @click.option("--head", type=click.Choice(["dspark", "mtp"]), required=True, help="Which draft head to train.")
-@click.option("--prompts", "prompts", multiple=True, required=True, type=click.Path(path_type=Path),
+@click.option("--prompts", "prompts", multiple=True, type=click.Path(path_type=Path),
               help='Training prompts, JSONL of {"turns": [...]} (repeatable). Rows equal to an eval row '
                    "(the first 20 of each datasets/ file) are dropped.")
+@click.option("--responses", "responses", multiple=True, type=click.Path(path_type=Path),
+              help="Instead of --prompts: this target's responses generated before (repeatable; JSONL or .jsonl.gz "
+                   "with their .meta.json, e.g. datasets/corpus/responses/), split by prompt.")
 @click.option("--out", "-o", required=True, type=click.Path(path_type=Path), help="Checkpoint directory to write.")
 @click.option("--work", type=click.Path(path_type=Path), default=None,
               help="Stage cache (target, responses, features, training state) [default: OUT.work]. "
@@ -59,15 +62,15 @@ def _layer_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--force", is_flag=True, help="Replace an existing OUT.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def distill(target: str, prompts: tuple[Path, ...], out: Path, work: Path | None, force: bool, quiet: bool,
-            as_json: bool, **opts) -> None:
+def distill(target: str, prompts: tuple[Path, ...], responses: tuple[Path, ...], out: Path, work: Path | None,
+            force: bool, quiet: bool, as_json: bool, **opts) -> None:
     """Train a draft head for TARGET: generate -> features -> train -> calibrate -> save (each stage resumes)."""
     from specrt.distill.pipeline import DistillSettings, distill as run_distill
     from specrt.outdir import sigterm_as_interrupt
 
     with sigterm_as_interrupt():  # stages resume; SIGTERM stops like Ctrl-C, so nothing half-written is left
         report = run_distill(target, list(prompts), out, DistillSettings(**opts), work=work, progress=not quiet,
-                             force=force)
+                             force=force, responses=list(responses))
     if as_json:
         click.echo(json.dumps(report, indent=1))
         return

@@ -29,8 +29,9 @@ from specrt.distill.cache import TargetCache
 from specrt.distill.calibrate import calibrate_dspark
 from specrt.distill.features import capture_features
 from specrt.distill.losses import OBJECTIVES
-from specrt.distill.generate import (SAMPLING, extra_sampling, generate_responses, merge_responses,
-                                     read_responses, responses_file)
+from specrt.distill.generate import (SAMPLING, check_responses, extra_sampling, generate_responses,
+                                     given_responses, merge_responses, read_responses, responses_file)
+from specrt.exporter.export import sha256_file
 from specrt.exporter.vocab import COUNTS_FILE, count_tokens, write_counts
 from specrt.distill.prompts import PromptSplit, rows_label, training_prompts
 from specrt.distill.train_dspark import TrainResult, train_dspark
@@ -173,25 +174,37 @@ def _curve(history: list[dict[str, float]]) -> list[dict[str, float]]:
 
 
 def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, settings: DistillSettings, *,
-            work: str | Path | None = None, progress: bool = True, force: bool = False) -> dict[str, Any]:
-    """Run (or resume) every stage; write the head to `out` with its report, and return the report."""
+            work: str | Path | None = None, progress: bool = True, force: bool = False,
+            responses: Sequence[str | Path] = ()) -> dict[str, Any]:
+    """Run (or resume) every stage; write the head to `out` with its report, and return the report. `responses`:
+    train on the target's responses generated before (e.g. datasets/corpus/responses/) instead of generating them
+    for `prompt_files`."""
     s = settings
     out = Path(out)
     work = Path(work) if work is not None else out.with_name(out.name + ".work")
     for f in prompt_files:
         if not Path(f).is_file():
             raise SpecrtError(f"prompts file not found: {f}")
-    if not prompt_files:
-        raise SpecrtError("give at least one --prompts FILE.jsonl")
+    for f in responses:
+        if not Path(f).is_file():
+            raise SpecrtError(f"responses file not found: {f}")
+    if bool(prompt_files) == bool(responses):
+        raise SpecrtError("give --prompts FILE.jsonl (responses are generated) or --responses FILE (generated "
+                          "before), not both" if prompt_files else "give at least one --prompts FILE.jsonl or "
+                          "--responses FILE")
+    if responses and s.limit is not None:
+        raise SpecrtError("--limit chooses among --prompts; with --responses every response is used")
     # everything is checked before the work directory is made: a failed start leaves nothing behind
     source = resolve_model(target, progress=progress)
-    check_out(out, sources=[source, work, *prompt_files], force=force, command="distill")
+    check_out(out, sources=[source, work, *prompt_files, *responses], force=force, command="distill")
     if work.resolve() == out.resolve() or out.resolve() in work.resolve().parents:
         raise SpecrtError(f"--work {work} is inside --out {out}; writing the checkpoint would delete it")
     check_writable(out)
-    split: PromptSplit = training_prompts(prompt_files=[Path(f) for f in prompt_files], limit=s.limit,
-                                          calib_fraction=s.calib_fraction, seed=s.seed)
+    split: PromptSplit | None = training_prompts(prompt_files=[Path(f) for f in prompt_files], limit=s.limit,
+                                                 calib_fraction=s.calib_fraction, seed=s.seed) if prompt_files else None
     loaded = load_target(source)
+    if responses:  # before anything is written: this target's own
+        check_responses(responses, [sha256_file(Path(f)) for f in loaded.source_files])
     if loaded.tokenizer is None:
         raise SpecrtError(f"{target} has no tokenizer, and distill needs one to encode the --prompts text "
                           "(add the model's tokenizer.json, or tokenizer.model, to its directory)")
@@ -217,19 +230,26 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
     if s.weights is not None and s.weights != fmt["weights"]:
         fmt = {"weights": s.weights, "attention": fmt["attention"] if s.weights != "float" else "standard"}
     art = timed("target", lambda: _stage_target(source, work, s, sources, fmt, progress))
-    k_files = [timed("generate", lambda k=k: generate_responses(
-        art, split.prompts, responses_file(work, k), max_new_tokens=s.max_new_tokens,
-        sampling=extra_sampling(k, s.sampling), seed=s.seed + k, threads=s.threads, progress=progress))
-        for k in range(s.responses_per_prompt)]
-    splits, n = split.indices, len(split.prompts)
-    if len(k_files) == 1:
-        responses, cache_name = k_files[0], "cache"
+    if split is None:  # responses generated before: this target's, split by prompt
+        given, splits = given_responses(responses, work / "responses.given.jsonl", calib_fraction=s.calib_fraction,
+                                        target_sources=[f.sha256 for f in io.load_manifest(art).sources], seed=s.seed)
+        k_files, cache_name = [given], "cache.given"
+    else:
+        k_files = [timed("generate", lambda k=k: generate_responses(
+            art, split.prompts, responses_file(work, k), max_new_tokens=s.max_new_tokens,
+            sampling=extra_sampling(k, s.sampling), seed=s.seed + k, threads=s.threads, progress=progress))
+            for k in range(s.responses_per_prompt)]
+        splits, n = split.indices, len(split.prompts)
+    if split is None:
+        responses_path = k_files[0]
+    elif len(k_files) == 1:
+        responses_path, cache_name = k_files[0], "cache"
     else:  # sample k of prompt i is row k * n + i, in the split of prompt i (a prompt's samples side by side,
         # so the held-out tail that training evaluates on holds whole prompts)
-        responses = merge_responses(k_files, work / f"responses.x{len(k_files)}.jsonl", n)
+        responses_path = merge_responses(k_files, work / f"responses.x{len(k_files)}.jsonl", n)
         splits = {name: [k * n + i for i in idx for k in range(len(k_files))] for name, idx in splits.items()}
         cache_name = f"cache.x{len(k_files)}"  # beside the single-response cache, so neither replaces the other
-    cache_dir = timed("features", lambda: capture_features(art, responses, work / cache_name,
+    cache_dir = timed("features", lambda: capture_features(art, responses_path, work / cache_name,
                                                            feature_sources=sources, splits=splits,
                                                            threads=s.threads, progress=progress))
     cache = TargetCache(cache_dir)
@@ -239,7 +259,7 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
     with staged(out, "distill") as staging:  # beside `out`, swapped in at the end; removed on any failure
         timed("save", lambda: _save_compact(s, train_dir, staging, loaded))
         train = set(splits["train"])  # what `specrt export --draft-vocab` ranks tokens by
-        counts = count_tokens((r["response_ids"] for r in read_responses(responses) if r["index"] in train),
+        counts = count_tokens((r["response_ids"] for r in read_responses(responses_path) if r["index"] in train),
                               cfg.vocab_size)
         write_counts(staging / COUNTS_FILE, counts)
         calibration = None
@@ -254,8 +274,11 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
             config_path.write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
         report = {
             "head": s.head, "target": str(source), "settings": asdict(s),
-            "prompts": {"files": [str(f) for f in prompt_files], "split": rows_label(split),
-                        "train": len(split.train), "calib": len(split.calib)},
+            "prompts": ({"files": [str(f) for f in prompt_files], "split": rows_label(split),
+                         "train": len(split.train), "calib": len(split.calib)} if split is not None else
+                        {"responses": [str(f) for f in responses], "split": f"given responses (train "
+                         f"{len(splits['train'])}, calib {len(splits['calib'])})", "train": len(splits["train"]),
+                         "calib": len(splits["calib"])}),
             "token_counts": {"file": COUNTS_FILE, "tokens": int(counts.sum()), "distinct": int((counts > 0).sum())},
             "cache": {"samples": len(cache), **cache.manifest.get("counts", {}),
                       "tokens": int(len(cache.tokens)), "capture": cache.manifest.get("capture", {}),
