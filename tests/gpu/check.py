@@ -363,10 +363,13 @@ def tensorrt_checks(arts: dict[str, Path], max_new: int) -> None:
         m = load_manifest(art)
         prompts = prompts_of(art, 2, m.model.vocab_size)
         ref, _, _ = generate(art, prompts, max_new, method="ar", backend="ort")
-        for method in ["ar", *[h for h in ("mtp", "dspark") if h in m.heads]]:
-            out, engine, _ = generate(art, prompts, max_new, method=method, backend="tensorrt", scheduler="fixed")
+        variants = [(x, {}) for x in ("ar", *[h for h in ("mtp", "dspark") if h in m.heads])]
+        variants.append(("ngram:tree=3", {"tree": 3}))  # the engine's tree_mask input and cache row moves on CUDA
+        for label, extra in variants:
+            out, engine, _ = generate(art, prompts, max_new, method=label.split(":")[0], backend="tensorrt",
+                                      scheduler="fixed", **extra)
             same = sum(a == b for a, b in zip(out, ref))
-            row("tensorrt", f"{name}: {method}", None, f"{same}/{len(ref)} identical to ORT CPU AR (fp16 engine); "
+            row("tensorrt", f"{name}: {label}", None, f"{same}/{len(ref)} identical to ORT CPU AR (fp16 engine); "
                 f"captures {engine.target.graph_stats.captures}, failed {engine.target.graph_stats.failed}")
 
 
