@@ -110,7 +110,8 @@ def accept_tree_sampled(drafts: np.ndarray, parents: np.ndarray, draft_probs: np
     r without c). The first accepted child is the next node; when none is, the bonus is drawn from r. With at most one
     sampled child per node, tried first, and the others chosen before any of the target's uniforms is drawn, the token
     committed at each position is distributed as the target's distribution there (SpecInfer's multi-step speculative
-    sampling; with deterministic candidates, sampling by elimination). Uniforms: node j's test reads u[j] of `gamma`
+    sampling; with deterministic candidates, sampling by elimination); a sampled child is tried first wherever the
+    node order puts it. Uniforms: node j's test reads u[j] of `gamma`
     (default l) drawn first, the bonus one more, as a chain's do."""
     ell = len(drafts)
     u = rng.random(ell if gamma is None else gamma)[:ell]
@@ -119,7 +120,10 @@ def accept_tree_sampled(drafts: np.ndarray, parents: np.ndarray, draft_probs: np
     while True:
         r = distribution(target_logits[cur], params)
         moved = False
-        for j in np.flatnonzero(parents[:ell] == cur - 1).tolist():
+        children = np.flatnonzero(parents[:ell] == cur - 1).tolist()
+        if draft_probs is not None:  # a child drawn from q is tried before those chosen outright
+            children.sort(key=lambda j: not draft_probs[j].any())
+        for j in children:
             d = int(drafts[j])
             q = None if draft_probs is None or not draft_probs[j].any() else draft_probs[j].astype(np.float64)
             if accepts(u[j], 1.0 if q is None else float(q[d]), r[d]):

@@ -84,12 +84,14 @@ def test_ngram_trees_order_nodes_by_survival_parents_first():
     assert sorted(p.tokens[0, j] for j in range(k) if parents[j] == -1) == [1, 3, 6]
 
 
-@pytest.mark.parametrize("sampled_first", [False, True], ids=["one-hot", "q-sampled-first"])
+@pytest.mark.parametrize("sampled_first, swap", [(False, False), (True, False), (True, True)],
+                         ids=["one-hot", "q-sampled-first", "q-sampled-second-in-node-order"])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=6)],
                          ids=["t1", "topk"])
-def test_tree_rejection_sampling_commits_tokens_from_the_target_distribution(sampled_first, params):
-    """Two branches under the anchor (the first drawn from q, or both chosen outright) and one node under each:
-    the first committed token follows p at the anchor, and the next one p at the cell of the branch it took."""
+def test_tree_rejection_sampling_commits_tokens_from_the_target_distribution(sampled_first, swap, params):
+    """Two branches under the anchor (one drawn from q, or both chosen outright) and one node under each: the first
+    committed token follows p at the anchor, and the next one p at the cell of the branch it took. `swap`: the
+    chosen branch comes first in node order (the drawn one is still tried first)."""
     rng = np.random.default_rng(7)
     vocab, trials = 8, 20_000
     logits = rng.normal(size=(5, vocab)) * 1.5  # cells: anchor, then nodes 0..3
@@ -107,7 +109,13 @@ def test_tree_rejection_sampling_commits_tokens_from_the_target_distribution(sam
         probs = np.zeros((4, vocab))
         if sampled_first:
             probs[0] = q0
-        v, cells = accept_tree_sampled(drafts, parents, probs, logits, params, rng, gamma=4)
+        if swap:  # node 0 <-> node 1 (and their children): the cells' logits move with them
+            drafts, probs = drafts[[1, 0, 3, 2]], probs[[1, 0, 3, 2]]
+            v, cells = accept_tree_sampled(drafts, parents, probs, logits[[0, 2, 1, 4, 3]], params, rng, gamma=4)
+            cells = [{1: 2, 2: 1, 3: 4, 4: 3}.get(c, c) for c in cells]  # back to the unswapped cells
+            drafts = drafts[[1, 0, 3, 2]]
+        else:
+            v, cells = accept_tree_sampled(drafts, parents, probs, logits, params, rng, gamma=4)
         tokens = [int(drafts[c - 1]) for c in cells[1:]] + [v.bonus]
         assert v.accepted == len(cells) - 1
         first.append(tokens[0])
