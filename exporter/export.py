@@ -116,9 +116,11 @@ def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSett
             heads: list[HeadPlan] = []
             if draft is not None:
                 heads.append(dspark_plan(draft, cfg, loaded.weights, settings, token_counts))
-                if settings.verify_len - 1 > heads[-1].info["steps"]:
+                room = heads[-1].info["steps"] + io.FIRST_TOP - 1  # the block, and a tree's alternatives to its first
+                if settings.verify_len - 1 > room:
                     raise SpecrtError(f"--gamma {settings.verify_len - 1} exceeds the DSpark block size "
-                                      f"{heads[-1].info['steps']}")
+                                      f"{heads[-1].info['steps']} plus {io.FIRST_TOP - 1} alternatives to its first "
+                                      "draft (a draft tree's)")
             if mtp is not None:
                 heads.append(mtp_plan(mtp, cfg, loaded.weights, settings, steps=settings.verify_len - 1,
                                       feedback=mtp_feedback, token_counts=token_counts))

@@ -98,8 +98,9 @@ class EngineConfig:
     lookups match; `threshold`: the threshold scheduler's survival cut; `device`, `dtype`, `cuda_graphs`: the
     torch backend's (and TensorRT's graphs); `gate_head`: under sps and sps-async a head alone (`dspark`, `mtp`) is
     called only on rounds where it promises more than a decoding step (runtime/hybrid.py; the host decides, on the
-    torch backend's device rounds too); `tree`: n-gram lookups draft a tree of this many continuations with different
-    first tokens, verified in one call (runtime/tree.py; 1: one continuation, a chain)."""
+    torch backend's device rounds too); `tree`: drafts are trees, verified in one call (runtime/tree.py; 1: chains):
+    n-gram lookups propose this many continuations with different first tokens, a DSpark head's block gets up to
+    tree - 1 of the head's likeliest other first tokens beside its first draft."""
 
     method: str = "ar"
     scheduler: str = "fixed"
@@ -131,8 +132,9 @@ class EngineConfig:
             raise SpecrtError(f"--ngram must be >= 1, got {self.ngram!r}")
         if not isinstance(self.tree, int) or isinstance(self.tree, bool) or not 1 <= self.tree <= 8:
             raise SpecrtError(f"--tree must be between 1 and 8, got {self.tree!r}")
-        if self.tree > 1 and self.parsed.name != "ngram":
-            raise SpecrtError(f"--tree drafts trees of n-gram lookups: use it with --method ngram (got {self.method})")
+        if self.tree > 1 and self.parsed.name not in ("ngram", "dspark", "dspark+ngram"):
+            raise SpecrtError(f"--tree drafts trees of n-gram lookups or of a DSpark head's first drafts: use it with "
+                              f"--method ngram, dspark or dspark+ngram (got {self.method})")
         if self.tree > 1 and self.backend == "torch":
             raise SpecrtError("--tree runs on the host's rounds (the ort and tensorrt backends), not the torch "
                               "backend's device rounds")

@@ -55,6 +55,10 @@ class Proposal:
     # [n, K] i64: a draft tree's parents (runtime/tree.py: -1 the anchor, each node after its parent, a prefix of the
     # nodes a subtree); None: each row is a chain
     parents: np.ndarray | None = None
+    # [n, A] a head's likeliest first tokens (ids, best first; -1: none for that row) and their probabilities under
+    # its distribution: the alternatives a round may graft beside its first draft (tree.graft)
+    first_top: np.ndarray | None = None
+    first_probs: np.ndarray | None = None
 
     def draft_probs(self, i: int, n: int, vocab_size: int) -> np.ndarray | None:
         """Slot i's first n draft distributions over the whole vocabulary (zero outside a draft vocabulary);
@@ -206,10 +210,13 @@ class GraphDrafter:
         out = self.runner.run(0, bucket, greedy=greedy)
         counts = np.array([self.steps if s is not None else 0 for s in slots], np.int64)
         conf, surv, probs = out.get(io.CONFIDENCE_LOGITS), out.get(io.SURVIVAL), out.get(io.DRAFT_PROBS)
+        top, top_p = out.get(io.DRAFT_FIRST_TOP), out.get(io.DRAFT_FIRST_PROBS)
         return Proposal(tokens=out[io.DRAFT_TOKENS][:n], counts=counts,
                         probs=probs[:n] if probs is not None else None,
                         confidence_logits=conf[:n] if conf is not None else None, vocab_ids=self.vocab_ids,
-                        survival=surv[:n] if surv is not None else None, head=self.head.name)
+                        survival=surv[:n] if surv is not None else None, head=self.head.name,
+                        first_top=top[:n] if top is not None else None,
+                        first_probs=top_p[:n] if top_p is not None else None)
 
     @property
     def graph(self) -> GraphDrafter:

@@ -43,8 +43,10 @@ class HostRounds:
     round is a plain decoding step. `costs`: the cost table the rounds' timings refine (runtime/costs.py)."""
 
     def __init__(self, target: Runner, drafter: Drafter | None, scheduler: Scheduler | None, *, gamma: int,
-                 costs: CostTable | None = None) -> None:
+                 costs: CostTable | None = None, tree: int = 1) -> None:
         self.target, self.drafter, self.scheduler, self.gamma, self.costs = target, drafter, scheduler, gamma, costs
+        self.tree = tree  # a head's drafts get up to tree - 1 alternatives beside their first (tree.graft)
+        self._chain: np.ndarray | None = None  # this round's grafted nodes' chain positions (-1: alternatives)
         self.plans_on_costs = scheduler is not None and scheduler.traits.plans_on_costs
         self.capacity = np.full((), -1, np.int64)  # the scheduler's state across rounds (RoundState.capacity)
         self.sampled = False
@@ -60,7 +62,7 @@ class HostRounds:
         """One round over slots [0, n) (None: idle): each slot's outcome, the scheduler and drafter told how it fared,
         the cost table what its calls cost."""
         n = len(slots)
-        self._slots, self._proposal, self._draft_s, self._call_s = slots, None, 0.0, 0.0
+        self._slots, self._proposal, self._draft_s, self._call_s, self._chain = slots, None, 0.0, 0.0, None
         state = self._state(slots)
         t0 = time.perf_counter()
         res = rounds.run(self, state)
@@ -116,7 +118,12 @@ class HostRounds:
             tokens = n * (self.gamma + 1)
             state.draft_ms, state.curve = rounds.cost_inputs(self.costs, n, tokens, p.head)
             state.explore = self.costs.exploring(n, tokens)
-        return Drafted(p.tokens, p.counts, self.scheduler.survival(p), parents=p.parents)
+        survival = self.scheduler.survival(p)
+        if self.tree > 1 and p.first_top is not None and p.parents is None:
+            tokens, counts, survival, parents, self._chain = tree.graft(p.tokens, p.counts, survival, p.first_top,
+                                                                        p.first_probs, self.tree)
+            return Drafted(tokens, counts, survival, parents=parents)
+        return Drafted(p.tokens, p.counts, survival, parents=p.parents)
 
     def verify(self, state: RoundState, drafts: np.ndarray, lengths: np.ndarray, parents: np.ndarray | None
                ) -> Verified:
@@ -168,7 +175,12 @@ class HostRounds:
             if s is None or s.params.greedy:
                 continue
             ell, f = int(lengths[i]), int(first[i])
-            probs = p.draft_probs(i, ell, logits.shape[-1]) if ell else None
+            if self._chain is not None and ell:  # grafted nodes: each chain node's distribution, alternatives none
+                chain = self._chain[i, :ell]
+                q = p.draft_probs(i, int(chain.max()) + 1, logits.shape[-1]) if (chain >= 0).any() else None
+                probs = None if q is None else np.where((chain >= 0)[:, None], q[np.maximum(chain, 0)], 0.0)
+            else:
+                probs = p.draft_probs(i, ell, logits.shape[-1]) if ell else None
             if cells is None:
                 v = accept_sampled(verified.drafts[i, :ell], probs, logits[f:f + ell + 1], s.params, s.rng,
                                    gamma=self.gamma)

@@ -280,10 +280,11 @@ class HybridDrafter:
         self.source[:len(slots)] = np.where(use, LOOKUP, HEAD)
         out = p.tokens.copy()
         out[use] = found.tokens[use]
+        top = None if p.first_top is None else np.where(use[:, None], -1, p.first_top)  # lookup rows: no alternatives
         return Proposal(tokens=out, counts=np.where(use, found.counts, p.counts), probs=p.probs,
                         confidence_logits=p.confidence_logits, vocab_ids=p.vocab_ids,
                         survival=np.where(use[:, None], a_lookup, a_head).astype(np.float32), head=p.head,
-                        onehot=use, catch_up=catch_up)
+                        onehot=use, catch_up=catch_up, first_top=top, first_probs=p.first_probs)
 
 
 @dataclass

@@ -66,10 +66,16 @@ class ModelRunner:
             if c.tree > 1 and not any(t.name == io.TREE_MASK for t in target.spec.inputs):
                 raise SpecrtError("--tree needs a target graph with a tree_mask input, which this artifact (exported "
                                   "by an older specrt) lacks: re-export it")
+            if c.tree > 1 and method.head == "dspark" and "dspark" in manifest.graphs and not any(
+                    t.name == io.DRAFT_FIRST_TOP for t in manifest.graphs["dspark"].outputs):
+                raise SpecrtError("--tree needs a DSpark graph that outputs its likeliest first tokens, which this "
+                                  "artifact (exported by an older specrt) lacks: re-export it")
             drafter = make_drafter(method, art_dir, manifest, gamma=c.gamma or exported, backend=c.backend,
-                                   threads=c.threads, ngram=c.ngram, costs=costs, tree=c.tree,
+                                   threads=c.threads, ngram=c.ngram, costs=costs,
+                                   tree=c.tree if method.head is None else 1,
                                    gated=c.gate_head and scheduler_class(c.scheduler).traits.gates_head, **where)
-            gamma = min(c.gamma or exported, drafter.steps)
+            grafted = c.tree - 1 if method.head == "dspark" else 0  # a DSpark tree: the block and its alternatives
+            gamma = min(c.gamma or exported, drafter.steps + grafted)
             head = manifest.heads.get(method.head) if method.head else None
             scheduler = make_scheduler(c.scheduler, gamma=gamma, temperatures=head.temperatures if head else (),
                                        threshold=c.threshold, costs=costs)
@@ -78,7 +84,8 @@ class ModelRunner:
 
             device = DeviceRounds(target, drafter, scheduler, gamma=gamma, costs=costs, capture=where["graphs"])
             return cls(target, drafter, scheduler, costs, gamma, device, device, "")
-        host = HostRounds(target, drafter, scheduler, gamma=gamma, costs=costs)
+        host = HostRounds(target, drafter, scheduler, gamma=gamma, costs=costs,
+                          tree=c.tree if method.head is not None else 1)
         return cls(target, drafter, scheduler, costs, gamma, host, None, "the host loop runs every round on this backend")
 
     @property

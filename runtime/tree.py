@@ -100,3 +100,38 @@ def moves(cells: np.ndarray, accepted: np.ndarray, start: np.ndarray) -> list[tu
         if a and (path != np.arange(1, a + 1)).any():
             out.append((i, start[i] + path, start[i] + np.arange(1, a + 1)))
     return out
+
+
+def graft(tokens: np.ndarray, counts: np.ndarray, survival: np.ndarray, first_top: np.ndarray,
+          first_probs: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A head's chains [n, K] (survivals [n, g]) with up to width - 1 of its likeliest other first tokens grafted
+    beside each first draft: (tokens, counts, survivals [n, K + width - 1], parents, chain) over the nodes in order
+    of survival,
+    `chain[i, j]` the chain position of node j (-1: an alternative). An alternative's survival is the chance the
+    first draft is rejected times its share of the head's probability without the first draft's."""
+    n, k = tokens.shape
+    g = survival.shape[1]
+    m = k + width - 1
+    out_t, out_p, chain = np.zeros((n, m), np.int64), np.tile(np.arange(m) - 1, (n, 1)), np.full((n, m), -1)
+    out_s, out_c = np.zeros((n, m), np.float32), counts.copy()
+    for i in range(n):
+        c = int(counts[i])
+        if c == 0:
+            continue
+        s = np.zeros(k)
+        s[:min(c, g)] = survival[i, :min(c, g)]
+        nodes = [(float(s[j]), j, int(tokens[i, j])) for j in range(c)]  # (survival, chain position, token)
+        first = int(tokens[i, 0])
+        ids, probs = first_top[i].tolist(), first_probs[i].astype(np.float64)
+        p_first = float(probs[ids.index(first)]) if first in ids else 0.0
+        alts = [(t, q) for t, q in zip(ids, probs) if t >= 0 and t != first][:width - 1]
+        nodes += [((1.0 - s[0]) * q / max(1.0 - p_first, 1e-9), -1, t) for t, q in alts]
+        order = sorted(range(len(nodes)), key=lambda x: -nodes[x][0])  # stable: a chain's parent before its child
+        where = {nodes[x][1]: j for j, x in enumerate(order) if nodes[x][1] >= 0}
+        for j, x in enumerate(order):
+            sv, pos, t = nodes[x]
+            out_t[i, j], chain[i, j] = t, pos
+            out_p[i, j] = where[pos - 1] if pos > 0 else -1
+            out_s[i, j] = sv
+        out_c[i] = len(nodes)
+    return out_t, out_c, out_s, out_p, chain

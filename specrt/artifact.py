@@ -51,8 +51,8 @@ MANIFEST_REVISION = 2
 # default artifact is re-exported when this moves. 2: a target layer's attention as one specrt::PackedAttention.
 # 3: with specrt's kernels, the draft heads' own matrices as Q4_1 blocks (specrt::MatMulGGUF, not MatMulNBits).
 # 4: with specrt's kernels, norms as specrt::RMSNorm / SkipRMSNorm and an MLP's SiLU and product in its MatMulGGUF.
-# 5: the target's tree_mask input (draft trees: runtime/tree.py).
-GRAPHS_REVISION = 5
+# 5: the target's tree_mask input (draft trees: runtime/tree.py). 6: DSpark's draft_first_top / draft_first_probs.
+GRAPHS_REVISION = 6
 MANIFEST = "manifest.json"
 WEIGHTS_FILE = "weights.bin"
 TOKENIZER_DIR = "tokenizer"
@@ -622,6 +622,11 @@ DRAFT_LOGITS = "draft_logits"
 DRAFT_PROBS = "draft_probs"
 GREEDY_DROPS = (DRAFT_LOGITS, DRAFT_PROBS)  # outputs a greedy variant does not have
 CONFIDENCE_LOGITS = "confidence_logits"
+# DSpark: the first position's FIRST_TOP likeliest tokens [B, A] (ids, best first) and their probabilities under the
+# head's distribution at temperature 1 [B, A]: a draft tree's alternatives to the first draft (runtime/tree.py)
+DRAFT_FIRST_TOP = "draft_first_top"
+DRAFT_FIRST_PROBS = "draft_first_probs"
+FIRST_TOP = 4
 TRUNCATE_THRESHOLD = "truncate_threshold"
 TRUNCATE_BUDGET = "truncate_budget"
 SURVIVAL = "survival"
@@ -633,10 +638,10 @@ MTP_LAST_ROW = "last_row"
 # The graph input/output names above, and the cache's prefixes: what scripts/gen_cpp_names.py writes into the C++
 # runtime's runtime/cpp/src/io_names.h (a test checks that header is current)
 IO_NAMES = ("INPUT_IDS", "POSITION_IDS", "WRITE_INDEX", "TOKEN_ROWS", "LOGIT_ROWS", "TREE_MASK", "LOGITS",
-            "FEATURES", "CTX_FEATURES", "CTX_POSITIONS", "CTX_WRITE_INDEX", "CTX_LEN", "ANCHOR_IDS", "TEMPERATURE", "NOISE",
-            "DRAFT_TOKENS", "DRAFT_LOGITS", "DRAFT_PROBS", "CONFIDENCE_LOGITS", "TRUNCATE_THRESHOLD", "TRUNCATE_BUDGET",
-            "SURVIVAL", "VERIFY_LENGTHS", "MTP_TOKENS", "MTP_HIDDEN", "MTP_POSITIONS", "MTP_LAST_ROW", "PAST_PREFIX",
-            "PRESENT_PREFIX", "CACHE_LEN")
+            "FEATURES", "CTX_FEATURES", "CTX_POSITIONS", "CTX_WRITE_INDEX", "CTX_LEN", "ANCHOR_IDS", "TEMPERATURE",
+            "NOISE", "DRAFT_TOKENS", "DRAFT_LOGITS", "DRAFT_PROBS", "DRAFT_FIRST_TOP", "DRAFT_FIRST_PROBS",
+            "CONFIDENCE_LOGITS", "TRUNCATE_THRESHOLD", "TRUNCATE_BUDGET", "SURVIVAL", "VERIFY_LENGTHS", "MTP_TOKENS",
+            "MTP_HIDDEN", "MTP_POSITIONS", "MTP_LAST_ROW", "PAST_PREFIX", "PRESENT_PREFIX", "CACHE_LEN")
 
 
 def dspark_signature(*, num_layers: int, num_kv_heads: int, head_dim: int, hidden_size: int, vocab_size: int,
@@ -654,7 +659,9 @@ def dspark_signature(*, num_layers: int, num_kv_heads: int, head_dim: int, hidde
               TensorSpec(NOISE, "float32", ("B", block))]
     outputs = [TensorSpec(DRAFT_TOKENS, "int64", ("B", block)),
                TensorSpec(DRAFT_LOGITS, dtype, ("B", block, vocab_size)),
-               TensorSpec(DRAFT_PROBS, "float32", ("B", block, vocab_size))]
+               TensorSpec(DRAFT_PROBS, "float32", ("B", block, vocab_size)),
+               TensorSpec(DRAFT_FIRST_TOP, "int64", ("B", min(FIRST_TOP, vocab_size))),
+               TensorSpec(DRAFT_FIRST_PROBS, "float32", ("B", min(FIRST_TOP, vocab_size)))]
     if confidence:
         inputs += [TensorSpec(TRUNCATE_THRESHOLD, "float32", ()), TensorSpec(TRUNCATE_BUDGET, "int64", ())]
         outputs += [TensorSpec(CONFIDENCE_LOGITS, dtype, ("B", block)), TensorSpec(SURVIVAL, "float32", ("B", block)),

@@ -87,6 +87,8 @@ class TorchDraft:
             o = self.model(t[io.CTX_FEATURES], t[io.CTX_POSITIONS], t[io.CTX_WRITE_INDEX], t[io.CTX_LEN],
                            t[io.ANCHOR_IDS], t[io.TEMPERATURE], t[io.NOISE])
         out = {io.DRAFT_TOKENS: o.tokens, io.DRAFT_LOGITS: o.logits, io.DRAFT_PROBS: o.probs}
+        top = torch.softmax(o.logits[:, 0].float(), -1).topk(io.FIRST_TOP, -1)  # the first slot's alternatives
+        out[io.DRAFT_FIRST_TOP], out[io.DRAFT_FIRST_PROBS] = top.indices, top.values
         if o.confidence_logits is not None:  # and specrt::ConfidenceTruncate's reference, keeping every draft
             out[io.CONFIDENCE_LOGITS] = o.confidence_logits
             a, lengths = truncate(o.confidence_logits.numpy(), self.temperatures, 0.0, -1)
@@ -303,6 +305,14 @@ def test_onnx_matches_torch(tiny_model_dir, tmp_path, family, head):
                 assert got[io.DRAFT_TOKENS][b, k] == reference_rule(got[io.DRAFT_LOGITS][b, k], temps[b],
                                                                     feeds[io.NOISE][b, k])
             np.testing.assert_allclose(got[io.DRAFT_PROBS][b].sum(-1), 1.0, atol=1e-5)
+            # the first slot's likeliest tokens at temperature 1, best first: the first is its greedy draft
+            first = np.exp(got[io.DRAFT_LOGITS][b, 0] - got[io.DRAFT_LOGITS][b, 0].max())
+            first /= first.sum()
+            top = got[io.DRAFT_FIRST_TOP][b]
+            assert top.tolist() == np.argsort(-first, kind="stable")[:io.FIRST_TOP].tolist()
+            np.testing.assert_allclose(got[io.DRAFT_FIRST_PROBS][b], first[top], rtol=1e-5)
+            if temps[b] == 0:
+                assert top[0] == got[io.DRAFT_TOKENS][b, 0]
 
 
 def test_embed_and_head_sharing(tiny_model_dir, tmp_path):

@@ -518,7 +518,8 @@ def test_golden_io_signatures():
         ("past.0.key", *cache), ("past.0.value", *cache)]
     assert rows(outs) == [
         ("draft_tokens", "int64", ("B", 4)), ("draft_logits", "float32", ("B", 4, 256)),
-        ("draft_probs", "float32", ("B", 4, 256)), ("confidence_logits", "float32", ("B", 4)),
+        ("draft_probs", "float32", ("B", 4, 256)), ("draft_first_top", "int64", ("B", 4)),
+        ("draft_first_probs", "float32", ("B", 4)), ("confidence_logits", "float32", ("B", 4)),
         ("survival", "float32", ("B", 4)), ("verify_lengths", "int64", ("B",)),
         ("present.0.key", *cache), ("present.0.value", *cache)]
 

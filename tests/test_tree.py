@@ -21,7 +21,7 @@ from specrt.runtime.engine import Engine, Request
 from specrt.runtime.sampling import SamplingParams, distribution
 from power import ALPHA, samples_for
 from test_acceptance import _chi2_matches
-from test_speculative import _exact_pair_probs, _pvalue, peaked  # noqa: F401 (peaked: a fixture)
+from test_speculative import _exact_pair_probs, _prompts, _pvalue, peaked  # noqa: F401 (peaked: a fixture)
 
 # anchor -> 0 (10) -> 2 (30) -> 4 (50);  anchor -> 1 (20) -> 3 (40)
 TOKENS = np.array([10, 20, 30, 40, 50])
@@ -225,8 +225,8 @@ def test_greedy_tree_rounds_keep_the_accepted_branchs_cache_rows(tiny):
 def test_tree_needs_ngram_the_host_and_a_tree_target(tiny, tmp_path):
     from specrt.errors import SpecrtError
 
-    with pytest.raises(SpecrtError, match="--tree drafts trees of n-gram lookups"):
-        EngineConfig(method="dspark", tree=2)
+    with pytest.raises(SpecrtError, match="--tree drafts trees of n-gram lookups or of a DSpark head"):
+        EngineConfig(method="mtp", tree=2)
     with pytest.raises(SpecrtError, match="--tree must be between 1 and 8"):
         EngineConfig(method="ngram", tree=0)
     with pytest.raises(SpecrtError, match="not the torch backend"):
@@ -258,3 +258,66 @@ def test_sampled_tree_rounds_follow_the_target_distribution(peaked, peaked_long,
     assert _pvalue(pairs, probs) > ALPHA
     assert sum(masked) > n  # tree verifies: every request's first round, and more
 
+
+
+def test_graft_puts_a_heads_alternatives_beside_its_first_draft():
+    tokens, counts = np.array([[5, 6, 7], [1, 2, 3]]), np.array([3, 0])
+    survival = np.array([[0.6, 0.3, 0.1], [0.9, 0.8, 0.7]], np.float32)
+    top = np.array([[5, 9, 8, 4], [1, 2, 3, 4]])
+    probs = np.array([[0.5, 0.2, 0.1, 0.05], [0.4, 0.3, 0.2, 0.1]], np.float32)
+    t, c, s, parents, chain = tree.graft(tokens, counts, survival, top, probs, 3)
+    # alternatives 9 and 8: (1 - 0.6) x 0.2 / 0.5 = 0.16 and 0.08, in order of survival among the chain's
+    assert t[0, :5].tolist() == [5, 6, 9, 7, 8] and c.tolist() == [5, 0]
+    assert parents[0, :5].tolist() == [-1, 0, -1, 1, -1] and chain[0, :5].tolist() == [0, 1, -1, 2, -1]
+    np.testing.assert_allclose(s[0], [0.6, 0.3, 0.16, 0.1, 0.08], rtol=1e-6)
+    no_alts = tree.graft(tokens, counts, survival, np.full((2, 4), -1), probs, 3)  # a row drafted by lookups
+    assert no_alts[0][0, :3].tolist() == [5, 6, 7] and no_alts[1].tolist() == [3, 0]
+
+
+@pytest.fixture(scope="module")
+def dspark_wide(tiny_model_dir, peaked, tmp_path_factory):
+    """Random DSpark heads (block 3) in artifacts that verify up to 5 drafts: rounds with every draft admitted (the
+    fixed scheduler) verify the block and two alternatives. A tiny llama's, and the peaked 32-token model's."""
+    from specrt.exporter.loaders.deepspec import random_dspark_checkpoint
+
+    root = tmp_path_factory.mktemp("dspark_wide")
+    target = tiny_model_dir("llama", num_layers=3)
+    draft = random_dspark_checkpoint(root / "draft", target, layers=1, block_size=3, markov_rank=16)
+    peaked_draft = random_dspark_checkpoint(root / "peaked_draft", peaked["target"], layers=1, block_size=3,
+                                            markov_rank=8, init_std=0.5)
+    return {"tiny": export_artifact(target, root / "tiny", ExportSettings(batch=4, max_seq=160, prefill_chunk=16,
+                                                                         verify_len=6), draft=draft, progress=False),
+            "peaked": export_artifact(peaked["target"], root / "peaked",
+                                      ExportSettings(batch=32, max_seq=32, prefill_chunk=8, verify_len=6),
+                                      draft=peaked_draft, progress=False)}
+
+
+def test_dspark_trees_give_plain_decodings_tokens(dspark_wide, monkeypatch):
+    art = dspark_wide["tiny"]
+    prompts = _prompts(256, [5, 9, 14, 20])
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    requests = [Request(prompt_ids=p, params=params, id=i) for i, p in enumerate(prompts)]
+    ar, _ = Engine(art, EngineConfig(threads=1)).generate(requests)
+    masked, mask = [], tree.mask
+    monkeypatch.setattr(tree, "mask", lambda *a: (masked.append(1), mask(*a)))
+    for method, scheduler in (("dspark", "fixed"), ("dspark", "sps"), ("dspark+ngram", "sps")):
+        engine = Engine.open(art, EngineConfig(method=method, scheduler=scheduler, tree=3, threads=1))  # a profile
+        outs, _ = engine.generate(requests)
+        assert [o.output_ids for o in outs] == [o.output_ids for o in ar], (method, scheduler)
+        if scheduler == "fixed":  # every draft and both alternatives admitted: every round a tree
+            assert len(masked) > 10, len(masked)
+
+
+def test_sampled_dspark_tree_rounds_follow_the_target_distribution(peaked, dspark_wide, monkeypatch):
+    """A random DSpark head's block with its two likeliest other first tokens grafted beside the first draft (drawn
+    from q: tried first, SpecInfer's rule): (x1, x2) follow p(x1) p(x2 | x1) exactly."""
+    prompt = [5, 9, 14, 3]
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=31, ignore_eos=True)
+    probs = _exact_pair_probs(peaked["target"], prompt, params)
+    n = samples_for(probs)
+    masked, mask = [], tree.mask
+    monkeypatch.setattr(tree, "mask", lambda *a: (masked.append(1), mask(*a)))
+    engine = Engine(dspark_wide["peaked"], EngineConfig(method="dspark", scheduler="fixed", tree=3, threads=1))
+    outs, _ = engine.generate([Request(prompt_ids=prompt, params=params, id=i) for i in range(n)])
+    assert _pvalue(np.array([o.output_ids[:2] for o in outs]), probs) > ALPHA
+    assert len(masked) > 10

@@ -133,11 +133,12 @@ def build_dspark_graph(g: GraphBuilder, cfg: DSparkConfig, target_cfg: ModelConf
         head = "lm_head.weight" if not target_cfg.tie_word_embeddings else "model.embed_tokens.weight"
         base = linear(g, h, _shared(g, "lm_head.weight", head), name="lm_head")  # [B*K, V or len(vocab_ids)]
         ids = g.const(np.asarray(vocab_ids, np.int64), "vocab_ids") if vocab_ids is not None else None
-        tokens, logits, probs, conf = _draft_heads(g, cfg, base, h, anchor, temperature, noise, dtype, ids,
-                                                   len(vocab_ids) if vocab_ids is not None else lc.vocab_size,
-                                                   greedy)
+        tokens, logits, probs, conf, first = _draft_heads(g, cfg, base, h, anchor, temperature, noise, dtype, ids,
+                                                          len(vocab_ids) if vocab_ids is not None else lc.vocab_size,
+                                                          greedy)
 
-    named = {io.DRAFT_TOKENS: tokens, io.DRAFT_LOGITS: logits, io.DRAFT_PROBS: probs, io.CONFIDENCE_LOGITS: conf}
+    named = {io.DRAFT_TOKENS: tokens, io.DRAFT_LOGITS: logits, io.DRAFT_PROBS: probs, io.CONFIDENCE_LOGITS: conf,
+             io.DRAFT_FIRST_TOP: first[0], io.DRAFT_FIRST_PROBS: first[1]}
     if conf is not None:
         with g.scope("dspark"):
             named[io.SURVIVAL], named[io.VERIFY_LENGTHS] = _truncate(g, cfg, conf, dtype)
@@ -232,16 +233,20 @@ def _attention(g: GraphBuilder, a: str, ctx: str, p: str, lc: ModelConfig, K: in
 
 def _draft_heads(g: GraphBuilder, cfg: DSparkConfig, base: str, h: str, anchor: str, temperature: str, noise: str,
                  dtype: str, ids: str | None, V: int, greedy: bool = False
-                 ) -> tuple[str, str | None, str | None, str | None]:
+                 ) -> tuple[str, str | None, str | None, str | None, tuple[str, str]]:
     """Markov loop unrolled over the K slots with in-graph sampling, then the confidence head. V columns: the
     vocabulary, or the draft vocabulary `ids` (a [V] constant mapping a sampled column to its token id).
-    `greedy`: argmax drafts only (logits and probs None)."""
+    `greedy`: argmax drafts only (logits and probs None). Also the first slot's io.FIRST_TOP likeliest tokens and
+    their probabilities at temperature 1 (`_first_top`)."""
     lc, K, r = cfg.layers, cfg.block_size, cfg.markov_rank
     d = lc.hidden_size
     to_id = (lambda col: g.op("Gather", ids, col, name="token_id")) if ids is not None else (lambda col: col)
     with g.scope("heads"):
         base3 = g.op("Reshape", base, g.const([-1, K, V], "bkv", "int64"))
         h3 = g.op("Reshape", h, g.const([-1, K, d], "bkd", "int64"))
+        first = None
+        if not r:  # no Markov correction: the first slot's logits are its base logits
+            first = _first_top(g, g.op("Gather", base3, g.const(np.int64(0), "k0"), axis=1), V, dtype, to_id)
         if not r and greedy:
             tokens, logits, probs, embs = to_id(greedy_draft(g, base3, dtype)), None, None, None
         elif not r:  # DFlash: no sequential dependency, all K slots sampled at once
@@ -262,6 +267,8 @@ def _draft_heads(g: GraphBuilder, cfg: DSparkConfig, base: str, h: str, anchor: 
                     hk = g.op("Gather", h3, g.const(np.int64(k), "k"), axis=1, name="hidden")  # [B,d]
                     e = embedding(g, g.weight(P + "markov_head.markov_w1.weight"), prev, name="markov_w1")
                     corrected, state = _markov_step(g, cfg, u, e, hk, state, dtype)
+                    if k == 0:
+                        first = _first_top(g, corrected, V, dtype, to_id)
                     if greedy:
                         col, pk = greedy_draft(g, corrected, dtype), None
                     else:
@@ -284,7 +291,18 @@ def _draft_heads(g: GraphBuilder, cfg: DSparkConfig, base: str, h: str, anchor: 
                 c = linear(g, flat, g.weight(P + "confidence_head.proj.weight"),
                            g.weight(P + "confidence_head.proj.bias"), name="proj")
                 conf = g.op("Reshape", c, g.const([-1, K], "bk", "int64"))
-    return tokens, logits, probs, conf
+    return tokens, logits, probs, conf, first
+
+
+def _first_top(g: GraphBuilder, logits: str, V: int, dtype: str, to_id) -> tuple[str, str]:
+    """(ids [B, A], probabilities [B, A] f32): the A = io.FIRST_TOP likeliest tokens of one slot's logits [B, V] under
+    softmax at temperature 1, best first (ties: the lower column, as TopK orders them)."""
+    with g.scope("first_top"):
+        lf = g.op("Cast", logits, to=1) if dtype != "float32" else logits  # 1: FLOAT
+        probs = g.op("Softmax", lf, axis=-1, name="probs")
+        values, cols = g.op("TopK", probs, g.const([min(io.FIRST_TOP, V)], "a", "int64"), axis=-1, largest=1,
+                            sorted=1, outputs=2, name="top")
+        return to_id(cols), values
 
 
 def _truncate(g: GraphBuilder, cfg: DSparkConfig, conf: str, dtype: str) -> tuple[str, str]:

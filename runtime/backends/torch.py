@@ -170,8 +170,10 @@ class _DSparkFamily:
     def forward(self, x: dict[str, Tensor]) -> dict[str, Tensor]:
         d = self.model(x[io.CTX_FEATURES], x[io.CTX_POSITIONS], x[io.CTX_WRITE_INDEX], x[io.CTX_LEN],
                        x[io.ANCHOR_IDS], x[io.TEMPERATURE], x[io.NOISE])
+        top = torch.softmax(d.logits[:, 0].float(), -1).topk(min(io.FIRST_TOP, d.logits.shape[-1]), -1)
+        ids = top.indices if self.model.vocab_ids is None else self.model.vocab_ids[top.indices]
         out = {io.DRAFT_TOKENS: d.tokens, io.DRAFT_LOGITS: d.logits, io.DRAFT_PROBS: d.probs,
-               io.CONFIDENCE_LOGITS: d.confidence_logits}
+               io.CONFIDENCE_LOGITS: d.confidence_logits, io.DRAFT_FIRST_TOP: ids, io.DRAFT_FIRST_PROBS: top.values}
         if d.confidence_logits is not None:  # specrt::ConfidenceTruncate, on the device
             out[io.SURVIVAL], out[io.VERIFY_LENGTHS] = truncate_torch(
                 d.confidence_logits, self.temperatures, x[io.TRUNCATE_THRESHOLD], x[io.TRUNCATE_BUDGET])
