@@ -145,8 +145,9 @@ def engine_options(f):
                      help="--scheduler threshold: the prefix survival below which drafts are not verified."),
         click.option("--ngram", default=3, help="--method ngram: longest suffix looked up (n-gram size)."),
         click.option("--tree", default=1, show_default=True,
-                     help="--method ngram: draft a tree of this many continuations with different first tokens "
-                          "(verified in one call; the scheduler admits its likeliest nodes; 1: a chain)."),
+                     help="Draft trees, verified in one call (the scheduler admits their likeliest nodes; 1: "
+                          "chains): ngram looks up this many continuations with different first tokens; dspark and "
+                          "dspark+ngram add up to this many - 1 of the head's likeliest other first tokens."),
         click.option("--backend", type=click.Choice(BACKENDS), default="ort",
                      help="Runtime backend: ONNX Runtime, the exporter's torch modules (eager on CPU, CUDA "
                           "graphs on a GPU; greedy rounds stay on the device), or the TensorRT engines of "
