@@ -18,7 +18,7 @@ import numpy as np
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
-from specrt.runtime import calls
+from specrt.runtime import calls, tree
 from specrt.runtime.arrays import Array, namespace
 from specrt.runtime.arrays import device as array_device
 from specrt.runtime.backends import load_runner
@@ -310,17 +310,17 @@ class NGramDrafter:
             if not follows:
                 continue
             best = self.histories[match[i]].survival()
-            nodes = []  # (survival, branch, depth, token), branches in rank order, each in depth order
+            nodes = []  # (survival, branch, parent, token), branches in rank order, each in depth order
             for r, follow in enumerate(follows):
                 surv = best if r == 0 else (1.0 - best[0]) * self.branches[r - 1].survival()
-                nodes += [(float(surv[d]), r, d, int(t)) for d, t in enumerate(follow)]
-            order = sorted(range(len(nodes)), key=lambda k: -nodes[k][0])  # stable: a parent before its child
-            index = {(nodes[k][1], nodes[k][2]): j for j, k in enumerate(order)}
-            for j, k in enumerate(order):
-                sv, r, d, t = nodes[k]
-                tokens[i, j], survival[i, j], branch_of[i, j] = t, sv, r
-                parents[i, j] = index[(r, d - 1)] if d else -1
-            counts[i] = len(nodes)
+                nodes += [(float(surv[d]), r, len(nodes) + d - 1 if d else -1, int(t)) for d, t in enumerate(follow)]
+            order, up = tree.by_survival([x[0] for x in nodes], [x[2] for x in nodes])
+            k = len(nodes)
+            tokens[i, :k] = [nodes[x][3] for x in order]
+            survival[i, :k] = [nodes[x][0] for x in order]
+            branch_of[i, :k] = [nodes[x][1] for x in order]
+            parents[i, :k] = up
+            counts[i] = k
         return Proposal(tokens=tokens, counts=counts, probs=None, survival=survival, parents=parents)
 
     def observe(self, slot: int, verified: int, accepted: int, path: np.ndarray | None = None) -> None:

@@ -102,6 +102,17 @@ def moves(cells: np.ndarray, accepted: np.ndarray, start: np.ndarray) -> list[tu
     return out
 
 
+def by_survival(survival: list[float], parent: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Nodes listed with each parent before its children (parent[j] < j; -1: the anchor) in the order a proposal
+    takes: (order, parents), the nodes by decreasing survival (stable: a parent, never less likely than its child,
+    stays before it, so a prefix is a subtree) and each one's parent as a position in that order."""
+    order = np.argsort(-np.asarray(survival, np.float64), kind="stable")
+    at = np.empty(len(order), np.int64)
+    at[order] = np.arange(len(order))
+    up = np.asarray(parent, np.int64)[order]
+    return order, np.where(up >= 0, at[np.maximum(up, 0)], -1)
+
+
 def graft(tokens: np.ndarray, counts: np.ndarray, survival: np.ndarray, first_top: np.ndarray,
           first_probs: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """A head's chains [n, K] (survivals [n, g]) with up to width - 1 of its likeliest other first tokens grafted
@@ -126,12 +137,11 @@ def graft(tokens: np.ndarray, counts: np.ndarray, survival: np.ndarray, first_to
         p_first = float(probs[ids.index(first)]) if first in ids else 0.0
         alts = [(t, q) for t, q in zip(ids, probs) if t >= 0 and t != first][:width - 1]
         nodes += [((1.0 - s[0]) * q / max(1.0 - p_first, 1e-9), -1, t) for t, q in alts]
-        order = sorted(range(len(nodes)), key=lambda x: -nodes[x][0])  # stable: a chain's parent before its child
-        where = {nodes[x][1]: j for j, x in enumerate(order) if nodes[x][1] >= 0}
-        for j, x in enumerate(order):
-            sv, pos, t = nodes[x]
-            out_t[i, j], chain[i, j] = t, pos
-            out_p[i, j] = where[pos - 1] if pos > 0 else -1
-            out_s[i, j] = sv
-        out_c[i] = len(nodes)
+        order, parents = by_survival([x[0] for x in nodes], [x[1] - 1 if x[1] > 0 else -1 for x in nodes])
+        m_i = len(nodes)
+        out_t[i, :m_i] = [nodes[x][2] for x in order]
+        chain[i, :m_i] = [nodes[x][1] for x in order]
+        out_s[i, :m_i] = [nodes[x][0] for x in order]
+        out_p[i, :m_i] = parents
+        out_c[i] = m_i
     return out_t, out_c, out_s, out_p, chain
