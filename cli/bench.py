@@ -43,7 +43,7 @@ from specrt.cli.options import say_kernels, scheduler_for
                    "llama.cpp (llama-cpp-python on the source GGUF; optional extra specrt[llama]), openvino and "
                    "openvino-lookup (OpenVINO GenAI on the source GGUF, plain and with its prompt lookup; optional "
                    "extra specrt[openvino]), cpp-METHOD (specrt's C++ runtime on the artifact, e.g. cpp-ar, "
-                   "cpp-dspark+ngram: docs/cpp.md); repeat or comma-separate.")
+                   "cpp-dspark+ngram, cpp-ngram:tree=3: docs/cpp.md); repeat or comma-separate.")
 @click.option("--repeats", default=1, show_default=True,
               help="Passes over the prompts (each pass interleaves every engine prompt by prompt, rotating; with "
                    "--concurrency, every engine serves all prompts in turn per pass, rotating; medians reported).")

@@ -151,6 +151,8 @@ def test_bad_artifacts_and_requests_are_one_line_errors(specrt_cpp, tiny_arts, t
                            (("--method", "ngram", "--scheduler", "sps"), "plan on a cost profile"),
                            (("--method", "ngram", "--scheduler", "best"), "unknown scheduler 'best'"),
                            (("--method", "ngram", "--gamma", "9"), "gamma must be between 1 and 3"),
+                           (("--method", "ngram", "--tree", "9"), "tree must be between 1 and 8"),
+                           (("--method", "ar", "--tree", "2"), "use it with ngram, dspark or dspark+ngram, not ar"),
                            (("--temperature", "-1"), "temperature must be a finite number >= 0"),
                            (("--top-p", "0"), "top_p must be in (0, 1]"),
                            (("--max-new-tokens", "0"), "max_new_tokens must be >= 1")]:
@@ -225,6 +227,29 @@ def test_every_method_and_scheduler_is_token_identical_to_python(specrt_cpp, hea
                 assert (got["rounds"], got["accepted"]) == (rounds, accepted), (method, scheduler)
             accepted_somewhere += got["accepted"]
     assert accepted_somewhere > 0
+
+
+@pytest.mark.parametrize("case", ["tiny", "deepspec"])
+def test_draft_trees_are_token_identical_to_python(specrt_cpp, head_arts, case):
+    """--tree 3 (n-gram continuations; a DSpark head's likeliest other first tokens grafted beside its first draft),
+    three requests in flight: plain decoding's tokens under fixed and sps; under fixed the C++ rounds are the Python
+    engine's tree rounds (as many slot rounds, as many drafts accepted), which on DeepSpec's checkpoint differ from its
+    chains' (branches were taken; on the tiny random target no alternative is ever the target's choice)."""
+    art = head_arts[case]
+    vocab = json.loads((art / "manifest.json").read_text())["model"]["vocab_size"]
+    prompts = _prompts(vocab, 3, seed=11)
+    want, _, _ = _python_run(art, prompts, 40, method="ar")
+    differs = 0
+    for method in ("ngram", "dspark", "dspark+ngram"):
+        for scheduler in ("fixed", "sps"):
+            got = _outputs(_cpp(specrt_cpp, art, prompts, 40, "--ignore-eos", "--method", method,
+                                "--scheduler", scheduler, "--tree", "3"))
+            assert got["outputs"] == want, (method, scheduler)
+            if scheduler == "fixed" and "+" not in method:
+                _, rounds, accepted = _python_run(art, prompts, 40, method=method, scheduler=scheduler, tree=3)
+                assert (got["rounds"], got["accepted"]) == (rounds, accepted), method
+                differs += (rounds, accepted) != _python_run(art, prompts, 40, method=method, scheduler=scheduler)[1:]
+    assert differs > 0 or case == "tiny"
 
 
 def test_a_head_alone_is_gated_under_sps(specrt_cpp, head_arts, tmp_path):
@@ -332,7 +357,8 @@ def test_c_api_from_c(specrt_cpp, tiny_arts):
 @pytest.mark.slow
 def test_default_model_every_method_is_token_identical(specrt_cpp, served_art):
     """The default model with its shipped DSpark and MTP heads and its stored profile: every method (sps, the
-    default scheduler) gives plain decoding's tokens, two requests in flight."""
+    default scheduler) gives plain decoding's tokens, two requests in flight; so do draft trees (--tree 3), and under
+    fixed their rounds are the Python engine's."""
     with Engine(served_art, method="ar", threads=1) as engine:
         prompts = [encode_prompt(engine.tokenizer, p) for p in
                    ("Write a Python function that checks whether a number is prime.", "Why is the sky blue?")]
@@ -341,6 +367,14 @@ def test_default_model_every_method_is_token_identical(specrt_cpp, served_art):
         got = _outputs(_cpp(specrt_cpp, served_art, prompts, 64, "--ignore-eos", "--method", method,
                             "--scheduler", "sps"))
         assert got["outputs"] == want, method
+    for method in ("ngram", "dspark", "dspark+ngram"):
+        for scheduler in ("fixed", "sps"):
+            got = _outputs(_cpp(specrt_cpp, served_art, prompts, 64, "--ignore-eos", "--method", method,
+                                "--scheduler", scheduler, "--tree", "3"))
+            assert got["outputs"] == want, (method, scheduler)
+            if scheduler == "fixed" and "+" not in method:
+                _, rounds, accepted = _python_run(served_art, prompts, 64, method=method, scheduler=scheduler, tree=3)
+                assert (got["rounds"], got["accepted"]) == (rounds, accepted), method
 
 
 def test_cpp_admission_is_the_pythons(cpp_build):
@@ -377,35 +411,62 @@ def test_cpp_rejection_sampling_commits_tokens_from_the_target_distribution(spec
     the Python one: whatever the draft distribution (close to the target, unrelated, disjoint from it, one-hot), the
     first and second committed tokens follow the target's distribution, computed here by runtime/sampling.py from the
     same logits; a draft close to the target is mostly accepted, a disjoint one never."""
-    from scipy.stats import chisquare
-
     from specrt.runtime.sampling import distribution
 
     if draft == "disjoint" and params.top_k == 0 and params.top_p == 1.0:
         pytest.skip("a draft disjoint from the target needs tokens the target never emits (top-k/top-p)")
-    r = subprocess.run([str(BUILD / "acceptance_test"), draft, str(params.temperature), str(params.top_k),
-                        str(params.top_p), "20000"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    got = json.loads(r.stdout)
+    got = _acceptance_test(draft, params)
     logits = np.array(got["logits"], np.float32).reshape(4, 12)
     for counts, row in ((got["first"], 0), (got["second"], 1)):
         if draft == "disjoint" and row == 1:
             assert sum(counts) == 0  # nothing accepted: no second token
             continue
-        p = distribution(logits[row], params)
-        counts = np.array(counts, float)
-        assert counts[p == 0].sum() == 0, "a token of probability 0 was committed"
-        expected = p * counts.sum()
-        big = expected >= 5
-        obs = np.append(counts[big], counts[~big].sum())
-        exp = np.append(expected[big], expected[~big].sum())
-        if exp[-1] == 0:
-            obs, exp = obs[:-1], exp[:-1]
-        assert chisquare(obs, exp).pvalue > 1e-3, (draft, row)
+        _assert_follows(counts, distribution(logits[row], params), (draft, row))
     if draft == "good":
         assert got["mean_accepted"] > 1.0
     if draft == "disjoint":
         assert got["mean_accepted"] == 0.0
+
+
+def _acceptance_test(kind: str, params: SamplingParams) -> dict:
+    r = subprocess.run([str(BUILD / "acceptance_test"), kind, str(params.temperature), str(params.top_k),
+                        str(params.top_p), "20000"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _assert_follows(counts: list[int], p: np.ndarray, what) -> None:
+    """Committed-token counts follow the distribution p (chi-square, p > 1e-3; rare tokens pooled), and no token of
+    probability 0 was committed."""
+    from scipy.stats import chisquare
+
+    counts = np.array(counts, float)
+    assert counts[p == 0].sum() == 0, ("a token of probability 0 was committed", what)
+    expected = p * counts.sum()
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert chisquare(obs, exp).pvalue > 1e-3, what
+
+
+@pytest.mark.parametrize("kind", ["tree-onehot", "tree-sampled"])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
+                                    SamplingParams(temperature=1.3, top_p=0.8)], ids=["t1", "topk", "topp"])
+def test_cpp_tree_rejection_sampling_commits_tokens_from_the_target_distribution(specrt_cpp, kind, params):
+    """The C++ accept_tree_sampled on its own (acceptance_test's tree kinds): two branches under the anchor (chosen
+    outright, or the first drawn from q with its child), a node under each. The first committed token follows the
+    target's distribution at the anchor; the second, after each branch, the distribution at that branch's cell; both
+    branches are taken."""
+    from specrt.runtime.sampling import distribution
+
+    got = _acceptance_test(kind, params)
+    logits = np.array(got["logits"], np.float32).reshape(4, 12)
+    _assert_follows(got["first"], distribution(logits[0], params), (kind, "first"))
+    for key, row in (("second", 1), ("second_b", 2)):
+        assert sum(got[key]) > 100, (kind, key, "the branch was rarely taken")
+        _assert_follows(got[key], distribution(logits[row], params), (kind, key))
 
 
 # -- text in, text out -----------------------------------------------------------------------------------------------

@@ -25,12 +25,14 @@ from tqdm import tqdm
 
 from specrt import artifact as io
 from specrt.errors import SpecrtError
+from specrt.runtime.config import method_variant
 from specrt.runtime.engine import check_room
 from specrt.runtime.prompts import encode_prompt, read_prompts_file
 from specrt.runtime.tokenizer import Tokenizer
 from specrt.runtime.stats import RunStats
 from specrt.tools.bench_stats import fmt, median_ci
-from specrt.tools.bench_workers import BASELINES, CPP_BASELINES, REPORTED_ONLY, EngineSpec, Generation, Worker, require
+from specrt.tools.bench_workers import (BASELINES, REPORTED_ONLY, EngineSpec, Generation, Worker, is_baseline, is_cpp,
+                                        require)
 from specrt.tools.machine import CpuSample, QuietCheck, machine_info
 from specrt.tools.plots import save_figure
 
@@ -102,9 +104,13 @@ def plot_report(report: dict, path: str | Path) -> Path:
 def parse_baselines(values: Iterable[str]) -> list[str]:
     """`--baseline` values (repeated and/or comma-separated) -> the baselines to run, in order, `none` dropped."""
     names = [n.strip() for v in values for n in v.split(",") if n.strip()]
-    bad = [n for n in names if n not in ("none", *BASELINES)]
+    bad = [n for n in names if n != "none" and not is_baseline(n)]
     if bad:
-        raise SpecrtError(f"--baseline: unknown baseline {bad[0]!r}; choose from none, {', '.join(BASELINES)}")
+        raise SpecrtError(f"--baseline: unknown baseline {bad[0]!r}; choose from none, {', '.join(BASELINES)} "
+                          "(a C++ method's variant too: cpp-ngram:tree=3)")
+    for n in names:
+        if is_cpp(n):
+            method_variant(n.removeprefix("cpp-"))  # a malformed variant: its one-line error now
     if "none" in names and len(set(names)) > 1:
         raise SpecrtError("--baseline none cannot be combined with another baseline")
     return list(dict.fromkeys(n for n in names if n != "none"))
@@ -239,7 +245,7 @@ def compare(runs: dict[str, list[list[Generation]]], engines: dict[str, dict]) -
     """One prompt set (or all, concatenated): whether every exact engine matched `ar`, and a row per engine with
     its speedup over `ar` and over each baseline (median and 95% interval of the paired ratios)."""
     ref = runs["ar"]
-    baselines = [n for n in runs if n in BASELINES]
+    baselines = [n for n in runs if is_baseline(n)]
     first_pass = {n: [row[0].tokens for row in gens] for n, gens in runs.items()}
     rows, identical = [], True
     for name, gens in runs.items():
@@ -248,7 +254,7 @@ def compare(runs: dict[str, list[list[Generation]]], engines: dict[str, dict]) -
         if name not in REPORTED_ONLY:
             row["identical"] = same
             identical &= same
-        if name in BASELINES:
+        if is_baseline(name):
             row["first_difference"] = difference_summary(first_pass[name], first_pass["ar"])
         ci = median_ci(_pair_ratios(gens, ref)) if name != "ar" else None
         row["speedup"] = ci["median"] if ci else (1.0 if name == "ar" else None)
@@ -289,16 +295,16 @@ def run_bench(artifact: Path, prompt_files, limit, max_new_tokens: int, names: l
             except SpecrtError as e:
                 raise SpecrtError(f"{stem} prompt {i + 1}: {e}") from None
     longest = max((len(ids) for prompts in sets.values() for ids in prompts), default=0)
-    source = str(artifact_source(manifest)) if any(n not in CPP_BASELINES for n in baselines) else None
+    source = str(artifact_source(manifest)) if any(not is_cpp(n) for n in baselines) else None
     exact = {k: v for k, v in options.items() if k in ("backend", "device", "dtype")}
     specs = [EngineSpec(m, str(artifact), threads=threads,
                         options=tuple(sorted(dict(options, gamma=options["gamma"] if m != "ar" else None).items())))
              for m in names]
     specs += [EngineSpec(n, str(artifact), source=source, threads=threads, n_ctx=longest + max_new_tokens + 8,
                          options=tuple(sorted((k, v) for k, v in exact.items() if k != "backend")))
-              for n in baselines if n not in CPP_BASELINES]
+              for n in baselines if not is_cpp(n)]
     specs += [EngineSpec(n, str(artifact), threads=threads, options=tuple(sorted(options.items())))
-              for n in baselines if n in CPP_BASELINES]  # the C++ runtime: the methods' own settings
+              for n in baselines if is_cpp(n)]  # the C++ runtime: the methods' own settings
     workers = start_workers(specs)
     try:
         runs = run_interleaved(workers, sets, max_new_tokens=max_new_tokens, eos=sorted(manifest.eos_ids),
@@ -322,7 +328,7 @@ def format_report(report: dict) -> tuple[str, str | None]:
     rows = [(d["dataset"], row) for d in datasets for row in d["results"]]
     if len(datasets) > 1:
         rows += [("all", row) for row in report["pooled"]]
-    baselines = [r["method"] for r in report["pooled"] if r["method"] in BASELINES]
+    baselines = [r["method"] for r in report["pooled"] if is_baseline(r["method"])]
     head = f"{'prompts':10s} {'engine':15s} {'tau':>6s} {'decode tok/s':>13s} {'tokens':>7s} {'vs ar (95% CI)':>24s}"
     lines.append(head + "".join(f" {'vs ' + n:>24s}" for n in baselines))
     for name, row in rows:

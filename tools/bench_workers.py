@@ -23,9 +23,19 @@ from pathlib import Path
 from specrt.errors import SpecrtError
 from specrt.native import cpp_environ, cpp_library
 
-# specrt's C++ runtime (runtime/cpp, through its C API) running each method on the artifact itself
+# specrt's C++ runtime (runtime/cpp, through its C API) running each method on the artifact itself (a variant too:
+# cpp-ngram:tree=3)
 CPP_BASELINES = tuple(f"cpp-{m}" for m in ("ar", "ngram", "dspark", "mtp", "dspark+ngram", "mtp+ngram"))
 BASELINES = ("hf", "llama.cpp", "openvino", "openvino-lookup", *CPP_BASELINES)
+
+
+def is_cpp(name: str) -> bool:
+    """Whether a baseline's name is a method of the C++ runtime (cpp-METHOD, or a variant cpp-METHOD:tree=W)."""
+    return name.partition(":")[0] in CPP_BASELINES
+
+
+def is_baseline(name: str) -> bool:
+    return name in BASELINES or is_cpp(name)
 # Baselines with their own arithmetic (quantized weights, their own kernels and caches): their tokens are reported
 # (first difference), never required to equal specrt ar's. hf runs the same fp32 weights and must match.
 REPORTED_ONLY = ("llama.cpp", "openvino", "openvino-lookup")  # (the cpp baselines must match ar's tokens exactly)
@@ -72,7 +82,7 @@ class EngineSpec:
 
     @property
     def baseline(self) -> bool:
-        return self.name in BASELINES
+        return is_baseline(self.name)
 
 
 # -- in the worker ------------------------------------------------------------------------------------
@@ -189,7 +199,7 @@ def _cpp(spec: EngineSpec):
 
     class Options(C.Structure):  # include/specrt.h's, field for field
         _fields_ = [("struct_size", C.c_size_t), ("threads", C.c_int), ("method", C.c_char_p), ("scheduler", C.c_char_p), ("gamma", C.c_int),
-                    ("slots", C.c_int), ("ngram", C.c_int), ("threshold", C.c_double)]
+                    ("slots", C.c_int), ("ngram", C.c_int), ("threshold", C.c_double), ("tree", C.c_int)]
 
     class Params(C.Structure):
         _fields_ = [("struct_size", C.c_size_t), ("temperature", C.c_double), ("top_k", C.c_int), ("top_p", C.c_double), ("seed", C.c_int64),
@@ -211,9 +221,12 @@ def _cpp(spec: EngineSpec):
     lib.specrt_gamma.restype = C.c_int
     lib.specrt_has_unfinished.restype = C.c_int
     opts = dict(spec.options)
-    method = spec.name.removeprefix("cpp-")
+    from specrt.runtime.config import method_variant
+
+    method, variant = method_variant(spec.name.removeprefix("cpp-"))
     options = Options(C.sizeof(Options), spec.threads or 0, method.encode(), (opts.get("scheduler") or "fixed").encode(),
-                      opts.get("gamma") or 0, 0, opts.get("ngram") or 3, opts.get("threshold") or 0.3)
+                      opts.get("gamma") or 0, 0, opts.get("ngram") or 3, opts.get("threshold") or 0.3,
+                      variant.get("tree", 1))
     engine = C.c_void_p()
 
     def check(status: int) -> None:
@@ -246,7 +259,8 @@ def _cpp(spec: EngineSpec):
         return Generation(tokens, times)
 
     def describe() -> dict:
-        return {"engine": "specrt C++ runtime", "pid": os.getpid(), "method": method, "library": str(cpp_library()),
+        return {"engine": "specrt C++ runtime", "pid": os.getpid(), "method": method, **variant,
+                "library": str(cpp_library()),
                 "gamma": lib.specrt_gamma(engine), "scheduler": options.scheduler.decode(), "threads": spec.threads}
 
     return generate, describe
@@ -306,9 +320,14 @@ LOADERS = {"hf": _hf, "llama.cpp": _llama_cpp, "openvino": _openvino, "openvino-
            **{name: _cpp for name in CPP_BASELINES}}
 
 
+def loader(name: str):
+    """The function that loads a baseline's engine in its worker."""
+    return _cpp if is_cpp(name) else LOADERS[name]
+
+
 def require(baseline: str):
     """The module an optional baseline needs, or a one-line SpecrtError saying how to install it."""
-    if baseline in CPP_BASELINES:
+    if is_cpp(baseline):
         return cpp_library()
     module, install = (("llama_cpp", LLAMA_CPP_INSTALL) if baseline == "llama.cpp"
                        else ("openvino_genai", OPENVINO_INSTALL))
@@ -359,7 +378,7 @@ def worker_loop(conn, load) -> None:
 def _serve(conn, spec: EngineSpec) -> None:
     """The worker's loop: load, say ready, then run each request sent until told to close."""
     def load():
-        generate, describe = (LOADERS[spec.name] if spec.baseline else _specrt)(spec)
+        generate, describe = (loader(spec.name) if spec.baseline else _specrt)(spec)
         return {"run": generate, "describe": describe}, None
 
     worker_loop(conn, load)

@@ -53,6 +53,8 @@ typedef struct specrt_options {
     int slots;             /* request slots allocated up front; 0: sized to the queue whenever the engine is idle */
     int ngram;             /* the longest suffix n-gram lookups match (3) */
     double threshold;      /* the threshold scheduler's survival cut (0.3) */
+    int tree;              /* 1: chains; 2..8: drafts are trees of this width, verified in one call (methods ngram:
+                            * n-gram continuations; dspark, dspark+ngram: the head's likeliest other first tokens) */
 } specrt_options;
 
 typedef struct specrt_params {

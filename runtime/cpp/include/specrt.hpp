@@ -33,6 +33,7 @@ struct EngineOptions {
     std::string method = "ar", scheduler = "fixed";
     int threads = 0, gamma = 0, slots = 0, ngram = 3;
     double threshold = 0.3;
+    int tree = 1;  // 2..8: draft trees of this width (ngram, dspark, dspark+ngram)
 };
 
 struct GenerateOptions {
@@ -65,6 +66,7 @@ public:
         o.slots = options.slots;
         o.ngram = options.ngram;
         o.threshold = options.threshold;
+        o.tree = options.tree;
         check(specrt_engine_open(artifact_dir.c_str(), &o, &engine_));
     }
     ~Engine() { specrt_engine_close(engine_); }

@@ -80,7 +80,7 @@ specrt::Params params_of(const specrt_params* given) {
 extern "C" {
 
 void specrt_options_init(specrt_options* o) {
-    if (o) *o = specrt_options{sizeof(specrt_options), 0, "ar", "fixed", 0, 0, 3, 0.3};
+    if (o) *o = specrt_options{sizeof(specrt_options), 0, "ar", "fixed", 0, 0, 3, 0.3, 1};
 }
 
 void specrt_params_init(specrt_params* p) {
@@ -101,6 +101,7 @@ specrt_status specrt_engine_open(const char* artifact_dir, const specrt_options*
         o.slots = given.slots;
         o.ngram = given.ngram;
         o.threshold = given.threshold;
+        o.tree = given.tree;
         *engine = new specrt_engine(artifact_dir, o);
     });
 }

@@ -2,6 +2,7 @@
 #include "io_names.h"
 
 #include "round.h"
+#include "tree.h"
 
 #include <algorithm>
 #include <chrono>
@@ -33,9 +34,21 @@ Engine::Engine(const fs::path& dir, const Options& options) : options_(options) 
                                               "'; choose one of ar, ngram, mtp, dspark, dspark+ngram, mtp+ngram");
     if (options.gamma < 0 || options.slots < 0 || options.ngram < 1 || options.threads < 0)
         throw Error(SPECRT_ERROR_REQUEST, "gamma, slots and threads must be >= 0 and ngram >= 1");
+    if (options.tree < 1 || options.tree > 8)
+        throw Error(SPECRT_ERROR_REQUEST, "tree must be between 1 and 8, got " + std::to_string(options.tree));
+    const std::string& method = options.method;
+    if (options.tree > 1 && method != "ngram" && method != "dspark" && method != "dspark+ngram")
+        throw Error(SPECRT_ERROR_REQUEST, "tree drafts trees of n-gram lookups or of a DSpark head's first drafts: use "
+                                          "it with ngram, dspark or dspark+ngram, not " + method);
     manifest_ = load_manifest(dir);
     target_ = std::make_unique<Runner>(ort_env(options.threads), dir, manifest_.graphs.at("target"), options.threads, /*spin=*/true);
-    const std::string& method = options.method;
+    auto has = [](const std::vector<TensorSpec>& list, const char* name) {
+        return std::any_of(list.begin(), list.end(), [&](const TensorSpec& t) { return t.name == name; });
+    };
+    tree_mask_ = has(target_->spec().inputs, io::kTreeMask);
+    if (options.tree > 1 && !tree_mask_)
+        throw Error(SPECRT_ERROR_ARTIFACT, "tree needs a target graph with a tree_mask input, which this artifact "
+                                           "(exported by an older specrt) lacks: re-export it");
     speculative_ = method != "ar";
     if (speculative_) {
         const int64_t exported = manifest_.gamma;
@@ -54,8 +67,9 @@ Engine::Engine(const fs::path& dir, const Options& options) : options_(options) 
             costs_ = std::make_unique<CostTable>(std::move(*profile));
         }
         std::vector<float> temperatures;
+        int64_t grafted = 0;  // a DSpark tree: the block and its alternatives
         if (head.empty()) {
-            drafter_ = std::make_unique<NGramDrafter>(gamma, options.ngram);
+            drafter_ = std::make_unique<NGramDrafter>(gamma, options.ngram, 0.5, options.tree);
         } else {
             auto h = manifest_.heads.find(head);
             if (h == manifest_.heads.end()) {
@@ -68,14 +82,20 @@ Engine::Engine(const fs::path& dir, const Options& options) : options_(options) 
             feature_offset_ = h->second.feature_offset;
             feature_dim_ = h->second.feature_dim;
             temperatures = h->second.temperatures;
-            auto graph = std::make_unique<GraphDrafter>(dir, manifest_, h->second, options.threads);
+            if (options.tree > 1) {
+                if (!has(manifest_.graphs.at(head).outputs, io::kDraftFirstTop))
+                    throw Error(SPECRT_ERROR_ARTIFACT, "tree needs a DSpark graph that outputs its likeliest first tokens, "
+                                                       "which this artifact (exported by an older specrt) lacks: re-export it");
+                grafted = options.tree - 1;
+            }
+            auto graph = std::make_unique<GraphDrafter>(dir, manifest_, h->second, options.threads, options.tree > 1);
             // under sps / sps-async a head alone is gated: called only when it promises more than decoding
             if (hybrid || costs_)
                 drafter_ = std::make_unique<HybridDrafter>(std::move(graph), *costs_, options.ngram, /*lookups=*/hybrid);
             else
                 drafter_ = std::move(graph);
         }
-        gamma_ = std::min(gamma, drafter_->steps);
+        gamma_ = std::min(gamma, drafter_->steps + grafted);
         scheduler_ = make_scheduler(options.scheduler, gamma_, temperatures, options.threshold, costs_.get());
     }
     if (!manifest_.tokenizer) {
@@ -257,6 +277,9 @@ Tensors& Engine::grid(const Bucket& bucket, const std::vector<Slot*>& slots, con
     int64_t* pos = in.at(io::kPositionIds).i64();
     int64_t* write = in.at(io::kWriteIndex).i64();
     auto verified = [&](int64_t i, int64_t k) { return i < n && slots[i] && k <= lengths[i]; };
+    const bool tree = p && !p->parents.empty();
+    int64_t* mask = tree_mask_ ? in.at(io::kTreeMask).i64() : nullptr;  // [B, T, T]; all 0: chains
+    if (mask) std::fill_n(mask, b * T * T, 0);
     std::fill_n(ids, b * T, 0);
     for (int64_t i = 0; i < b; ++i) {
         const Slot* s = i < n ? slots[i] : nullptr;
@@ -266,6 +289,12 @@ Tensors& Engine::grid(const Bucket& bucket, const std::vector<Slot*>& slots, con
             if (p) std::copy_n(p->tokens.begin() + i * p->width, lengths[i], ids + i * T + 1);
         }
         for (int64_t k = 0; k < T; ++k) pos[i * T + k] = start + k;
+        if (s && tree && lengths[i]) {  // node j at its depth's position, seeing only its ancestors
+            const int64_t* parents = p->parents.data() + i * p->width;
+            const std::vector<int64_t> d = depths(parents, lengths[i]);
+            for (int64_t j = 0; j < lengths[i]; ++j) pos[i * T + 1 + j] = start + d[j];
+            fill_mask(parents, lengths[i], T, mask + i * T * T);
+        }
         write[i] = start;
     }
     int64_t* rows = in.at(io::kTokenRows).i64();
@@ -306,6 +335,10 @@ void Engine::round(std::map<int64_t, Event>& events) {
     auto t0 = Clock::now();
     Proposal p = drafter_->propose(views);
     const double draft_ms = seconds_since(t0) * 1e3;
+    if (options_.tree > 1 && p.top && p.parents.empty()) {  // the head's alternatives beside its first drafts
+        const int64_t g = p.survival.empty() ? gamma_ : std::min(gamma_, p.width);
+        graft(p, scheduler_->survival(p, g), g, options_.tree);
+    }
     // schedule, capped by the drafts proposed, gamma and each request's budget (the bonus is always committed)
     std::vector<int64_t> lengths = scheduler_->schedule(views, p);
     int64_t t = 1, count = 0;
@@ -338,24 +371,47 @@ void Engine::round(std::map<int64_t, Event>& events) {
         Slot* s = views.slots[i];
         if (!s) continue;
         const int64_t ell = lengths[i];
+        const int64_t* drafts = p.tokens.data() + i * p.width;
         const float* l = logits + first * vocab;
-        std::vector<int64_t> drafts(p.tokens.begin() + i * p.width, p.tokens.begin() + i * p.width + ell);
-        int64_t a = 0, bonus = 0;
-        if (s->params.greedy()) {
-            std::tie(a, bonus) = accept(drafts, l, vocab);
-        } else {
-            DraftDist q = p.q;
-            if (q.probs && !p.onehot.empty() && p.onehot[i]) q = DraftDist{};
-            if (q.probs) q.probs += i * p.width * q.width;
-            std::tie(a, bonus) = accept_sampled(drafts, q, l, vocab, s->params, s->rng, gamma_);
+        Path path;
+        if (p.parents.empty()) {  // a chain: the prefix of drafts accepted, then the bonus
+            std::vector<int64_t> chain(drafts, drafts + ell);
+            int64_t bonus = 0;
+            if (s->params.greedy()) {
+                std::tie(path.accepted, bonus) = accept(chain, l, vocab);
+            } else {
+                DraftDist q = p.q;
+                if (q.probs && !p.onehot.empty() && p.onehot[i]) q = DraftDist{};
+                if (q.probs) q.probs += i * p.width * q.width;
+                std::tie(path.accepted, bonus) = accept_sampled(chain, q, l, vocab, s->params, s->rng, gamma_);
+            }
+            path.tokens.assign(drafts, drafts + path.accepted);
+            path.tokens.push_back(bonus);
+        } else {  // a tree: the walk from the anchor (tree.h)
+            const int64_t* parents = p.parents.data() + i * p.width;
+            if (s->params.greedy()) {
+                path = accept_tree(drafts, parents, ell, l, vocab);
+            } else {
+                DraftDist q = p.q;  // a grafted tree's chain nodes were drawn from q, each at its chain position
+                if (q.probs && (p.chain.empty() || (!p.onehot.empty() && p.onehot[i]))) q = DraftDist{};
+                if (q.probs) q.probs += i * (p.width - options_.tree + 1) * q.width;
+                const int64_t* row = p.chain.empty() ? nullptr : p.chain.data() + i * p.width;
+                path = accept_tree_sampled(drafts, parents, row, ell, q, l, vocab, s->params, s->rng, gamma_);
+            }
+            std::vector<int64_t> from, to;  // the accepted path's cache rows, after the anchor
+            for (int64_t k = 1; k <= path.accepted; ++k) {
+                from.push_back(s->length + path.cells[k]);
+                to.push_back(s->length + k);
+            }
+            if (from != to) target_->move_rows(i, from, to);
         }
+        const int64_t a = path.accepted;
         first += ell + 1;
         scheduler_->observe(ell, a);
-        drafter_->observe(i, ell, a);
+        drafter_->observe(i, ell, a, p.parents.empty() ? nullptr : &path.cells);
         ++stats_.rounds;
         stats_.accepted += a;
-        std::vector<int64_t> tokens(drafts.begin(), drafts.begin() + a);
-        tokens.push_back(bonus);
+        const std::vector<int64_t>& tokens = path.tokens;
         const int64_t position = s->length;
         const int64_t committed = emit(*s, tokens, events);
         stats_.generated += committed;
@@ -370,7 +426,8 @@ void Engine::round(std::map<int64_t, Event>& events) {
             const Tensor& f = features->second;
             const int64_t all = f.shape[2];
             for (int64_t k = 0; k <= a; ++k) {
-                const float* row = f.f.data() + (i * T + k) * all + feature_offset_;
+                const int64_t cell = p.parents.empty() ? k : path.cells[k];
+                const float* row = f.f.data() + (i * T + cell) * all + feature_offset_;
                 c.features.insert(c.features.end(), row, row + feature_dim_);
             }
             s->ctx = std::move(c);

@@ -27,6 +27,7 @@ struct Options {
     int64_t slots = 0;  // 0: sized to the queue whenever the engine is idle
     int64_t ngram = 3;
     double threshold = 0.3;
+    int64_t tree = 1;  // > 1: drafts are trees of this width (n-gram continuations; a DSpark head's first tokens)
 };
 
 // Target positions the draft head has not seen yet: rows pos, pos + 1, ... (its feature columns, and the token
@@ -116,7 +117,7 @@ private:
     std::unique_ptr<Scheduler> scheduler_;
     std::string head_;  // the head whose features slots carry ("": none)
     int64_t feature_offset_ = 0, feature_dim_ = 0, gamma_ = 0, next_id_ = 0;
-    bool speculative_ = false, fixed_slots_ = false;
+    bool speculative_ = false, fixed_slots_ = false, tree_mask_ = false;
     std::unique_ptr<Tokenizer> tokenizer_;
     std::string tokenizer_problem_;
     std::vector<std::optional<Slot>> slots_;

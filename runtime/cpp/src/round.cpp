@@ -1,5 +1,6 @@
 #include "round.h"
 #include "io_names.h"
+#include "tree.h"
 
 #include <algorithm>
 #include <cmath>
@@ -70,9 +71,14 @@ void AcceptanceHistory::observe(int64_t verified, int64_t accepted) {
 }
 
 std::vector<float> AcceptanceHistory::survival() const {
-    std::vector<float> out(hits_.size());
+    const std::vector<double> a = survival64();
+    return std::vector<float>(a.begin(), a.end());
+}
+
+std::vector<double> AcceptanceHistory::survival64() const {
+    std::vector<double> out(hits_.size());
     double prod = 1.0;
-    for (size_t k = 0; k < hits_.size(); ++k) out[k] = static_cast<float>(prod *= hits_[k] / tries_[k]);
+    for (size_t k = 0; k < hits_.size(); ++k) out[k] = prod *= hits_[k] / tries_[k];
     return out;
 }
 
@@ -94,11 +100,14 @@ std::vector<int64_t> lookup(const std::vector<int64_t>& history, size_t max_n, s
     return {};
 }
 
-NGramDrafter::NGramDrafter(int64_t steps, int64_t max_n, double later) : max_n_(max_n) {
-    if (steps < 1 || max_n < 1)
-        throw Error(SPECRT_ERROR_REQUEST, "n-gram drafting needs gamma >= 1 and n >= 1");
+NGramDrafter::NGramDrafter(int64_t steps, int64_t max_n, double later, int64_t width, int64_t branch)
+    : max_n_(max_n), width_(width), branch_(std::min(branch, steps)) {
+    if (steps < 1 || max_n < 1 || width < 1 || branch < 1)
+        throw Error(SPECRT_ERROR_REQUEST, "n-gram drafting needs gamma >= 1, n >= 1 and a tree width >= 1");
     this->steps = steps;
+    nodes_ = steps + (width - 1) * branch_;
     histories_.assign(max_n + 1, AcceptanceHistory(steps, later));
+    branches_.assign(width - 1, AcceptanceHistory(branch_, later));
 }
 
 // A proposal of n rows without drafts (a gated head not called, lookups that found nothing).
@@ -112,6 +121,7 @@ static Proposal nothing(int64_t n, int64_t width) {
 }
 
 Proposal NGramDrafter::propose(const Views& views) {
+    if (width_ > 1) return propose_trees(views);
     Proposal p = nothing(static_cast<int64_t>(views.slots.size()), steps);
     p.survival.assign(p.n * steps, 0.0f);
     if (static_cast<int64_t>(match_.size()) < p.n) match_.resize(p.n, 0);
@@ -132,10 +142,67 @@ Proposal NGramDrafter::propose(const Views& views) {
     return p;
 }
 
+Proposal NGramDrafter::propose_trees(const Views& views) {
+    const int64_t n = static_cast<int64_t>(views.slots.size()), w = nodes_;
+    Proposal p = nothing(n, w);
+    p.survival.assign(n * w, 0.0f);
+    p.parents.resize(n * w);
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < w; ++j) p.parents[i * w + j] = j - 1;
+    if (static_cast<int64_t>(match_.size()) < n) allocate(n);
+    for (int64_t i = 0; i < n; ++i) {
+        match_[i] = 0;
+        if (!views.slots[i]) continue;
+        int64_t matched = 0;
+        const auto follows = lookup_tree(views.slots[i]->history, max_n_, steps, width_, branch_, &matched);
+        match_[i] = matched;
+        if (follows.empty()) continue;
+        const std::vector<double> best = histories_[matched].survival64();
+        std::vector<double> survival;  // per node, continuations in rank order, each in depth order
+        std::vector<int64_t> rank, parent, token;
+        for (size_t r = 0; r < follows.size(); ++r) {
+            const std::vector<double> other = r ? branches_[r - 1].survival64() : std::vector<double>{};
+            const int64_t first = static_cast<int64_t>(token.size());
+            for (size_t d = 0; d < follows[r].size(); ++d) {
+                survival.push_back(r ? (1.0 - best[0]) * other[d] : best[d]);
+                rank.push_back(static_cast<int64_t>(r));
+                parent.push_back(d ? first + static_cast<int64_t>(d) - 1 : -1);
+                token.push_back(follows[r][d]);
+            }
+        }
+        const auto [order, up] = by_survival(survival, parent);
+        const int64_t k = static_cast<int64_t>(order.size());
+        for (int64_t j = 0; j < k; ++j) {
+            p.tokens[i * w + j] = token[order[j]];
+            p.survival[i * w + j] = static_cast<float>(survival[order[j]]);
+            branch_of_[i * w + j] = rank[order[j]];
+            p.parents[i * w + j] = up[j];
+        }
+        p.counts[i] = k;
+    }
+    return p;
+}
+
+// A round's outcome for `slot`: the acceptance of lookups of its match length (a tree's: of each continuation it
+// verified; `path`, the accepted cells, says which one they followed).
+void NGramDrafter::observe(int64_t slot, int64_t verified, int64_t accepted, const std::vector<int64_t>* path) {
+    if (width_ == 1 || verified == 0) {
+        histories_[match_[slot]].observe(verified, accepted);
+        return;
+    }
+    const int64_t* admitted = branch_of_.data() + slot * nodes_;
+    const int64_t first = path && path->size() > 1 ? (*path)[1] - 1 : 0;
+    const int64_t taken = accepted ? admitted[first] : -1;
+    auto tried = [&](int64_t r) { return static_cast<int64_t>(std::count(admitted, admitted + verified, r)); };
+    histories_[match_[slot]].observe(tried(0), taken == 0 ? accepted : 0);
+    if (taken != 0)  // the best continuation's first draft was rejected: the others were tried
+        for (int64_t r = 1; r < width_; ++r) branches_[r - 1].observe(tried(r), taken == r ? accepted : 0);
+}
+
 // -- a draft head's graph -------------------------------------------------------------------------------------------
 
-GraphDrafter::GraphDrafter(const fs::path& dir, const Manifest& m, const HeadSpec& head, int threads)
-    : head_(head), runner_(ort_env(threads), dir, m.graphs.at(head.name), threads, /*spin=*/false) {
+GraphDrafter::GraphDrafter(const fs::path& dir, const Manifest& m, const HeadSpec& head, int threads, bool top)
+    : head_(head), runner_(ort_env(threads), dir, m.graphs.at(head.name), threads, /*spin=*/false), top_(top) {
     steps = head.steps;
     if (head.kind != "dspark" && head.kind != "mtp")
         throw Error(SPECRT_ERROR_ARTIFACT, "head " + head.name + " is of kind " + head.kind + " (this runtime runs dspark and mtp)");
@@ -246,6 +313,12 @@ Proposal GraphDrafter::propose(const Views& views) {
     if (auto s = out.find(io::kSurvival); s != out.end()) p.survival.assign(s->second.f.begin(), s->second.f.begin() + n * steps);
     if (auto c = out.find(io::kConfidenceLogits); c != out.end())
         p.confidence.assign(c->second.f.begin(), c->second.f.begin() + n * steps);
+    if (auto t = out.find(io::kDraftFirstTop); top_ && t != out.end()) {
+        p.top = t->second.shape[1];
+        p.first_top.assign(t->second.i.begin(), t->second.i.begin() + n * p.top);
+        const auto& probs = out.at(io::kDraftFirstProbs).f;
+        p.first_probs.assign(probs.begin(), probs.begin() + n * p.top);
+    }
     if (auto q = out.find(io::kDraftProbs); q != out.end() && !greedy) {
         p.q.probs = q->second.f.data();
         p.q.width = q->second.shape[2];
@@ -277,7 +350,7 @@ std::optional<Context> HybridDrafter::prefill(int64_t slot, Context ctx) {
     return head_->prefill(slot, std::move(ctx));
 }
 
-void HybridDrafter::observe(int64_t slot, int64_t verified, int64_t accepted) {
+void HybridDrafter::observe(int64_t slot, int64_t verified, int64_t accepted, const std::vector<int64_t>*) {
     if (source_[slot] == LOOKUP)
         lookup_.observe(slot, verified, accepted);  // into its match length's history
     else
@@ -396,6 +469,7 @@ Proposal HybridDrafter::propose(const Views& views) {
         if (use) {
             std::copy_n(found.tokens.begin() + i * steps, steps, p.tokens.begin() + i * steps);
             p.counts[i] = found.counts[i];
+            if (p.top) std::fill_n(p.first_top.begin() + i * p.top, p.top, -1);  // a lookup row: no alternatives
         }
     }
     p.survival = std::move(survival);
@@ -404,10 +478,66 @@ Proposal HybridDrafter::propose(const Views& views) {
 
 // -- schedulers -----------------------------------------------------------------------------------------------------
 
-std::vector<float> Scheduler::survival(const Proposal& p) const {
-    std::vector<float> a = prefix_survival(p, temperatures_, history_, gamma);
-    survive(a, gamma, p.counts);
+std::vector<float> Scheduler::survival(const Proposal& p, int64_t g) const {
+    if (g < 0) g = gamma;
+    std::vector<float> a = prefix_survival(p, temperatures_, history_, g);
+    survive(a, g, p.counts);
     return a;
+}
+
+void graft(Proposal& p, const std::vector<float>& survival, int64_t g, int64_t width) {
+    const int64_t n = p.n, k = p.width, m = k + width - 1, top = p.top;
+    std::vector<int64_t> tokens(n * m, 0), parents(n * m), chain(n * m, -1);
+    std::vector<float> surv(n * m, 0.0f);
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < m; ++j) parents[i * m + j] = j - 1;
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t c = p.counts[i];
+        if (c == 0) continue;
+        std::vector<double> s(k, 0.0);
+        for (int64_t j = 0; j < std::min(c, g); ++j) s[j] = survival[i * g + j];
+        std::vector<double> node_s;  // per node: survival, chain position (-1: an alternative), token
+        std::vector<int64_t> node_c, node_t, parent;
+        for (int64_t j = 0; j < c; ++j) {
+            node_s.push_back(s[j]);
+            node_c.push_back(j);
+            node_t.push_back(p.tokens[i * k + j]);
+            parent.push_back(j - 1);
+        }
+        const int64_t first = p.tokens[i * k];
+        const int64_t* ids = p.first_top.data() + i * top;
+        const float* probs = p.first_probs.data() + i * top;
+        double p_first = 0.0;
+        for (int64_t a = 0; a < top; ++a)
+            if (ids[a] == first) {
+                p_first = probs[a];
+                break;
+            }
+        int64_t alts = 0;
+        for (int64_t a = 0; a < top && alts < width - 1; ++a) {
+            if (ids[a] < 0 || ids[a] == first) continue;
+            node_s.push_back((1.0 - s[0]) * static_cast<double>(probs[a]) / std::max(1.0 - p_first, 1e-9));
+            node_c.push_back(-1);
+            node_t.push_back(ids[a]);
+            parent.push_back(-1);
+            ++alts;
+        }
+        const auto [order, up] = by_survival(node_s, parent);
+        const int64_t mi = static_cast<int64_t>(order.size());
+        for (int64_t j = 0; j < mi; ++j) {
+            tokens[i * m + j] = node_t[order[j]];
+            chain[i * m + j] = node_c[order[j]];
+            surv[i * m + j] = static_cast<float>(node_s[order[j]]);
+            parents[i * m + j] = up[j];
+        }
+        p.counts[i] = mi;
+    }
+    p.width = m;
+    p.tokens = std::move(tokens);
+    p.parents = std::move(parents);
+    p.chain = std::move(chain);
+    p.survival = std::move(surv);
+    p.confidence.clear();
 }
 
 Admission admission(const std::vector<float>& a, int64_t n, int64_t g, const std::vector<char>& active, double fixed_ms,

@@ -216,6 +216,18 @@ Tensors& Runner::run(int64_t slot, const Bucket& bucket, bool greedy) {
     return c.out;
 }
 
+void Runner::move_rows(int64_t slot, const std::vector<int64_t>& from, const std::vector<int64_t>& to) {
+    for (size_t i = 0; i < cache_specs_.size(); ++i) {
+        const std::vector<int64_t> shape = cache_specs_[i].resolve({{"B", slots_}, {io::kCacheLen, length_}});
+        const int64_t heads = shape[1], row = shape[3] * static_cast<int64_t>(cache_item_);
+        for (int64_t h = 0; h < heads; ++h) {
+            uint8_t* base = cache_[i] + (slot * heads + h) * length_ * row;
+            for (size_t k = 0; k < from.size(); ++k)
+                if (from[k] != to[k]) std::memcpy(base + to[k] * row, base + from[k] * row, row);
+        }
+    }
+}
+
 Runner::Call& Runner::call(int64_t slot, const Bucket& bucket, bool greedy) {
     greedy = greedy && greedy_session_;
     Key key{greedy, slot, bucket};

@@ -69,6 +69,9 @@ public:
     Tensors& inputs(int64_t slot, const Bucket& bucket, bool greedy = false);
     // Run that call; its outputs stay valid until it runs again.
     Tensors& run(int64_t slot, const Bucket& bucket, bool greedy = false);
+    // Copy cache positions from[k] to to[k] of `slot`, in order, in every layer (a draft tree's accepted path, to the
+    // positions after its anchor; each to[k] <= from[k], both increasing).
+    void move_rows(int64_t slot, const std::vector<int64_t>& from, const std::vector<int64_t>& to);
 
 private:
     struct Call {

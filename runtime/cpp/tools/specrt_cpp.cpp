@@ -1,6 +1,6 @@
 // specrt-cpp: the C API from the command line (an example of embedding it).
 //   specrt-cpp ART (--prompt TEXT | --input-ids 1,2,3) [more prompts] [--raw | --system TEXT] [--method M] [--scheduler S] [--max-new-tokens 64]
-//              [--threads N] [--gamma G] [--slots N] [--temperature T --top-k K --top-p P --seed S] [--ignore-eos]
+//              [--threads N] [--gamma G] [--slots N] [--tree W] [--temperature T --top-k K --top-p P --seed S] [--ignore-eos]
 //              [--stop TEXT]...
 //              [--repeat N] [--json]
 // Every prompt (each --input-ids, each repeated N times) is queued at once and the engine is stepped until all have
@@ -18,7 +18,7 @@
 
 static const char* kUsage =
     "usage: specrt-cpp ART (--prompt TEXT | --input-ids 1,2,3)... [--raw | --system TEXT] [--method ar|ngram|dspark|mtp|dspark+ngram|mtp+ngram] "
-    "[--scheduler fixed|threshold|sps|sps-async] [--max-new-tokens 64] [--threads N] [--gamma G] [--temperature T] "
+    "[--scheduler fixed|threshold|sps|sps-async] [--max-new-tokens 64] [--threads N] [--gamma G] [--tree W] [--temperature T] "
     "[--top-k K] [--top-p P] [--seed S] [--ignore-eos] [--stop TEXT]... [--repeat N] [--json]";
 
 static int usage(const std::string& why) {
@@ -77,7 +77,7 @@ int main(int argc, char** argv) {
             if (!value()) return usage("--scheduler needs a name");
             options.scheduler = v;
         } else if (a == "--max-new-tokens" || a == "--threads" || a == "--gamma" || a == "--top-k" || a == "--seed" ||
-                   a == "--repeat" || a == "--slots") {
+                   a == "--repeat" || a == "--slots" || a == "--tree") {
             if (!number(value(), &x) || x < (a == "--seed" ? -1 : 0) || x != static_cast<long long>(x))
                 return usage(a + " needs a whole number");
             if (a == "--max-new-tokens") params.max_new_tokens = static_cast<size_t>(x);
@@ -86,6 +86,7 @@ int main(int argc, char** argv) {
             else if (a == "--top-k") params.top_k = static_cast<int>(x);
             else if (a == "--seed") params.seed = static_cast<int64_t>(x);
             else if (a == "--slots") options.slots = static_cast<int>(x);
+            else if (a == "--tree") options.tree = static_cast<int>(x);
             else repeat = static_cast<long>(x);
         } else if (a == "--temperature" || a == "--top-p") {
             if (!number(value(), &x)) return usage(a + " needs a number");
