@@ -190,6 +190,31 @@ def test_admission_is_algorithm_1_on_numpy_and_torch(seed):
         assert steps.admit(torch.from_numpy(a), torch.tensor(budget)).tolist() == admit(a, budget).tolist()
 
 
+@pytest.mark.parametrize("seed", range(60))
+def test_a_round_with_one_active_slot_takes_the_walk_and_gives_the_same_admission(seed):
+    """One active slot (the host's shortcut for it, `_admit_one`): the same lengths, rate and exploration as
+    Algorithm 1 pair by pair and as steps.admission, bit for bit, on rows with ties and zeros, idle rows beside it,
+    with and without cells to explore, on a flat and a steep curve; a row whose survivals rise takes the sort."""
+    from specrt.runtime import steps
+
+    a, _, fixed, curve, explore = admission_case(seed)
+    n, g = a.shape
+    rng = np.random.default_rng(1000 + seed)
+    active = np.zeros(n, bool)
+    active[int(rng.integers(0, n))] = True
+    if seed % 5 == 4:  # a row that is not a prefix's survival: shuffled
+        a[active] = rng.permutation(a[active][0])
+    for c in (curve, 10.0 + 8.0 * (curve - 10.0), np.full_like(curve, 10.0)):
+        want, rate, explored = steps.admission(a, active, fixed, c, explore)
+        rate, explored = float(rate), bool(explored)
+        if seed % 5 != 4:  # (the pair by pair reference reads a row's pairs as a prefix's)
+            ref = _admission_by_pairs(a, active, fixed, c, explore)
+            assert (ref[0].tolist(), ref[1], ref[2]) == (want.tolist(), rate, explored)
+        table = _Curve(c, explore)
+        got, host_rate = schedulers.admission(a, active, fixed, table, explore=explore is not None)
+        assert got.tolist() == want.tolist() and host_rate == rate and table.explorations == int(explored)
+
+
 def test_async_sps_uses_the_previous_rounds_capacity():
     s = AsyncSPSScheduler(4, costs=LinearCosts(), temperatures=np.ones(4), head="dspark")
     strong, weak = _proposal(np.full((1, 4), 5.0)), _proposal(np.full((1, 4), -5.0))
