@@ -7,8 +7,10 @@
     decide    Algorithm 1's expected rate (committed tokens per ms on the cost profile; runtime/schedulers.py
               `admission`) of the lookups alone, against the rate the rounds that called the head have realized
               lately: the head's value shows only after its call (the confidences that choose what to verify), so
-              its past rounds are the estimate, kept per active slot (tokens committed and verified per slot and
-              round) and priced at this round's batch: a call for n slots of which k are active costs the head's
+              its past rounds are the estimate, kept per slot it drafted for (tokens committed and verified per
+              slot and round; a slot that kept its lookup on a head round, or that an exploration left out, is not
+              in it: what lookups commit on the head's rounds would credit the head most where lookups need it
+              least) and priced at this round's batch: a call for n slots of which k are active costs the head's
               draft call for n and a verify of k times the tokens a slot verified (so idle slots, as a batch
               drains, neither dilute nor inflate it). After
               EXPLORE rounds without it, the head is called anyway, so its estimate follows the text; each such
@@ -154,7 +156,7 @@ class HybridDrafter:
             self.lookup.observe(slot, verified, accepted, path)  # into its match length's history
         else:
             self.head_history.observe(verified, accepted)
-        if not self.held[slot]:  # a slot the head did not draft for is not one of its rounds
+        if self.source[slot] == HEAD:  # a row the head's drafts were not verified for says nothing of them
             self._last.append((verified, accepted))
 
     def head_rate(self, n: int, active: int) -> float:

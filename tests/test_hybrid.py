@@ -11,7 +11,7 @@ import pytest
 from specrt import artifact as io
 from specrt.runtime.drafters import Context, GraphDrafter, lookup, lookup_match
 from specrt.runtime.engine import Engine, Request
-from specrt.runtime.hybrid import DECAY, EXPLORE, HEAD, LOOKUP, PRIOR_ROUNDS, HybridDrafter
+from specrt.runtime.hybrid import DECAY, EXPLORE, HEAD, LOOKUP, PRIOR_ROUNDS, PRIOR_TOKENS, HybridDrafter
 from specrt.runtime.profile import Profile, save_profile
 from specrt.runtime.sampling import SamplingParams
 
@@ -258,6 +258,23 @@ def test_head_is_explored_when_its_estimate_says_skip(tiny_arts):
     waits = np.diff([-1, *called]) - 1  # rounds without the head before each call
     assert waits.tolist() == [EXPLORE, 2 * EXPLORE, 4 * EXPLORE, 4 * EXPLORE, 4 * EXPLORE], waits
 
+
+
+def test_only_the_rows_the_head_drafted_are_its_record(tiny_arts):
+    """A head round's slots that kept their lookups (or that an exploration left out) add nothing to the head's
+    record of tokens committed and verified: their tokens are the lookups'."""
+    art = tiny_arts("llama")
+    manifest = io.load_manifest(art)
+    hybrid = HybridDrafter(GraphDrafter(art, manifest, "dspark", threads=1), _Costs())
+    hybrid.allocate(2)
+    hybrid._last_head = True
+    hybrid.source[:2] = [LOOKUP, HEAD]
+    hybrid.observe(0, 3, 3)  # the lookup's row: 4 tokens committed
+    hybrid.observe(1, 2, 0)  # the head's: 1
+    hybrid._fold()
+    assert hybrid.slot_rounds == pytest.approx(DECAY * PRIOR_ROUNDS + 1)
+    assert hybrid.committed == pytest.approx(DECAY * PRIOR_ROUNDS * PRIOR_TOKENS + 1)
+    assert hybrid.verified == pytest.approx(DECAY * PRIOR_ROUNDS * 2.0 + 3)
 
 
 def test_a_head_whose_drafts_are_never_accepted_stops_being_called(tiny_arts):

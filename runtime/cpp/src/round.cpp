@@ -355,7 +355,7 @@ void HybridDrafter::observe(int64_t slot, int64_t verified, int64_t accepted, co
         lookup_.observe(slot, verified, accepted);  // into its match length's history
     else
         head_history_.observe(verified, accepted);
-    if (!held_[slot]) last_.emplace_back(verified, accepted);  // a slot the head did not draft for: not its round
+    if (source_[slot] == HEAD) last_.emplace_back(verified, accepted);  // the rows it drafted are the head's record
 }
 
 // Committed tokens per ms a head round for n slots, `active` of them with a request, promises: the tokens a slot
