@@ -8,7 +8,9 @@
                       feature sources (DSpark target-layer outputs, then "final" = final-normed hidden)
 
 Response tokens (positions >= prompt length) are the ones heads train on. A cache is written into a
-temporary sibling directory and renamed into place when complete, so a finished cache is never partial.
+temporary sibling directory (`.NAME.partial`) and renamed into place when complete, so a finished cache is never
+partial. Each sample written is flushed with a progress record (`progress.json`: the inputs' key and the samples
+and bytes written), so a capture that was interrupted resumes after its last whole sample.
 """
 from __future__ import annotations
 
@@ -88,32 +90,60 @@ class TargetCache:
 
 
 class CacheWriter:
-    """Write side: append samples, then `finish(manifest)` renames the cache into place."""
+    """Write side: append samples, then `finish(manifest)` renames the cache into place. A partial cache of the same
+    `key` (an interrupted capture of the same inputs) is kept: `done` samples are already written; anything else
+    there is discarded."""
 
-    def __init__(self, path: str | Path, feature_dim: int) -> None:
+    PROGRESS = "progress.json"
+
+    def __init__(self, path: str | Path, feature_dim: int, key: Any = None) -> None:
         self.path = Path(path)
-        self.tmp = self.path.parent / f".{self.path.name}.partial-{os.getpid()}"
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir(parents=True)
-        self.feature_dim = feature_dim
-        self._features = open(self.tmp / "features.bin", "wb")
-        self._tokens: list[np.ndarray] = []
-        self._rows: list[tuple[int, int, int]] = []
-        self._offset = 0
+        self.tmp = self.path.parent / f".{self.path.name}.partial"
+        self.feature_dim, self.key = feature_dim, json.loads(json.dumps(key))  # as progress.json holds it
+        self.done = self._offset = 0
+        progress = self._progress()
+        if progress is not None and progress.get("key") == key and progress.get("feature_dim") == feature_dim:
+            self.done, self._offset = int(progress["samples"]), int(progress["tokens"])
+        else:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp.mkdir(parents=True)
+        sizes = {"features.bin": self._offset * feature_dim * 2, "tokens.bin": self._offset * 4,
+                 "samples.bin": self.done * 3 * 8}
+        self._files = {}
+        for name, size in sizes.items():  # a sample written after the last progress record is dropped
+            f = open(self.tmp / name, "ab")
+            f.truncate(size)
+            self._files[name] = f
+
+    def _progress(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.tmp / self.PROGRESS).read_text())
+        except (OSError, ValueError):
+            return None
 
     def add(self, ids: np.ndarray, prompt_len: int, features: np.ndarray) -> None:
         if features.shape != (len(ids), self.feature_dim):
             raise ValueError(f"features {features.shape} do not match {len(ids)} tokens x {self.feature_dim}")
-        self._features.write(np.ascontiguousarray(features, dtype=np.float16).tobytes())
-        self._tokens.append(np.asarray(ids, np.int32))
-        self._rows.append((self._offset, len(ids), prompt_len))
+        self._files["features.bin"].write(np.ascontiguousarray(features, dtype=np.float16).tobytes())
+        self._files["tokens.bin"].write(np.asarray(ids, np.int32).tobytes())
+        self._files["samples.bin"].write(np.asarray([self._offset, len(ids), prompt_len], np.int64).tobytes())
+        for f in self._files.values():
+            f.flush()
         self._offset += len(ids)
+        self.done += 1
+        record = self.tmp / f".{self.PROGRESS}.tmp"
+        record.write_text(json.dumps({"key": self.key, "feature_dim": self.feature_dim, "samples": self.done,
+                                      "tokens": self._offset}))
+        os.replace(record, self.tmp / self.PROGRESS)
 
     def finish(self, manifest: dict[str, Any]) -> Path:
-        self._features.close()
-        np.save(self.tmp / "samples.npy", np.asarray(self._rows, np.int64).reshape(-1, 3))
-        np.save(self.tmp / "tokens.npy", np.concatenate(self._tokens) if self._tokens else np.zeros(0, np.int32))
-        full = dict(manifest, version=CACHE_VERSION, num_samples=len(self._rows), total_tokens=self._offset,
+        self.close()
+        rows = np.fromfile(self.tmp / "samples.bin", np.int64).reshape(-1, 3)
+        np.save(self.tmp / "samples.npy", rows)
+        np.save(self.tmp / "tokens.npy", np.fromfile(self.tmp / "tokens.bin", np.int32))
+        for name in ("samples.bin", "tokens.bin", self.PROGRESS):
+            (self.tmp / name).unlink()
+        full = dict(manifest, version=CACHE_VERSION, num_samples=len(rows), total_tokens=self._offset,
                     feature_dim=self.feature_dim)
         (self.tmp / MANIFEST).write_text(json.dumps(full, indent=1))
         if self.path.exists():
@@ -121,6 +151,7 @@ class CacheWriter:
         self.tmp.rename(self.path)
         return self.path
 
-    def abort(self) -> None:
-        self._features.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    def close(self) -> None:
+        """Stop writing; what was written stays for a later capture of the same inputs to resume."""
+        for f in self._files.values():
+            f.close()

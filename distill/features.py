@@ -112,7 +112,8 @@ def capture_features(art_dir: str | Path, responses_jsonl: str | Path, cache_dir
         raise SpecrtError(f"{cache_dir} exists and is not a target cache; refusing to replace it")
     source = {"responses": str(responses.resolve()), "sha256": sha256_file(responses)}
     target = _target_info(art, manifest)
-    if _reuse(cache_dir, _key({"source": source, "feature_sources": sources, "target": target}), splits):
+    key = _key({"source": source, "feature_sources": sources, "target": target})
+    if _reuse(cache_dir, key, splits):
         return cache_dir
     rows = sorted(read_responses(responses), key=lambda r: int(r["index"]))
     capacity = manifest.export.max_seq - 1  # the last cache position takes the padding writes
@@ -125,10 +126,14 @@ def capture_features(art_dir: str | Path, responses_jsonl: str | Path, cache_dir
         raise SpecrtError(f"{responses}: no response has >= {min_response_tokens} tokens and fits the "
                           f"artifact's {capacity} cache positions; nothing to distill from")
     reader = _FeatureReader(art, manifest, columns, threads)
-    writer = CacheWriter(cache_dir, feature_dim=len(columns))
+    # an interrupted capture of the same inputs resumes after its last whole sample
+    writer = CacheWriter(cache_dir, feature_dim=len(columns), key=dict(key, kept=len(kept),
+                                                                          min_response_tokens=min_response_tokens))
+    resumed = writer.done
     try:
         tokens, t0 = 0, time.perf_counter()
-        with tqdm(kept, desc="features", unit="sample", disable=not progress) as bar:
+        with tqdm(kept[resumed:], desc="features", unit="sample", disable=not progress, initial=resumed,
+                  total=len(kept)) as bar:
             for r in bar:
                 ids = np.asarray([*r["prompt_ids"], *r["response_ids"]], np.int64)
                 writer.add(ids, len(r["prompt_ids"]), reader.read(ids))
@@ -147,7 +152,7 @@ def capture_features(art_dir: str | Path, responses_jsonl: str | Path, cache_dir
             "counts": {"responses": len(rows), "kept": len(kept), "dropped_short": len(short),
                        "dropped_too_long": len(long), "min_response_tokens": min_response_tokens},
             "capture": {"tokens": tokens, "seconds": round(elapsed, 3),
-                        "tokens_per_s": round(tokens / elapsed, 1) if elapsed else 0.0}})
-    except BaseException:
-        writer.abort()
-        raise
+                        "tokens_per_s": round(tokens / elapsed, 1) if elapsed else 0.0,
+                        "resumed_after_samples": resumed}})
+    finally:
+        writer.close()

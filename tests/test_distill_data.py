@@ -176,6 +176,49 @@ def test_generated_cache_and_resume(arts, tmp_path, monkeypatch):
                          min_response_tokens=1, progress=False)
 
 
+def test_an_interrupted_capture_resumes_after_its_last_whole_sample(arts, tmp_path, monkeypatch):
+    """A capture interrupted after its third sample (Ctrl-C) keeps what it wrote; the next capture of the same inputs
+    computes only the rest, and the cache is the uninterrupted capture's, byte for byte. Other inputs start over."""
+    prompts = id_prompts(6, seed=4)
+    out = generate_responses(arts["feat"], prompts, tmp_path / "r.jsonl", max_new_tokens=8, progress=False)
+    split = {"train": [0, 1, 2, 3], "calib": [4, 5]}
+    whole = capture_features(arts["feat"], out, tmp_path / "whole", feature_sources=[0, "final"], splits=split,
+                             min_response_tokens=1, progress=False)
+    read = features_mod._FeatureReader.read
+    calls = []
+
+    def interrupted(self, ids):
+        calls.append(len(ids))
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return read(self, ids)
+
+    monkeypatch.setattr(features_mod._FeatureReader, "read", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        capture_features(arts["feat"], out, tmp_path / "cache", feature_sources=[0, "final"], splits=split,
+                         min_response_tokens=1, progress=False)
+    assert not (tmp_path / "cache").exists() and (tmp_path / ".cache.partial").is_dir()
+    calls.clear()
+    monkeypatch.setattr(features_mod._FeatureReader, "read", lambda self, ids: calls.append(len(ids)) or read(self, ids))
+    path = capture_features(arts["feat"], out, tmp_path / "cache", feature_sources=[0, "final"], splits=split,
+                            min_response_tokens=1, progress=False)
+    assert len(calls) == 3 and not (tmp_path / ".cache.partial").exists()
+    for name in ("features.bin", "tokens.npy", "samples.npy"):
+        assert (path / name).read_bytes() == (whole / name).read_bytes(), name
+    assert TargetCache(path).manifest["capture"]["resumed_after_samples"] == 3
+    # a partial capture of other inputs (here: other feature sources) is not resumed
+    monkeypatch.setattr(features_mod._FeatureReader, "read", interrupted)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        capture_features(arts["feat"], out, tmp_path / "other", feature_sources=[0], splits=split,
+                         min_response_tokens=1, progress=False)
+    calls.clear()
+    monkeypatch.setattr(features_mod._FeatureReader, "read", lambda self, ids: calls.append(len(ids)) or read(self, ids))
+    capture_features(arts["feat"], out, tmp_path / "other", feature_sources=[0, "final"], splits=split,
+                     min_response_tokens=1, progress=False)
+    assert len(calls) == 6
+
+
 def test_artifact_without_features_is_rejected(arts, tmp_path):
     write_responses(tmp_path / "r.jsonl", [(5, 11)])
     with pytest.raises(SpecrtError, match="extra_features"):
