@@ -155,3 +155,13 @@ def test_the_committed_responses_answer_their_parts_prompts_in_order(path):
     assert all(r["prompt_ids"] and len(r["response_ids"]) <= meta["sampling_params"]["max_new_tokens"] for r in rows)
     assert sum(len(r["response_ids"]) for r in rows) == meta["response_tokens"]
     assert f"| `responses/{path.name}` |" in (CORPUS / "README.md").read_text()
+
+
+def test_the_corpus_totals_row_is_the_committed_files_sum():
+    """datasets/corpus/README.md's "all" row: the committed responses' count and response tokens, summed from their
+    .meta.json files."""
+    metas = [json.loads(p.read_text()) for p in sorted((CORPUS / "responses").glob("*.meta.json"))]
+    readme = (CORPUS / "README.md").read_text()
+    responses = sum(m["num_prompts"] for m in metas)
+    tokens = sum(m["response_tokens"] for m in metas)
+    assert f"| all | {responses:,} responses to " in readme and f"| **{tokens:,}** |" in readme
