@@ -79,12 +79,21 @@ def read_responses(path: str | Path, *, repair: bool = False) -> list[dict[str, 
 
 def _prompt_ids(engine: Engine, prompt: PromptLike) -> tuple[list[int], str | None, int | None]:
     """(ids, file, row) of one prompt; text goes through the chat template."""
+    return _ids(engine.tokenizer, prompt)
+
+
+def _ids(tokenizer, prompt: PromptLike) -> tuple[list[int], str | None, int | None]:
     if isinstance(prompt, Prompt):
-        ids = list(prompt.ids) if prompt.ids is not None else encode_conversation(engine.tokenizer, prompt.turns)
+        ids = list(prompt.ids) if prompt.ids is not None else encode_conversation(tokenizer, prompt.turns)
         return ids, prompt.file, prompt.row
     if isinstance(prompt, str):
-        return encode_prompt(engine.tokenizer, prompt), None, None
+        return encode_prompt(tokenizer, prompt), None, None
     return [int(t) for t in prompt], None, None
+
+
+def prompt_tokens(tokenizer, prompt: PromptLike) -> int:
+    """The tokens generation prefills for one prompt (text through the chat template)."""
+    return len(_ids(tokenizer, prompt)[0])
 
 
 def _check_meta(out: Path, meta: dict[str, Any]) -> None:

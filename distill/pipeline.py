@@ -1,7 +1,8 @@
 """`specrt distill`: the whole distillation pipeline, one resumable stage after another.
 
     target    export the target once more, with the feature outputs the heads train on (work/target), in the
-              format `specrt export` gives it (a preset: its GGUF blocks; --weights chooses)
+              format `specrt export` gives it (a preset: its GGUF blocks; --weights chooses); then the run's time
+              estimate (distill/estimate.py: the work of every stage at its graph calls' rates, timed now)
     generate  the target's own responses to the training prompts (work/responses.jsonl; resumable per prompt);
               with --responses-per-prompt K, K-1 more sampled ones (work/responses.<k>.jsonl), merged into one
     features  one prefill pass per response into an fp16 memmap cache (work/cache; work/cache.xK for K responses)
@@ -17,6 +18,7 @@ Wall time spent in each stage accumulates in work/timings.json across resumed ru
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -27,6 +29,7 @@ from specrt import artifact as io
 from specrt.errors import SpecrtError
 from specrt.distill.cache import TargetCache
 from specrt.distill.calibrate import calibrate_dspark
+from specrt.distill.estimate import Estimate, estimate
 from specrt.distill.features import capture_features
 from specrt.distill.losses import OBJECTIVES
 from specrt.distill.generate import (SAMPLING, check_responses, extra_sampling, generate_responses,
@@ -173,6 +176,25 @@ def _curve(history: list[dict[str, float]]) -> list[dict[str, float]]:
     return [h for i, h in enumerate(history) if (i + 1) % every == 0 or i + 1 == len(history)]
 
 
+def _estimate(art: Path, s: DistillSettings, split: PromptSplit | None, given: Path | None) -> Estimate:
+    """The run's work and its time on this machine (distill/estimate.py): the prompts' tokens through the work
+    target's tokenizer and chat template, or the given responses' tokens."""
+    if given is not None:
+        rows = read_responses(given)
+        return estimate(art, prompts=len(rows), prompt_tokens=sum(len(r["prompt_ids"]) for r in rows),
+                        generate_tokens=0, train_steps=s.steps, threads=s.threads,
+                        feature_tokens=sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows))
+    from specrt.distill.generate import prompt_tokens
+    from specrt.runtime.tokenizer import Tokenizer
+
+    manifest = io.load_manifest(art)
+    tokenizer = Tokenizer.from_dir(art / io.TOKENIZER_DIR, manifest.tokenizer)
+    n = len(split.prompts) * s.responses_per_prompt
+    prompt = sum(prompt_tokens(tokenizer, p) for p in split.prompts) * s.responses_per_prompt
+    return estimate(art, prompts=len(split.prompts), prompt_tokens=prompt, generate_tokens=n * s.max_new_tokens,
+                    feature_tokens=prompt + n * s.max_new_tokens, train_steps=s.steps, threads=s.threads)
+
+
 def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, settings: DistillSettings, *,
             work: str | Path | None = None, progress: bool = True, force: bool = False,
             responses: Sequence[str | Path] = ()) -> dict[str, Any]:
@@ -234,7 +256,10 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
         given, splits = given_responses(responses, work / "responses.given.jsonl", calib_fraction=s.calib_fraction,
                                         target_sources=[f.sha256 for f in io.load_manifest(art).sources], seed=s.seed)
         k_files, cache_name = [given], "cache.given"
-    else:
+    plan = _estimate(art, s, split, given if split is None else None)
+    if progress:
+        print(plan.line(), file=sys.stderr, flush=True)
+    if split is not None:
         k_files = [timed("generate", lambda k=k: generate_responses(
             art, split.prompts, responses_file(work, k), max_new_tokens=s.max_new_tokens,
             sampling=extra_sampling(k, s.sampling), seed=s.seed + k, threads=s.threads, progress=progress))
@@ -290,6 +315,7 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
                                 "per block; MTP: chained from depth-1 acceptance)"},
             "calibration": calibration,
             "seconds": {**timings.seconds, "total": round(sum(timings.seconds.values()), 1)},
+            "estimate": plan.to_dict(),
             "checkpoint_bytes": sum(f.stat().st_size for f in staging.iterdir() if f.is_file()),
         }
         (staging / REPORT).write_text(json.dumps(report, indent=1) + "\n")

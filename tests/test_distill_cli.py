@@ -96,6 +96,13 @@ def test_dspark_checkpoint_is_compact_calibrated_and_reported(target, distilled)
     rows = read_responses(distilled["work"] / "responses.jsonl")
     assert counts.sum() == report["token_counts"]["tokens"] > 0
     assert counts.sum() < sum(len(r["response_ids"]) for r in rows)  # calib responses are not counted
+    # the estimate up front: the prompts' tokens as generation prefilled them, at most max-new-tokens each, timed calls
+    est = report["estimate"]
+    assert est["prompts"] == 24 and est["generate_tokens"] == 24 * 20 and est["train_steps"] == 6
+    assert est["prompt_tokens"] == sum(len(r["prompt_ids"]) for r in rows)
+    assert est["feature_tokens"] == est["prompt_tokens"] + 24 * 20
+    assert est["slots"] == 2 and est["step_ms"] > 0 and est["prefill_tok_s"] > 0
+    assert est["generate_s"] > 0 and est["features_s"] > 0
 
 
 def test_mtp_reuses_the_work_dir_and_saves_bf16(target, distilled):
@@ -169,6 +176,8 @@ def test_distill_trains_on_responses_generated_before(target, distilled, tmp_pat
     calib = {prompt_of[p["index"]] for i, p in enumerate(manifest["provenance"]) if i in manifest["splits"]["calib"]}
     assert train and calib and not train & calib
     assert report["prompts"]["train"] + report["prompts"]["calib"] == 48
+    assert report["estimate"]["generate_tokens"] == 0 and report["estimate"]["feature_tokens"] == sum(
+        len(row["prompt_ids"]) + len(row["response_ids"]) for row in rows)
     foreign = tmp_path / "foreign.jsonl"
     foreign.write_bytes(src.read_bytes())
     (tmp_path / "foreign.jsonl.meta.json").write_text(json.dumps(dict(meta, target_sources=["0" * 64])))
