@@ -394,7 +394,7 @@ void Engine::round(std::map<int64_t, Event>& events) {
             } else {
                 DraftDist q = p.q;  // a grafted tree's chain nodes were drawn from q, each at its chain position
                 if (q.probs && (p.chain.empty() || (!p.onehot.empty() && p.onehot[i]))) q = DraftDist{};
-                if (q.probs) q.probs += i * (p.width - options_.tree + 1) * q.width;
+                if (q.probs) q.probs += i * drafter_->steps * q.width;  // q: the head's rows [n, steps, width]
                 const int64_t* row = p.chain.empty() ? nullptr : p.chain.data() + i * p.width;
                 path = accept_tree_sampled(drafts, parents, row, ell, q, l, vocab, s->params, s->rng, gamma_);
             }
