@@ -7,12 +7,15 @@
     decide    Algorithm 1's expected rate (committed tokens per ms on the cost profile; runtime/schedulers.py
               `admission`) of the lookups alone, against the rate the rounds that called the head have realized
               lately: the head's value shows only after its call (the confidences that choose what to verify), so
-              its past rounds are the estimate, kept per slot it drafted for (tokens committed and verified per
-              slot and round; a slot that kept its lookup on a head round, or that an exploration left out, is not
-              in it: what lookups commit on the head's rounds would credit the head most where lookups need it
-              least) and priced at this round's batch: a call for n slots of which k are active costs the head's
-              draft call for n and a verify of k times the tokens a slot verified (so idle slots, as a batch
-              drains, neither dilute nor inflate it). After
+              its past rounds are the estimate, kept per request (`Record`: tokens committed and verified per head
+              round the request was drafted for, decayed; a new request starts from the record of every request
+              before it, at the weight of PRIOR_ROUNDS rounds, so its own text soon decides: code the head
+              drafts well and chat it does not are priced apart, in turn or side by side). A slot that kept its
+              lookup on a head round, or that an exploration left out, adds nothing: what lookups commit on the
+              head's rounds would credit the head most where lookups need it least. A round's price sums its
+              active requests' records at this round's batch: a call for n slots costs the head's draft call for
+              n and a verify of the tokens the active requests verified (so idle slots, as a batch drains, neither
+              dilute nor inflate it). After
               EXPLORE rounds without it, the head is called anyway, so its estimate follows the text; each such
               exploration that does not win the head back doubles the wait before the next (up to
               EXPLORE_MAX rounds: a head that never pays, as under load, costs 1/256 of the rounds, not 1/32, and
@@ -54,6 +57,31 @@ DECAY = 0.95  # weight of the head's older rounds in its realized rate, per head
 # head whose drafts are never accepted at 1/6 of its rounds at 1.5 tokens, enough to call it at every round at
 # one request in flight, where a verify of 2 tokens costs ~1.1 decoding steps)
 PRIOR_ROUNDS, PRIOR_TOKENS = 4.0, 1.5
+
+
+class Record:
+    """Decayed sums of a head's slot rounds and the tokens they committed and verified."""
+
+    __slots__ = ("rounds", "committed", "verified")
+
+    def __init__(self, rounds: float = PRIOR_ROUNDS, committed: float = PRIOR_ROUNDS * PRIOR_TOKENS,
+                 verified: float = PRIOR_ROUNDS * 2.0) -> None:
+        self.rounds, self.committed, self.verified = rounds, committed, verified
+
+    def add(self, rows: list[tuple[int, int]]) -> None:
+        """One head round's (verified, accepted) rows, after decaying the older ones."""
+        self.rounds = DECAY * self.rounds + len(rows)
+        self.committed = DECAY * self.committed + sum(a + 1 for _, a in rows)
+        self.verified = DECAY * self.verified + sum(v + 1 for v, _ in rows)
+
+    def per_round(self) -> tuple[float, float]:
+        """Tokens committed and verified per slot round."""
+        return self.committed / self.rounds, self.verified / self.rounds
+
+    def prior(self, weight: float = PRIOR_ROUNDS) -> "Record":
+        """This record's means at the weight of `weight` rounds: where a new request's record starts."""
+        c, v = self.per_round()
+        return Record(weight, weight * c, weight * v)
 
 
 def merge(parts: list[Context]) -> Context | None:
@@ -112,13 +140,13 @@ class HybridDrafter:
         self.source = np.zeros(0, np.int64)  # per slot: who drafted its row of the last proposal
         self.held = np.zeros(0, bool)  # per slot: left out of the last proposal's head call (an exploration's)
         self.rounds = {LOOKUP: 0, HEAD: 0}  # rounds drafted without and with the head
-        # the head rounds' active slot rounds and their tokens committed and verified (decayed sums, per head round),
-        # from the prior's
-        self.slot_rounds, self.committed, self.verified = PRIOR_ROUNDS, PRIOR_ROUNDS * PRIOR_TOKENS, PRIOR_ROUNDS * 2.0
+        # the head's rounds: every request's (a new request's prior) and, per slot, its request's own
+        self.record = Record()
+        self.records: list[Record] = []
         self.since_head = 0
         self.explore_every = EXPLORE  # rounds without the head before it is explored (doubles while it loses)
         self._explored = False  # the last head call was an exploration
-        self._last: list = []  # this round's (verified, accepted) per slot, folded in at the next propose
+        self._last: list = []  # this round's (slot, verified, accepted) per head-drafted slot, folded in next propose
         self._last_head = False
         self._empty: dict[int, tuple[Proposal, np.ndarray]] = {}
 
@@ -143,8 +171,10 @@ class HybridDrafter:
         self.backlog = [[] for _ in range(slots)]
         self.source = np.zeros(slots, np.int64)
         self.held = np.zeros(slots, bool)
+        self.records = [self.record.prior() for _ in range(slots)]
 
     def prefill(self, slot: int, ctx: Context) -> Context | None:
+        self.records[slot] = self.record.prior()  # a new request: priced on its own rounds from here on
         if self.defer_prefill:
             self.backlog[slot] = [ctx]
             return None
@@ -157,15 +187,18 @@ class HybridDrafter:
         else:
             self.head_history.observe(verified, accepted)
         if self.source[slot] == HEAD:  # a row the head's drafts were not verified for says nothing of them
-            self._last.append((verified, accepted))
+            self._last.append((slot, verified, accepted))
 
-    def head_rate(self, n: int, active: int) -> float:
-        """Committed tokens per ms a head round for n slots, `active` of them with a request, promises: the tokens a
-        slot committed and verified per head round lately (a decaying prior's before any), at this round's costs."""
-        if not active or self.slot_rounds <= 0:
+    def head_rate(self, n: int, active: list[int]) -> float:
+        """Committed tokens per ms a head round for n slots promises to the requests in the `active` slots: the
+        tokens each committed and verified per head round lately (its record), at this round's costs."""
+        if not active:
             return 0.0
-        committed = active * self.committed / self.slot_rounds
-        verified = active * self.verified / self.slot_rounds
+        committed = verified = 0.0
+        for i in active:
+            c, v = self.records[i].per_round()
+            committed += c
+            verified += v
         lo = int(verified)  # the verify cost between its whole token counts
         verify = self.costs.verify_ms(n, lo) if lo > 0 else 0.0
         if verified > lo:
@@ -173,11 +206,11 @@ class HybridDrafter:
         return committed / (self.costs.draft_ms(self.head.head.name, n) + verify)
 
     def _fold(self) -> None:
-        """Add the last round, if it called the head, to the head's per-slot record."""
+        """Add the last round, if it called the head, to the records of the requests it drafted for and of all."""
         if self._last_head and self._last:
-            self.slot_rounds = DECAY * self.slot_rounds + len(self._last)
-            self.committed = DECAY * self.committed + sum(a + 1 for _, a in self._last)
-            self.verified = DECAY * self.verified + sum(v + 1 for v, _ in self._last)
+            for slot, v, a in self._last:
+                self.records[slot].add([(v, a)])
+            self.record.add([(v, a) for _, v, a in self._last])
         self._last = []
 
     def choose(self, slots: list[SlotView | None]) -> tuple[Proposal, np.ndarray, bool]:
@@ -185,14 +218,15 @@ class HybridDrafter:
         self._fold()
         n = len(slots)
         self.held[:n] = False
-        active = sum(s is not None for s in slots)
+        live = [i for i, s in enumerate(slots) if s is not None]
+        active = len(live)
         looked = self.lookups and (not self.lazy or self._lookups_may_pay(n, active))
         found, a_lookup = self._look(slots) if looked else self._nothing(n)
         if looked and found.counts.any():
             _, without = admission(a_lookup, np.array([s is not None for s in slots]), 0.0, self.costs)
         else:  # no drafts without the head: the round is a decoding step of the active slots (admission's rate)
             without = active / self.costs.verify_ms(n, active)
-        wins = without < self.head_rate(n, active)
+        wins = without < self.head_rate(n, live)
         if wins:  # back off while explorations do not win the head back; reset when it wins
             self.explore_every = EXPLORE
         elif self._explored:

@@ -11,7 +11,7 @@ import pytest
 from specrt import artifact as io
 from specrt.runtime.drafters import Context, GraphDrafter, lookup, lookup_match
 from specrt.runtime.engine import Engine, Request
-from specrt.runtime.hybrid import DECAY, EXPLORE, HEAD, LOOKUP, PRIOR_ROUNDS, PRIOR_TOKENS, HybridDrafter
+from specrt.runtime.hybrid import DECAY, EXPLORE, HEAD, LOOKUP, PRIOR_ROUNDS, PRIOR_TOKENS, HybridDrafter, Record
 from specrt.runtime.profile import Profile, save_profile
 from specrt.runtime.sampling import SamplingParams
 
@@ -247,8 +247,8 @@ def test_head_is_explored_when_its_estimate_says_skip(tiny_arts):
     costs = _Costs()
     hybrid = HybridDrafter(GraphDrafter(art, manifest, "dspark", threads=1), costs, explore_max=4 * EXPLORE)
     hybrid.allocate(1)
-    # its rounds so far: a million slot rounds that committed one token in all
-    hybrid.slot_rounds, hybrid.committed, hybrid.verified = 1e6, 1.0, 2e6
+    # its request's rounds so far: a million slot rounds that committed one token in all
+    hybrid.records[0] = Record(1e6, 1.0, 2e6)
     feats = np.zeros((1, max(h.feature_offset + h.feature_dim for h in manifest.heads.values())), np.float32)
     heads = []
     for i in range(16 * EXPLORE):
@@ -272,9 +272,43 @@ def test_only_the_rows_the_head_drafted_are_its_record(tiny_arts):
     hybrid.observe(0, 3, 3)  # the lookup's row: 4 tokens committed
     hybrid.observe(1, 2, 0)  # the head's: 1
     hybrid._fold()
-    assert hybrid.slot_rounds == pytest.approx(DECAY * PRIOR_ROUNDS + 1)
-    assert hybrid.committed == pytest.approx(DECAY * PRIOR_ROUNDS * PRIOR_TOKENS + 1)
-    assert hybrid.verified == pytest.approx(DECAY * PRIOR_ROUNDS * 2.0 + 3)
+    for record in (hybrid.record, hybrid.records[1]):  # every request's, and the one the head drafted for
+        assert record.rounds == pytest.approx(DECAY * PRIOR_ROUNDS + 1)
+        assert record.committed == pytest.approx(DECAY * PRIOR_ROUNDS * PRIOR_TOKENS + 1)
+        assert record.verified == pytest.approx(DECAY * PRIOR_ROUNDS * 2.0 + 3)
+    assert hybrid.records[0].rounds == PRIOR_ROUNDS  # the slot that kept its lookup: untouched
+
+
+def test_the_head_is_priced_per_request(tiny_arts):
+    """Each request has its own record of what the head's rounds delivered to it, and a round's price sums those of
+    the requests in flight: a head that pays for one request and not the other is called when the first is in
+    flight, not for the second alone. A new request starts from every request's record so far, at the weight of
+    PRIOR_ROUNDS rounds."""
+    art = tiny_arts("llama")
+    manifest = io.load_manifest(art)
+    hybrid = HybridDrafter(GraphDrafter(art, manifest, "dspark", threads=1), _Costs(), lookups=False, lazy=True,
+                           defer_prefill=True)
+    hybrid.allocate(2)
+    F = max(h.feature_offset + h.feature_dim for h in manifest.heads.values())
+    view = _View(Context(0, np.zeros((1, F), np.float32), np.asarray([5])), 5, [1, 2, 3])
+    # a decoding step commits a token per 10.5 ms per request; request 0's head rounds committed 1 token for 2
+    # verified (1 per 11 ms), request 1's 3 for 3 (3 per 11.5 ms)
+    hybrid.records[:2] = [Record(100, 100, 200), Record(100, 300, 300)]
+    assert not hybrid.choose([view, None])[2]
+    assert hybrid.choose([None, view])[2]
+    assert hybrid.choose([view, view])[2]  # 4 tokens per 12.5 ms against 2 per 11
+    hybrid.record = Record(50, 50, 125)  # every request's head rounds: 1 committed and 2.5 verified each
+    hybrid.prefill(1, view.ctx)  # a new request in slot 1
+    r = hybrid.records[1]
+    assert (r.rounds, r.committed, r.verified) == pytest.approx((PRIOR_ROUNDS, PRIOR_ROUNDS, 2.5 * PRIOR_ROUNDS))
+    assert not hybrid.choose([None, view])[2]  # 1 per 11.25 ms: below a decoding step's
+    hybrid._last_head, hybrid.source[1] = True, HEAD
+    for _ in range(8):  # its own rounds: all three drafts accepted, each time
+        hybrid.observe(1, 3, 3)
+        hybrid._last_head = True
+        hybrid._fold()
+    assert hybrid.choose([None, view])[2]
+    assert hybrid.records[0].rounds == 100  # the other request's record: untouched
 
 
 def test_a_head_whose_drafts_are_never_accepted_stops_being_called(tiny_arts):
@@ -343,9 +377,11 @@ def test_an_exploration_drafts_for_the_slot_with_the_fewest_pending_rows(tiny_ar
     assert p.counts[1] == hybrid.head.steps and p.counts[0] > 0 and p.counts[2] > 0  # the held keep lookups
     assert [len(b) for b in hybrid.backlog[:3]] == [EXPLORE + 1 + defer, 0, EXPLORE + 1 + defer]
     hybrid._fold()
-    assert hybrid.slot_rounds == pytest.approx(DECAY * PRIOR_ROUNDS + 1)  # the explored slot's round only
+    assert hybrid.record.rounds == pytest.approx(DECAY * PRIOR_ROUNDS + 1)  # the explored slot's round only
+    assert [r.rounds for r in hybrid.records[:3]] == pytest.approx([PRIOR_ROUNDS, DECAY * PRIOR_ROUNDS + 1,
+                                                                     PRIOR_ROUNDS])
     costs.draft = 0.0
-    hybrid.slot_rounds, hybrid.committed, hybrid.verified = 1e3, 4e3, 1e3  # its rounds paid: the head wins
+    hybrid.records[:3] = [Record(1e3, 4e3, 1e3) for _ in range(3)]  # their rounds paid: the head wins
     got = hybrid.propose([_View(rounds[i][-1], 9, [1, 2, 3], 1.0, np.random.default_rng(i)) for i in range(3)])
     assert got.head == head and not hybrid.held[:3].any() and hybrid.backlog[:3] == [[], [], []]
     np.testing.assert_array_equal(got.tokens, want.tokens)

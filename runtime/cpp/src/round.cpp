@@ -332,8 +332,8 @@ Proposal GraphDrafter::propose(const Views& views) {
 
 HybridDrafter::HybridDrafter(std::unique_ptr<GraphDrafter> head, CostTable& costs, int64_t max_n, bool lookups)
     : head_(std::move(head)), costs_(costs), lookup_(head_->steps, max_n, kLookupLater), head_history_(head_->steps),
-      explore_every_(kExplore), slot_rounds_(kPriorRounds), committed_(kPriorRounds * kPriorTokens),
-      verified_(kPriorRounds * 2), lookups_(lookups) {
+      explore_every_(kExplore), record_{kPriorRounds, kPriorRounds * kPriorTokens, kPriorRounds * 2},
+      lookups_(lookups) {
     steps = head_->steps;
 }
 
@@ -343,9 +343,11 @@ void HybridDrafter::allocate(int64_t slots) {
     backlog_.assign(slots, std::nullopt);
     source_.assign(slots, LOOKUP);
     held_.assign(slots, 0);
+    records_.assign(slots, record_.prior());
 }
 
 std::optional<Context> HybridDrafter::prefill(int64_t slot, Context ctx) {
+    records_[slot] = record_.prior();  // a new request: priced on its own rounds from here on
     backlog_[slot].reset();
     return head_->prefill(slot, std::move(ctx));
 }
@@ -355,32 +357,47 @@ void HybridDrafter::observe(int64_t slot, int64_t verified, int64_t accepted, co
         lookup_.observe(slot, verified, accepted);  // into its match length's history
     else
         head_history_.observe(verified, accepted);
-    if (source_[slot] == HEAD) last_.emplace_back(verified, accepted);  // the rows it drafted are the head's record
+    if (source_[slot] == HEAD) last_.push_back({slot, verified, accepted});  // the rows it drafted are its record
 }
 
-// Committed tokens per ms a head round for n slots, `active` of them with a request, promises: the tokens a slot
-// committed and verified per head round lately (a prior's before any, decaying with the rest: runtime/hybrid.py), at
-// this round's costs.
-double HybridDrafter::head_rate(int64_t n, int64_t active) const {
-    if (active == 0 || slot_rounds_ <= 0) return 0.0;
-    const double committed = active * committed_ / slot_rounds_;
-    const double verified = active * verified_ / slot_rounds_;
+void HybridDrafter::Record::add(int64_t verified_tokens, int64_t committed_tokens, int64_t slot_rounds) {
+    rounds = kDecay * rounds + static_cast<double>(slot_rounds);
+    committed = kDecay * committed + static_cast<double>(committed_tokens);
+    verified = kDecay * verified + static_cast<double>(verified_tokens);
+}
+
+HybridDrafter::Record HybridDrafter::Record::prior() const {
+    return {kPriorRounds, kPriorRounds * committed / rounds, kPriorRounds * verified / rounds};
+}
+
+// Committed tokens per ms a head round for n slots promises to the requests in the active slots: the tokens each
+// committed and verified per head round lately (its record: runtime/hybrid.py), at this round's costs.
+double HybridDrafter::head_rate(int64_t n, const std::vector<char>& active) const {
+    double committed = 0.0, verified = 0.0;
+    bool any = false;
+    for (int64_t i = 0; i < n; ++i) {
+        if (!active[i]) continue;
+        any = true;
+        committed += records_[i].committed / records_[i].rounds;
+        verified += records_[i].verified / records_[i].rounds;
+    }
+    if (!any) return 0.0;
     const int64_t lo = static_cast<int64_t>(verified);  // the verify cost between its whole token counts
     double verify = lo > 0 ? costs_.verify_ms(n, lo) : 0.0;
     if (verified > lo) verify += (verified - lo) * (costs_.verify_ms(n, lo + 1) - verify);
     return committed / (costs_.draft_ms(head_->head().name, n) + verify);
 }
 
+// The last round, if it called the head, added to the records of the requests it drafted for and of all.
 void HybridDrafter::fold() {
     if (last_head_ && !last_.empty()) {
         int64_t verified = 0, committed = 0;
-        for (auto [v, a] : last_) {
-            verified += v + 1;
-            committed += a + 1;
+        for (const Row& r : last_) {
+            records_[r.slot].add(r.verified + 1, r.accepted + 1, 1);
+            verified += r.verified + 1;
+            committed += r.accepted + 1;
         }
-        slot_rounds_ = kDecay * slot_rounds_ + static_cast<double>(last_.size());
-        committed_ = kDecay * committed_ + committed;
-        verified_ = kDecay * verified_ + verified;
+        record_.add(verified, committed, static_cast<int64_t>(last_.size()));
     }
     last_.clear();
 }
@@ -408,13 +425,12 @@ Proposal HybridDrafter::propose(const Views& views) {
     const int64_t n = static_cast<int64_t>(views.slots.size());
     std::fill_n(held_.begin(), n, 0);
     std::vector<char> active(n);
-    int64_t live = 0;
-    for (int64_t i = 0; i < n; ++i) live += active[i] = views.slots[i] != nullptr;
+    for (int64_t i = 0; i < n; ++i) active[i] = views.slots[i] != nullptr;
     Proposal found = lookups_ ? lookup_.propose(views) : nothing(n, steps);
     std::vector<float> a_lookup = lookups_ ? std::move(found.survival) : std::vector<float>(n * steps, 0.0f);
     survive(a_lookup, steps, found.counts);
     const double without = admission(a_lookup, n, steps, active, 0.0, costs_, false).rate;
-    const bool wins = without < head_rate(n, live);
+    const bool wins = without < head_rate(n, active);
     if (wins)  // back off while explorations do not win the head back
         explore_every_ = kExplore;
     else if (explored_)

@@ -124,7 +124,14 @@ public:
     int64_t head_rounds() const { return rounds_[1]; }
 
 private:
-    double head_rate(int64_t n, int64_t active) const;
+    // decayed sums of the head's slot rounds and the tokens they committed and verified (runtime/hybrid.py `Record`)
+    struct Record {
+        double rounds, committed, verified;
+        void add(int64_t verified_tokens, int64_t committed_tokens, int64_t slot_rounds);
+        Record prior() const;  // its means at the weight of the prior's rounds: where a new request's record starts
+    };
+
+    double head_rate(int64_t n, const std::vector<char>& active) const;
     void fold();
     std::vector<char> held(const Views& views) const;
 
@@ -137,11 +144,14 @@ private:
     std::vector<char> held_;  // per slot: left out of the last proposal's head call (an exploration's)
     int64_t rounds_[2] = {0, 0}, since_head_ = 0;
     int64_t explore_every_;  // rounds without the head before it is explored (doubles while explorations lose)
-    // the head rounds' active slot rounds and their tokens committed and verified (decayed sums, per head round),
-    // from the prior's
-    double slot_rounds_, committed_, verified_;
+    // the head's rounds: every request's (a new request's prior) and, per slot, its request's own
+    Record record_;
+    std::vector<Record> records_;
     bool lookups_, last_head_ = false, explored_ = false;
-    std::vector<std::pair<int64_t, int64_t>> last_;
+    struct Row {
+        int64_t slot, verified, accepted;
+    };
+    std::vector<Row> last_;  // the last round's rows the head drafted
 };
 
 class Scheduler {
