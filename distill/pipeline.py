@@ -302,8 +302,9 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
             "prompts": ({"files": [str(f) for f in prompt_files], "split": rows_label(split),
                          "train": len(split.train), "calib": len(split.calib)} if split is not None else
                         {"responses": [str(f) for f in responses], "split": f"given responses (train "
-                         f"{len(splits['train'])}, calib {len(splits['calib'])})", "train": len(splits["train"]),
-                         "calib": len(splits["calib"])}),
+                         f"{len(splits['train'])}, calib {len(splits['calib'])}, held out "
+                         f"{len(splits.get('val', []))})", "train": len(splits["train"]),
+                         "calib": len(splits["calib"]), "val": len(splits.get("val", []))}),
             "token_counts": {"file": COUNTS_FILE, "tokens": int(counts.sum()), "distinct": int((counts > 0).sum())},
             "cache": {"samples": len(cache), **cache.manifest.get("counts", {}),
                       "tokens": int(len(cache.tokens)), "capture": cache.manifest.get("capture", {}),

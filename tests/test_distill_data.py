@@ -234,3 +234,29 @@ def test_artifact_without_features_is_rejected(arts, tmp_path):
         capture_features(arts["feat"], tmp_path / "r.jsonl", tmp_path / "mine", feature_sources=SOURCES,
                          splits={"train": [0]}, progress=False)
     assert (tmp_path / "mine" / "notes.txt").is_file()
+
+
+def test_given_responses_hold_out_whole_prompts_of_every_file(tmp_path):
+    """Responses generated before are split by prompt into train, calib and a held-out "val" drawn from every file's
+    prompts (training evaluates on it; the tail of train would hold the last file's only): a prompt's responses, in
+    any file, on one side."""
+    from specrt.distill.generate import given_responses
+
+    files = []
+    for k, name in enumerate(("code", "chat")):
+        f = tmp_path / f"{name}.jsonl"
+        f.write_text("".join(json.dumps({"index": i, "file": name, "row": i % 50, "prompt_ids": [1, 2],
+                                         "response_ids": [3] * 9, "finish_reason": "eos"}) + "\n"
+                             for i in range(100)))  # each prompt twice (a greedy and a sampled response)
+        (tmp_path / f"{name}.jsonl.meta.json").write_text(json.dumps({"target_sources": ["a" * 64]}))
+        files.append(f)
+    out, splits = given_responses(files, tmp_path / "given.jsonl", target_sources=["a" * 64], calib_fraction=0.1,
+                                  seed=0, val_fraction=0.2)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    prompt = {r["index"]: r["prompt"] for r in rows}
+    sides = {name: {prompt[i] for i in idx} for name, idx in splits.items()}
+    assert sorted(splits) == ["calib", "train", "val"] and len(sides["val"]) == 20 and len(sides["calib"]) == 10
+    assert not sides["val"] & sides["train"] and not sides["val"] & sides["calib"] and not sides["calib"] & sides["train"]
+    assert {q.split(":")[0] for q in sides["val"]} == {"code", "chat"}
+    assert sorted(i for idx in splits.values() for i in idx) == list(range(200))
+    assert len(splits["val"]) == 2 * len(sides["val"])  # both responses of each held-out prompt
