@@ -59,6 +59,11 @@ def _layer_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--weights", type=click.Choice(["float", "int8", "int4", "gguf"]), default=None,
               help="Weight format of the target that generates the responses and gives the features "
                    "[default: as `specrt export` (gguf for a preset, else float)].")
+@click.option("--device", default="cpu", show_default=True,
+              help="Where generation, features and training run: cpu, or cuda[:N] (the target on the torch "
+                   "backend, the head trained on the GPU).")
+@click.option("--backend", type=click.Choice(["ort", "torch"]), default=None,
+              help="The work target's runtime [default: ort on the CPU, torch on a GPU].")
 @click.option("--force", is_flag=True, help="Replace an existing OUT.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")

@@ -125,10 +125,12 @@ def calibrate_dspark(cache: TargetCache, draft_dir: str | Path, target_cfg: Mode
     cfg = loaded.config
     if not cfg.enable_confidence_head:
         raise SpecrtError(f"{draft_dir}: the head has no confidence head to calibrate")
-    samples = (cache.manifest.get("splits") or {}).get(split)
+    splits = cache.manifest.get("splits") or {}
+    samples = splits.get(split)
     if not samples:
-        raise SpecrtError(f"target cache {cache.path} has no {split!r} split (it has "
-                          f"{', '.join(cache.manifest.get('splits') or {}) or 'none'})")
+        raise SpecrtError(f"target cache {cache.path}: its {split!r} split holds no sample (samples per split: "
+                          f"{', '.join(f'{k} {len(v)}' for k, v in splits.items()) or 'none'}); give more prompts "
+                          "or a larger --calib-fraction")
     samples = [i for i in samples if cache.samples[i][1] - cache.samples[i][2] >= 2][:max_seqs]
     if loaded.shared and target_weights is None:
         raise SpecrtError(f"{draft_dir} shares {', '.join(loaded.shared)} with the target; pass target_weights")

@@ -65,11 +65,13 @@ def _minutes(s: float) -> str:
     return f"{s / 60:.0f} min" if s >= 60 else f"{s:.0f} s"
 
 
-def time_calls(art: str | Path, *, threads: int | None = None, repeats: int = 3) -> tuple[int, float, float]:
+def time_calls(art: str | Path, *, threads: int | None = None, repeats: int = 3, backend: str = "ort",
+               device: str = "cpu") -> tuple[int, float, float]:
     """(slots, ms of a decoding step over all of them, tokens/s of a prefill chunk) of the artifact's target, timed
-    now: the median of `repeats` calls after a warm-up call each."""
+    now on `backend` and `device`: the median of `repeats` calls after a warm-up call each."""
     manifest = io.load_manifest(art)
-    target = load_runner("ort", Path(art), manifest, io.TARGET, threads=threads, spin=True)
+    target = load_runner(backend, Path(art), manifest, io.TARGET, threads=threads, spin=True,
+                         **({"device": device} if backend == "torch" else {}))
     b = manifest.export.batch
     target.allocate(b)
     token, position = min(100, manifest.model.vocab_size - 1), 64
@@ -94,7 +96,7 @@ def time_calls(art: str | Path, *, threads: int | None = None, repeats: int = 3)
 
 
 def estimate(art: str | Path, *, prompts: int, prompt_tokens: int, generate_tokens: int, feature_tokens: int,
-             train_steps: int, threads: int | None = None) -> Estimate:
-    slots, step_ms, prefill = time_calls(art, threads=threads)
+             train_steps: int, threads: int | None = None, backend: str = "ort", device: str = "cpu") -> Estimate:
+    slots, step_ms, prefill = time_calls(art, threads=threads, backend=backend, device=device)
     return Estimate(prompts, prompt_tokens, generate_tokens, feature_tokens, slots, round(step_ms, 3),
                     round(prefill, 1), train_steps)

@@ -66,8 +66,11 @@ def _reuse(cache_dir: Path, key: dict[str, Any], splits: Mapping[str, Sequence[i
 
 def _key(m: dict[str, Any]) -> dict[str, Any]:
     """What a cache depends on: the responses file's content, the target's weights, the feature sources."""
-    return {"responses_sha256": m.get("source", {}).get("sha256"), "feature_sources": m.get("feature_sources"),
-            "target_sources": m.get("target", {}).get("sources")}
+    key = {"responses_sha256": m.get("source", {}).get("sha256"), "feature_sources": m.get("feature_sources"),
+           "target_sources": m.get("target", {}).get("sources")}
+    if m.get("backend"):  # captured elsewhere than ONNX Runtime on the CPU (the keys of those stay as they were)
+        key["backend"] = m["backend"]
+    return key
 
 
 def _cache_splits(splits: Mapping[str, Sequence[int]], positions: dict[int, int]) -> dict[str, list[int]]:
@@ -78,8 +81,10 @@ def _cache_splits(splits: Mapping[str, Sequence[int]], positions: dict[int, int]
 class _FeatureReader:
     """Runs the prefill graph over one sequence at a time in B=1 chunks (the engine's prefill calls)."""
 
-    def __init__(self, art: Path, manifest: io.Manifest, columns: np.ndarray, threads: int | None) -> None:
-        self.runner = load_runner("ort", art, manifest, io.TARGET, threads=threads)
+    def __init__(self, art: Path, manifest: io.Manifest, columns: np.ndarray, threads: int | None,
+                 backend: str = "ort", device: str = "cpu") -> None:
+        self.runner = load_runner(backend, art, manifest, io.TARGET, threads=threads,
+                                  **({"device": device} if backend == "torch" else {}))
         self.runner.allocate(1)
         s = columns[0]  # the usual case (sources stored contiguously) slices instead of gathering
         self.columns = slice(s, s + len(columns)) if np.array_equal(columns, np.arange(s, s + len(columns))) \
@@ -99,9 +104,11 @@ class _FeatureReader:
 def capture_features(art_dir: str | Path, responses_jsonl: str | Path, cache_dir: str | Path, *,
                      feature_sources: Sequence[int | str], splits: Mapping[str, Sequence[int]],
                      min_response_tokens: int = MIN_RESPONSE_TOKENS, threads: int | None = None,
-                     progress: bool = True) -> Path:
+                     progress: bool = True, backend: str = "ort", device: str = "cpu") -> Path:
     """Write a TargetCache of every response with >= `min_response_tokens` tokens; `splits` maps split
-    names to response indices (e.g. `PromptSplit.indices`). Returns the existing cache if it matches."""
+    names to response indices (e.g. `PromptSplit.indices`). Returns the existing cache if it matches.
+    `backend`, `device`: where the target runs; a cache captured elsewhere than ONNX Runtime on the CPU records
+    where (its numerics differ), so neither resumes nor reuses the other's."""
     art, responses, cache_dir = Path(art_dir), Path(responses_jsonl), Path(cache_dir)
     manifest = io.load_manifest(art)
     sources = list(feature_sources)
@@ -112,7 +119,8 @@ def capture_features(art_dir: str | Path, responses_jsonl: str | Path, cache_dir
         raise SpecrtError(f"{cache_dir} exists and is not a target cache; refusing to replace it")
     source = {"responses": str(responses.resolve()), "sha256": sha256_file(responses)}
     target = _target_info(art, manifest)
-    key = _key({"source": source, "feature_sources": sources, "target": target})
+    placement = {} if backend == "ort" else {"backend": f"{backend}:{device}"}
+    key = _key({"source": source, "feature_sources": sources, "target": target, **placement})
     if _reuse(cache_dir, key, splits):
         return cache_dir
     rows = sorted(read_responses(responses), key=lambda r: int(r["index"]))
@@ -125,7 +133,7 @@ def capture_features(art_dir: str | Path, responses_jsonl: str | Path, cache_dir
     if not kept:
         raise SpecrtError(f"{responses}: no response has >= {min_response_tokens} tokens and fits the "
                           f"artifact's {capacity} cache positions; nothing to distill from")
-    reader = _FeatureReader(art, manifest, columns, threads)
+    reader = _FeatureReader(art, manifest, columns, threads, backend, device)
     # an interrupted capture of the same inputs resumes after its last whole sample
     writer = CacheWriter(cache_dir, feature_dim=len(columns), key=dict(key, kept=len(kept),
                                                                           min_response_tokens=min_response_tokens))
@@ -143,7 +151,7 @@ def capture_features(art_dir: str | Path, responses_jsonl: str | Path, cache_dir
         meta = meta_path(responses)
         positions = {int(r["index"]): n for n, r in enumerate(kept)}
         return writer.finish({
-            "target": target, "source": source, "feature_sources": sources,
+            "target": target, "source": source, "feature_sources": sources, **placement,
             "hidden_size": manifest.model.hidden_size,
             "splits": _cache_splits(splits, positions),
             "provenance": [{"index": int(r["index"]), "file": r.get("file"), "row": r.get("row"),

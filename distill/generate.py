@@ -110,12 +110,14 @@ def _check_meta(out: Path, meta: dict[str, Any]) -> None:
 
 def generate_responses(art_dir: str | Path, prompts: Sequence[PromptLike], out_jsonl: str | Path, *,
                        max_new_tokens: int = 256, sampling: str = "greedy", seed: int = 0,
-                       threads: int | None = None, progress: bool = True) -> Path:
+                       threads: int | None = None, progress: bool = True, backend: str = "ort",
+                       device: str = "cpu") -> Path:
     """Generate the target's response to every prompt (method "ar", B slots, continuous batching) into
-    `out_jsonl`, one flushed line per finished prompt; rerunning resumes where an earlier run stopped."""
+    `out_jsonl`, one flushed line per finished prompt; rerunning resumes where an earlier run stopped.
+    `backend`, `device`: where the engine runs (the torch backend on a GPU: "torch", "cuda")."""
     out = Path(out_jsonl)
     params = sampling_params(sampling, max_new_tokens=max_new_tokens, seed=seed)
-    engine = Engine(art_dir, EngineConfig(threads=threads))
+    engine = Engine(art_dir, EngineConfig(threads=threads, backend=backend, device=device))
     encoded = [_prompt_ids(engine, p) for p in prompts]
     _check_meta(out, {"artifact": str(Path(art_dir).resolve()), "target": engine.manifest.name,
                       "target_sources": [s.sha256 for s in engine.manifest.sources],

@@ -76,6 +76,10 @@ class DistillSettings:
     threads: int | None = None
     weights: str | None = None  # of the work target that generates and gives features; None: what export uses
     objective: str = "sampled"  # DSpark: "sampled" (DeepSpec's loss, T=1) or "greedy" (argmax, T=0 serving)
+    # where the work target generates and gives features (None: ONNX Runtime on the CPU, the torch backend on a GPU)
+    # and where the head trains
+    backend: str | None = None
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.head not in HEADS:
@@ -100,6 +104,17 @@ class DistillSettings:
             raise SpecrtError(f"--objective {self.objective} is for --head dspark (an MTP head trains on CE + KL)")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise SpecrtError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.backend not in (None, "ort", "torch"):
+            raise SpecrtError(f"--backend must be ort or torch, got {self.backend!r}")
+        if self.backend == "ort" and not self.device.startswith("cpu"):
+            raise SpecrtError(f"--device {self.device} runs the target on the torch backend (the onnxruntime "
+                              "installed here runs on the CPU); leave --backend out or pass --backend torch")
+
+    @property
+    def runs_on(self) -> dict[str, str]:
+        """The work target's backend and device, as the generation and feature stages take them."""
+        backend = self.backend or ("ort" if self.device.startswith("cpu") else "torch")
+        return {"backend": backend, "device": self.device}
 
 
 class _Timings:
@@ -147,9 +162,9 @@ def _train(s: DistillSettings, cache: TargetCache, loaded, train_dir: Path, ids:
         return train_dspark(cache, loaded.weights, loaded.config, train_dir, layers=s.layers, block=s.block,
                             markov_rank=s.markov_rank, head_type=s.head_type, target_layer_ids=tuple(ids),
                             steps=s.steps, lr=s.lr, seed=s.seed, threads=s.threads, progress=progress,
-                            objective=s.objective)
+                            objective=s.objective, device=s.device)
     return train_mtp(cache, loaded.weights, loaded.config, train_dir, steps=s.steps, lr=s.lr, seed=s.seed,
-                     threads=s.threads, progress=progress)
+                     threads=s.threads, progress=progress, device=s.device)
 
 
 def _save_compact(s: DistillSettings, train_dir: Path, staging: Path, loaded) -> None:
@@ -182,7 +197,7 @@ def _estimate(art: Path, s: DistillSettings, split: PromptSplit | None, given: P
     if given is not None:
         rows = read_responses(given)
         return estimate(art, prompts=len(rows), prompt_tokens=sum(len(r["prompt_ids"]) for r in rows),
-                        generate_tokens=0, train_steps=s.steps, threads=s.threads,
+                        generate_tokens=0, train_steps=s.steps, threads=s.threads, **s.runs_on,
                         feature_tokens=sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows))
     from specrt.distill.generate import prompt_tokens
     from specrt.runtime.tokenizer import Tokenizer
@@ -192,7 +207,8 @@ def _estimate(art: Path, s: DistillSettings, split: PromptSplit | None, given: P
     n = len(split.prompts) * s.responses_per_prompt
     prompt = sum(prompt_tokens(tokenizer, p) for p in split.prompts) * s.responses_per_prompt
     return estimate(art, prompts=len(split.prompts), prompt_tokens=prompt, generate_tokens=n * s.max_new_tokens,
-                    feature_tokens=prompt + n * s.max_new_tokens, train_steps=s.steps, threads=s.threads)
+                    feature_tokens=prompt + n * s.max_new_tokens, train_steps=s.steps, threads=s.threads,
+                    **s.runs_on)
 
 
 def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, settings: DistillSettings, *,
@@ -217,6 +233,10 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
     if responses and s.limit is not None:
         raise SpecrtError("--limit chooses among --prompts; with --responses every response is used")
     # everything is checked before the work directory is made: a failed start leaves nothing behind
+    if not s.device.startswith("cpu"):
+        from specrt.distill.train_dspark import train_device
+
+        train_device(s.device)  # a GPU that is not there: one line, now
     source = resolve_model(target, progress=progress)
     check_out(out, sources=[source, work, *prompt_files, *responses], force=force, command="distill")
     if work.resolve() == out.resolve() or out.resolve() in work.resolve().parents:
@@ -262,7 +282,8 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
     if split is not None:
         k_files = [timed("generate", lambda k=k: generate_responses(
             art, split.prompts, responses_file(work, k), max_new_tokens=s.max_new_tokens,
-            sampling=extra_sampling(k, s.sampling), seed=s.seed + k, threads=s.threads, progress=progress))
+            sampling=extra_sampling(k, s.sampling), seed=s.seed + k, threads=s.threads, progress=progress,
+            **s.runs_on))
             for k in range(s.responses_per_prompt)]
         splits, n = split.indices, len(split.prompts)
     if split is None:
@@ -276,7 +297,8 @@ def distill(target: str, prompt_files: Sequence[str | Path], out: str | Path, se
         cache_name = f"cache.x{len(k_files)}"  # beside the single-response cache, so neither replaces the other
     cache_dir = timed("features", lambda: capture_features(art, responses_path, work / cache_name,
                                                            feature_sources=sources, splits=splits,
-                                                           threads=s.threads, progress=progress))
+                                                           threads=s.threads, progress=progress,
+                                                           **s.runs_on))
     cache = TargetCache(cache_dir)
     train_dir = work / f"train-{s.head}"
     result = timed("train", lambda: _train(s, cache, loaded, train_dir, ids, progress))

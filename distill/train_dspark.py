@@ -17,7 +17,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +70,32 @@ def bf16_is_fast() -> bool:
     return any(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
+def train_device(name: str) -> torch.device:
+    """The device a head trains on ("cpu", "cuda[:N]"), or a one-line error when it cannot be used here."""
+    from specrt.runtime.backends.torch import device_of
+
+    return device_of(name)
+
+
+def on_device(batch, device: torch.device):
+    """A batch dataclass with its tensors (and tuples of tensors) on `device`."""
+    if device.type == "cpu":
+        return batch
+
+    def move(x):
+        return tuple(t.to(device, non_blocking=True) for t in x) if isinstance(x, tuple) else \
+            x.to(device, non_blocking=True) if isinstance(x, Tensor) else x
+
+    return replace(batch, **{f.name: move(getattr(batch, f.name)) for f in fields(batch)})
+
+
 class FrozenHead:
-    """The target's lm_head as the trainers use it: frozen, in bf16 where that is fast (`dtype` None), else fp32."""
+    """The target's lm_head as the trainers use it: frozen, in bf16 where that is fast (`dtype` None: on a GPU, or
+    a CPU with native bf16 matmuls), else fp32."""
 
     def __init__(self, weight: Tensor, dtype: torch.dtype | None = None) -> None:
         if dtype is None:
-            dtype = torch.bfloat16 if bf16_is_fast() else torch.float32
+            dtype = torch.bfloat16 if weight.device.type == "cuda" or bf16_is_fast() else torch.float32
         self.weight = weight.detach() if dtype == weight.dtype else weight.detach().to(dtype)
 
     def __call__(self, h: Tensor, extra: Tensor | None = None, extra_weight: Tensor | None = None) -> Tensor:
@@ -133,7 +153,7 @@ def save_state(path: Path, step: int, model: nn.Module, opt: torch.optim.Optimiz
 
 def load_state(path: Path, model: nn.Module, opt: torch.optim.Optimizer, config: dict[str, Any]) -> dict[str, Any]:
     """Restore `save_state`'s checkpoint into model and optimizer; refuse one written with other settings."""
-    state = torch.load(path, weights_only=True)
+    state = torch.load(path, weights_only=True, map_location=next(model.parameters()).device)
     if state["config"] != config:
         diff = sorted(k for k in config.keys() | state["config"].keys() if config.get(k) != state["config"].get(k))
         raise SpecrtError(f"{path} was written with other settings ({', '.join(diff)}); "
@@ -256,11 +276,12 @@ def block_rows(model: DSparkDraft, head: FrozenHead, batch: DSparkBatch) -> Bloc
     # the Markov bias W2·W1[prev] joins the head's matmul, in the head's dtype
     logits = head(h[v]) if mk is None else head(h[v], mk.features(prev_emb, h)[v], mk.markov_w2.weight)
     conf = model.confidence_logits(h, prev_emb)[v] if model.confidence_head is not None else None
-    slot = torch.arange(k).expand_as(v)[v]
-    pos = batch.anchors.unsqueeze(-1) + torch.arange(k)
-    rows = (torch.arange(v.shape[0]).view(-1, 1, 1) * batch.ids.shape[1] + pos)[v]
+    dev = v.device
+    slot = torch.arange(k, device=dev).expand_as(v)[v]
+    pos = batch.anchors.unsqueeze(-1) + torch.arange(k, device=dev)
+    rows = (torch.arange(v.shape[0], device=dev).view(-1, 1, 1) * batch.ids.shape[1] + pos)[v]
     return BlockRows(logits, batch.labels[v], target_probs(head, batch.final, rows), conf, slot,
-                     position_weights(k)[slot])
+                     position_weights(k).to(dev)[slot])
 
 
 def block_loss(model: DSparkDraft, head: FrozenHead, batch: DSparkBatch,
@@ -279,12 +300,13 @@ def evaluate_blocks(model: DSparkDraft, head: FrozenHead, batches: list[DSparkBa
     acc_sum, acc_n = torch.zeros(k), torch.zeros(k)
     for batch in batches:
         parts, slot = block_loss(model, head, batch, objective)
-        acc = torch.zeros(batch.valid.shape)
-        acc[batch.valid] = parts.acc
-        blocks = batch.valid[..., 0]
-        taus.append(tau_probabilistic(acc, batch.valid.float())[blocks])
+        valid, slot, row_acc = batch.valid.cpu(), slot.cpu(), parts.acc.float().cpu()
+        acc = torch.zeros(valid.shape)
+        acc[valid] = row_acc
+        blocks = valid[..., 0]
+        taus.append(tau_probabilistic(acc, valid.float())[blocks])
         losses.append(parts.total.item())
-        acc_sum += torch.zeros(k).index_add_(0, slot, parts.acc)
+        acc_sum += torch.zeros(k).index_add_(0, slot, row_acc)
         acc_n += torch.bincount(slot, minlength=k)
     return {"tau": torch.cat(taus).mean().item(), "loss": float(np.mean(losses)),
             "acc": (acc_sum / acc_n.clamp(min=1)).tolist()}
@@ -326,11 +348,12 @@ def train_dspark(cache: TargetCache, target_weights: dict[str, np.ndarray], targ
                  steps: int = 5000, batch_anchors: int = 64, batch_seqs: int = 2, lr: float = 6e-4,
                  warmup: float = 0.04, seed: int = 0, threads: int | None = None, head_dtype: str | None = None,
                  save_every: int = 200, eval_every: int | None = None, eval_anchors: int = 256,
-                 progress: bool = True, resume: bool = True, objective: str = "sampled") -> TrainResult:
+                 progress: bool = True, resume: bool = True, objective: str = "sampled",
+                 device: str = "cpu") -> TrainResult:
     """Train a DSpark head on the cache's train split; save it in DeepSpec's layout to `out_dir`.
 
     `objective`: "sampled" (DeepSpec's loss, for T=1 rejection sampling) or "greedy" (for T=0 verification; see
-    `losses.dspark_loss`).
+    `losses.dspark_loss`). `device`: where it trains ("cuda": batches are gathered on the host, moved per step).
     `target_layer_ids` default: every layer feature in the cache. `head_dtype` None = bf16 where the CPU has it.
     The defaults take about 55 minutes for SmolLM2-135M on 2 CPU cores (~1.5 steps/s with bf16, evals included).
     """
@@ -348,6 +371,7 @@ def train_dspark(cache: TargetCache, target_weights: dict[str, np.ndarray], targ
     cfg = DSparkConfig.from_hf(hf)
     cfg.check_target(target_cfg)
     train, held = train_eval_split(cache, min_response=2)
+    dev = train_device(device)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads or old_threads)
     try:
@@ -357,17 +381,18 @@ def train_dspark(cache: TargetCache, target_weights: dict[str, np.ndarray], targ
         embed = target_weights["model.embed_tokens.weight"]
         model.embed_tokens.weight = frozen_param(embed)  # frozen copies of the target's (DeepSpec §1.6)
         model.lm_head.weight = frozen_param(target_weights.get("lm_head.weight", embed))
+        model.to(dev)
         head = FrozenHead(model.lm_head.weight, getattr(torch, head_dtype) if head_dtype else None)
         eval_rng = np.random.default_rng([seed, EVAL_SEED])
         held = list(eval_rng.permutation(held)[:16])
         per_eval = max(1, eval_anchors // len(held))
-        eval_batches = [make_batch(cache, held[i:i + batch_seqs], per_eval, block, eval_rng, ctx_cols, final_cols)
-                        for i in range(0, len(held), batch_seqs)]
+        eval_batches = [on_device(make_batch(cache, held[i:i + batch_seqs], per_eval, block, eval_rng, ctx_cols,
+                                             final_cols), dev) for i in range(0, len(held), batch_seqs)]
 
         def step_loss(step: int) -> LossParts:
             rng = np.random.default_rng([seed, step])  # a function of the step alone: resuming replays exactly
             picked = list(rng.choice(train, size=min(batch_seqs, len(train)), replace=False))
-            batch = make_batch(cache, picked, per_seq, block, rng, ctx_cols, final_cols)
+            batch = on_device(make_batch(cache, picked, per_seq, block, rng, ctx_cols, final_cols), dev)
             return block_loss(model, head, batch, objective)[0]
 
         config = {"kind": "dspark", "layers": layers, "block": block, "markov_rank": markov_rank,
@@ -379,7 +404,8 @@ def train_dspark(cache: TargetCache, target_weights: dict[str, np.ndarray], targ
         if objective != "sampled":  # the configs of heads trained before the option stay as they were
             config["objective"] = objective
         return run_training(model, step_loss, lambda: evaluate_blocks(model, head, eval_batches, objective),
-                            lambda: save_deepspec_checkpoint(out, hf, model.state_dict()), out_dir=out,
+                            lambda: save_deepspec_checkpoint(out, hf, {k: v.cpu() for k, v in
+                                                                       model.state_dict().items()}), out_dir=out,
                             config=config, steps=steps, lr=lr, warmup=warmup, save_every=save_every,
                             eval_every=eval_every or max(1, steps // 10), progress=progress, resume=resume,
                             desc="distill dspark")

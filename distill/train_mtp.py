@@ -22,7 +22,8 @@ from specrt.model_config import ModelConfig
 from specrt.distill.cache import TargetCache
 from specrt.distill.losses import LossParts, mtp_loss
 from specrt.distill.train_dspark import (EVAL_SEED, FINAL, FrozenHead, TrainResult, frozen_param,
-                                                  init_weights, run_training, train_eval_split)
+                                                  init_weights, on_device, run_training, train_device,
+                                                  train_eval_split)
 from specrt.model_config import EMBED, HEAD, MTPConfig
 from specrt.exporter.loaders.mtp import save_mtp_checkpoint
 from specrt.models.mtp import MTP
@@ -67,7 +68,7 @@ def make_batch(cache: TargetCache, samples: list[int], final_cols: slice, rng: n
 
 def mtp_batch_loss(model: MTP, head: FrozenHead, batch: MTPBatch) -> LossParts:
     """CE + KL over the batch's loss rows (only those rows go through the V-wide head)."""
-    positions = torch.arange(batch.tokens.shape[1]).expand_as(batch.tokens)
+    positions = torch.arange(batch.tokens.shape[1], device=batch.tokens.device).expand_as(batch.tokens)
     h = model.forward_train(batch.tokens, batch.hidden, positions)
     logits = head(model.shared_head.norm(h[batch.rows]))
     with torch.no_grad():
@@ -80,7 +81,7 @@ def chained_tau(acc: Tensor, rows: tuple[Tensor, Tensor], gamma: int) -> Tensor:
 
     An estimate: depth k > 1 really feeds back the MTP's own hidden and draft token, so this is optimistic."""
     b, t = rows
-    grid = torch.zeros(int(b.max()) + 1, int(t.max()) + 1 + gamma)
+    grid = torch.zeros(int(b.max()) + 1, int(t.max()) + 1 + gamma, device=acc.device)
     grid[b, t] = acc
     windows = grid.unfold(1, gamma, 1)[b, t]  # [R, γ]: a_t .. a_{t+γ-1}
     return 1 + torch.cumprod(windows, dim=-1).sum(-1)
@@ -92,8 +93,8 @@ def evaluate_mtp(model: MTP, head: FrozenHead, batches: list[MTPBatch], gamma: i
     taus, accs, losses = [], [], []
     for batch in batches:
         parts = mtp_batch_loss(model, head, batch)
-        taus.append(chained_tau(parts.acc, batch.rows, gamma))
-        accs.append(parts.acc)
+        taus.append(chained_tau(parts.acc, batch.rows, gamma).cpu())
+        accs.append(parts.acc.cpu())
         losses.append(parts.total.item())
     return {"tau": torch.cat(taus).mean().item(), "acc": torch.cat(accs).mean().item(), "loss": float(np.mean(losses))}
 
@@ -102,8 +103,9 @@ def train_mtp(cache: TargetCache, target_weights: dict[str, np.ndarray], target_
               out_dir: str | Path, *, steps: int = 5000, batch_tokens: int = 256, lr: float = 6e-4,
               warmup: float = 0.04, seed: int = 0, threads: int | None = None, head_dtype: str | None = None,
               gamma: int = 3, save_every: int = 200, eval_every: int | None = None, eval_seqs: int = 16,
-              progress: bool = True, resume: bool = True) -> TrainResult:
-    """Train an MTP head on the cache's train split; save it with `save_mtp_checkpoint` to `out_dir`.
+              progress: bool = True, resume: bool = True, device: str = "cpu") -> TrainResult:
+    """Train an MTP head on the cache's train split; save it with `save_mtp_checkpoint` to `out_dir` (trained on
+    `device`: "cpu" or "cuda[:N]").
 
     τ is the chained estimate for `gamma` draft steps from the depth-1 acceptances (see `chained_tau`).
     The defaults take about 25 minutes for SmolLM2-135M on 2 CPU cores (~3.3 steps/s with bf16)."""
@@ -116,6 +118,7 @@ def train_mtp(cache: TargetCache, target_weights: dict[str, np.ndarray], target_
     train, held = train_eval_split(cache, min_response=2)
     loss_rows = {i: int(cache.samples[i][1] - max(2, cache.samples[i][2])) for i in range(len(cache))}
     train, held = [i for i in train if loss_rows[i] > 0], [i for i in held if loss_rows[i] > 0]
+    dev = train_device(device)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads or old_threads)
     try:
@@ -126,9 +129,10 @@ def train_mtp(cache: TargetCache, target_weights: dict[str, np.ndarray], target_
         embed = target_weights["model.embed_tokens.weight"]
         model.embed_tokens.weight = frozen_param(embed)  # aliases of the target's, never saved
         model.shared_head.head.weight = frozen_param(target_weights.get("lm_head.weight", embed))
+        model.to(dev)
         head = FrozenHead(model.shared_head.head.weight, getattr(torch, head_dtype) if head_dtype else None)
         held = list(np.random.default_rng([seed, EVAL_SEED]).permutation(held)[:eval_seqs])
-        eval_batches = [make_batch(cache, held[i:i + 4], final_cols) for i in range(0, len(held), 4)]
+        eval_batches = [on_device(make_batch(cache, held[i:i + 4], final_cols), dev) for i in range(0, len(held), 4)]
 
         def step_loss(step: int) -> LossParts:
             rng = np.random.default_rng([seed, step])  # a function of the step alone: resuming replays exactly
@@ -138,10 +142,10 @@ def train_mtp(cache: TargetCache, target_weights: dict[str, np.ndarray], target_
                 rows += loss_rows[int(i)]
                 if rows >= batch_tokens:
                     break
-            return mtp_batch_loss(model, head, make_batch(cache, picked, final_cols, rng, batch_tokens))
+            return mtp_batch_loss(model, head, on_device(make_batch(cache, picked, final_cols, rng, batch_tokens), dev))
 
         def save() -> None:
-            weights = {k: v for k, v in model.state_dict().items() if k not in (EMBED, HEAD)}
+            weights = {k: v.cpu() for k, v in model.state_dict().items() if k not in (EMBED, HEAD)}
             save_mtp_checkpoint(out, target_cfg.to_hf(), weights)
 
         config = {"kind": "mtp", "steps": steps, "batch_tokens": batch_tokens, "lr": lr, "warmup": warmup,

@@ -229,6 +229,8 @@ def test_distilled_heads_export_and_bench_identically(target, distilled, tmp_pat
     (("--head", "mtp", "--layers", "2"), "exactly one layer"),
     (("--head", "mtp", "--objective", "greedy"), "is for --head dspark"),
     (("--weights", "gguf"), "is not a GGUF file"),
+    (("--backend", "ort", "--device", "cuda"), "runs the target on the torch backend"),
+    (("--device", "tpu"), "unknown device 'tpu'"),
 ])
 def test_distill_bad_input_is_one_line(target, distilled, tmp_path, args, message):
     base = {"--head": "dspark", "--prompts": str(distilled["prompts"]), "--steps": "2", "--max-new-tokens": "8",
@@ -282,3 +284,33 @@ def test_distill_a_gguf_file_end_to_end(tmp_path):
                "--scheduler", "fixed", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["identical"]
+
+
+def test_distill_on_the_torch_backend_gives_the_onnx_runtime_responses(target, distilled, tmp_path):
+    """`--backend torch` (what `--device cuda` runs; here on the CPU): the target generates and gives features on
+    the exporter's torch modules, the same greedy responses as ONNX Runtime's and features within float rounding of
+    them; the cache records where it was captured, so it is neither resumed nor reused by a run elsewhere."""
+    from specrt.distill.cache import TargetCache
+
+    work = tmp_path / "work"
+    r = invoke("distill", target, "--head", "mtp", "--prompts", distilled["prompts"], "--out", tmp_path / "mtp",
+               "--work", work, "--backend", "torch", *COMMON)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["settings"]["backend"] == "torch"
+    assert read_responses(work / "responses.jsonl") == read_responses(distilled["work"] / "responses.jsonl")
+    mine, theirs = TargetCache(work / "cache"), TargetCache(distilled["work"] / "cache")
+    assert mine.manifest["backend"] == "torch:cpu" and "backend" not in theirs.manifest
+    np.testing.assert_array_equal(mine.tokens, theirs.tokens)
+    np.testing.assert_allclose(np.asarray(mine.features, np.float32), np.asarray(theirs.features, np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_distill_on_a_gpu_that_is_not_there_is_one_line(target, distilled, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: --device cuda is valid here")
+    r = invoke("distill", target, "--head", "mtp", "--prompts", distilled["prompts"], "--out", tmp_path / "ck",
+               "--work", tmp_path / "w", "--device", "cuda", "--quiet")
+    assert r.exit_code == 1 and "no CUDA GPU is visible" in r.output and len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "w").exists()

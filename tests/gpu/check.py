@@ -397,6 +397,52 @@ def smollm2_part(tmp: Path, args: argparse.Namespace, speed_only: bool = False) 
               2 if args.quick else (8 if batch == 1 else 32), args.dtype, prof)
 
 
+def distill_part(tmp: Path, args: argparse.Namespace) -> None:
+    """scripts/distill_gpu.sh on SmolLM2 (a head for the user's model on one GPU, meant to take ten minutes): its
+    wall time and stages, the head's held-out τ, and the head exported beside the model decoding as AR does on the
+    GPU. The work target runs on the torch backend, the head trains on args.device (--device cpu: a dry run)."""
+    from specrt.configs.fetch import MODEL_FILENAME, cache_dir
+
+    gguf = args.smollm2 or cache_dir() / "models" / MODEL_FILENAME
+    if not gguf.is_file():
+        row("distill", "smollm2", None, "SmolLM2 GGUF not found (--smollm2 or $SPECRT_CACHE): skipped")
+        return
+    out, env = tmp / "distilled", dict(os.environ, DEVICE=args.device)
+    extra = ["--max-new-tokens", "32"] if args.quick else []
+    if args.quick:
+        env.update(LIMIT="48", STEPS="8", GEN_BATCH="8")
+    t0 = time.time()
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "distill_gpu.sh"), str(gguf), str(out), "--backend", "torch",
+                        "--json", "--quiet", *extra], capture_output=True, text=True, env=env, cwd=tmp)
+    wall = time.time() - t0
+    if r.returncode:
+        row("distill", f"smollm2 on {args.device}", False, (r.stderr.strip().splitlines() or ["?"])[-1][-200:])
+        return
+    rep = json.loads(r.stdout)
+    stages = ", ".join(f"{k} {v:.0f} s" for k, v in rep["seconds"].items() if k != "total")
+    row("distill", f"smollm2 dspark on {args.device}", wall <= 600 or args.quick,
+        f"{wall:.0f} s end to end ({stages}); {rep['prompts']['train']} prompts, {rep['train']['steps']} steps at "
+        f"{rep['train']['steps_per_s']:.1f}/s; held-out tau {rep['tau']['untrained']:.2f} -> "
+        f"{rep['tau']['trained']:.2f}", seconds=wall, stages=rep["seconds"])
+
+    @guarded("distill", "its head exported and decoding")
+    def decode():
+        art = tmp / "distilled_art"
+        subprocess.run([sys.executable, "-m", "specrt.cli", "export", str(gguf), "--draft", str(out), "--batch", "1",
+                        "--out", str(art), "--kernels", "stock", "--accuracy-level", "0", "--no-profile", "--force"],
+                       check=True, stdout=subprocess.DEVNULL, cwd=tmp)
+        prompts = prompts_of(art, 4, load_manifest(art).model.vocab_size)
+        n = 16 if args.quick else 64
+        ref, _, _ = generate(art, prompts, n, method="ar", backend="torch", device=args.device, dtype="float32")
+        got, engine, _ = generate(art, prompts, n, method="dspark", backend="torch", device=args.device,
+                                  dtype="float32")
+        tau = engine.stats.to_dict().get("tau")
+        row("distill", "its head: dspark vs ar (fp32, batch 1)", got == ref,
+            f"{sum(a == b for a, b in zip(got, ref))}/{len(ref)} identical to AR"
+            + (f"; tau {tau:.2f}" if tau else ""))
+    decode()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -406,7 +452,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", help="Precision of the speed rows (identity rows are fp32).")
     ap.add_argument("--parts", default="tiny,smollm2,tensorrt",
                     help="Which parts to run (comma-separated): tiny (the tiny models, DeepSpec's fixture, the Triton "
-                         "kernel), smollm2, smollm2-speed (its speed rows alone), tensorrt.")
+                         "kernel), smollm2, smollm2-speed (its speed rows alone), tensorrt, distill "
+                         "(scripts/distill_gpu.sh on SmolLM2, ten minutes: not in the default).")
     args = ap.parse_args()
     t0 = time.time()
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "none (dry run)"
@@ -425,6 +472,8 @@ def main() -> int:
             smollm2_part(tmp, args, speed_only="smollm2" not in parts)
         if "tensorrt" in parts:
             tensorrt_checks(arts, 16)
+        if "distill" in parts:
+            distill_part(tmp, args)
     print(f"\n| check | case | ok | result |\n|---|---|---|---|")
     for r in ROWS:
         mark = {True: "ok", False: "**FAIL**", None: ""}[r["ok"]]
