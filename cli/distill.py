@@ -62,7 +62,7 @@ def _layer_list(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @click.option("--device", default="cpu", show_default=True,
               help="Where generation, features and training run: cpu, or cuda[:N] (the target on the torch "
                    "backend, the head trained on the GPU).")
-@click.option("--backend", type=click.Choice(["ort", "torch"]), default=None,
+@click.option("--backend", type=click.Choice(["ort", "torch"]), default=None,  # distill.pipeline.WORK_BACKENDS
               help="The work target's runtime [default: ort on the CPU, torch on a GPU].")
 @click.option("--force", is_flag=True, help="Replace an existing OUT.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")

@@ -47,6 +47,7 @@ from specrt.outdir import check_out, check_writable, staged
 from specrt.configs.presets import preset_format, resolve_model
 
 HEADS = ("dspark", "mtp")
+WORK_BACKENDS = ("ort", "torch")  # where the work target runs (a TensorRT engine is built per artifact)
 REPORT = "report.json"
 TIMINGS = "timings.json"
 CURVE_POINTS = 200  # loss-curve rows kept in the report (evenly spaced over the run)
@@ -104,8 +105,8 @@ class DistillSettings:
             raise SpecrtError(f"--objective {self.objective} is for --head dspark (an MTP head trains on CE + KL)")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise SpecrtError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
-        if self.backend not in (None, "ort", "torch"):
-            raise SpecrtError(f"--backend must be ort or torch, got {self.backend!r}")
+        if self.backend is not None and self.backend not in WORK_BACKENDS:
+            raise SpecrtError(f"--backend must be one of {', '.join(WORK_BACKENDS)}, got {self.backend!r}")
         if self.backend == "ort" and not self.device.startswith("cpu"):
             raise SpecrtError(f"--device {self.device} runs the target on the torch backend (the onnxruntime "
                               "installed here runs on the CPU); leave --backend out or pass --backend torch")

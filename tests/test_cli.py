@@ -385,12 +385,14 @@ def test_the_cli_offers_exactly_the_registries():
     from specrt.runtime import config
     from specrt.runtime.schedulers import SCHEDULER_CLASSES
     from specrt.serve.triton.config import PLATFORMS
+    from specrt.distill.pipeline import WORK_BACKENDS
 
     assert tuple(SCHEDULER_CLASSES) == config.SCHEDULERS
     registry = {"method": config.METHODS, "scheduler": config.SCHEDULERS, "backend": config.BACKENDS,
                 "dtype": config.DTYPES}
     special = {("triton", "backend"): tuple(PLATFORMS), ("export", "dtype"): io.DTYPES,
-               ("distill", "dtype"): ("bfloat16", "float16", "float32")}  # what is written, not what runs
+               ("distill", "dtype"): ("bfloat16", "float16", "float32"),  # what is written, not what runs
+               ("distill", "backend"): WORK_BACKENDS}  # where its work target runs
     seen = set()
     for name, command in main.commands.items():
         for p in command.params:
