@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from specrt.errors import SpecrtError
 from specrt.model_config import ModelConfig
@@ -93,7 +94,7 @@ def sts_temperatures(conf_logits: np.ndarray, accepted: np.ndarray, valid: np.nd
 
 
 @torch.no_grad()
-def collect_confidence(model: DSparkDraft, head: FrozenHead, batches: list, acceptance: str,
+def collect_confidence(model: DSparkDraft, head: FrozenHead, batches: Iterable, acceptance: str,
                        rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(confidence logits, accepted, valid), each [anchors, K], over teacher-forced blocks of the batches."""
     if acceptance not in ACCEPTANCE:
@@ -118,9 +119,10 @@ def collect_confidence(model: DSparkDraft, head: FrozenHead, batches: list, acce
 def calibrate_dspark(cache: TargetCache, draft_dir: str | Path, target_cfg: ModelConfig, *, split: str = "calib",
                      acceptance: str = "sampled", anchors_per_seq: int = 64, max_seqs: int | None = None,
                      batch_seqs: int = 4, grid: np.ndarray | None = None, bins: int = ECE_BINS, seed: int = 0,
-                     head_dtype: str | None = None,
-                     target_weights: dict[str, np.ndarray] | None = None) -> Calibration:
-    """STS temperatures for the DSpark head in `draft_dir` (DeepSpec layout) on the cache's `split` samples."""
+                     head_dtype: str | None = None, target_weights: dict[str, np.ndarray] | None = None,
+                     progress: bool = False) -> Calibration:
+    """STS temperatures for the DSpark head in `draft_dir` (DeepSpec layout) on the cache's `split` samples (at most
+    `max_seqs` of them, spread evenly over the split)."""
     loaded = load_dspark(draft_dir, target_cfg)
     cfg = loaded.config
     if not cfg.enable_confidence_head:
@@ -131,14 +133,17 @@ def calibrate_dspark(cache: TargetCache, draft_dir: str | Path, target_cfg: Mode
         raise SpecrtError(f"target cache {cache.path}: its {split!r} split holds no sample (samples per split: "
                           f"{', '.join(f'{k} {len(v)}' for k, v in splits.items()) or 'none'}); give more prompts "
                           "or a larger --calib-fraction")
-    samples = [i for i in samples if cache.samples[i][1] - cache.samples[i][2] >= 2][:max_seqs]
+    samples = [i for i in samples if cache.samples[i][1] - cache.samples[i][2] >= 2]
+    if max_seqs is not None and len(samples) > max_seqs:  # evenly spaced: the split holds its files in order
+        samples = [samples[i] for i in np.linspace(0, len(samples) - 1, max_seqs).round().astype(int)]
     if loaded.shared and target_weights is None:
         raise SpecrtError(f"{draft_dir} shares {', '.join(loaded.shared)} with the target; pass target_weights")
     model = DSparkDraft.from_weights(cfg, loaded.with_target(target_weights) if loaded.shared else loaded.weights)
     head = FrozenHead(model.lm_head.weight, getattr(torch, head_dtype) if head_dtype else None)
     ctx_cols, final_cols = cache.feature_slice(list(cfg.target_layer_ids)), cache.feature_slice([FINAL])
     rng = np.random.default_rng(seed)
+    starts = tqdm(range(0, len(samples), batch_seqs), desc="calibrate", unit="batch", disable=not progress)
     batches = (make_batch(cache, samples[i:i + batch_seqs], anchors_per_seq, cfg.block_size, rng, ctx_cols, final_cols)
-               for i in range(0, len(samples), batch_seqs))
+               for i in starts)
     conf, accepted, valid = collect_confidence(model, head, batches, acceptance, rng)
     return replace(sts_temperatures(conf, accepted, valid, grid=grid, bins=bins), acceptance=acceptance)

@@ -382,3 +382,13 @@ def test_calibrate_trained_head(tiny, trained, acceptance):
     cal = calibrate_dspark(cache, trained.out_dir, target.config, acceptance=acceptance, anchors_per_seq=16)
     assert len(cal.temperatures) == 4 and cal.acceptance == acceptance and min(cal.counts) > 0
     assert sum(cal.ece_after) <= sum(cal.ece_before) + 1e-9
+
+
+def test_calibrate_reads_at_most_max_seqs_spread_over_the_split(tiny, trained, monkeypatch):
+    import specrt.distill.calibrate as calibrate
+    _, target, cache = tiny
+    read, make = [], calibrate.make_batch
+    monkeypatch.setattr(calibrate, "make_batch", lambda c, samples, *a: read.extend(samples) or make(c, samples, *a))
+    split = cache.manifest["splits"]["calib"]
+    calibrate_dspark(cache, trained.out_dir, target.config, anchors_per_seq=16, max_seqs=3)
+    assert len(read) == 3 and read[0] == split[0] and read[-1] == split[-1]  # not the split's first three
