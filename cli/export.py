@@ -40,7 +40,8 @@ from specrt.cli.options import export_options, export_settings
 @click.option("--draft-vocab", type=int, default=None,
               help="Draft heads score only the N most frequent target tokens of their distillation data (FR-Spec: "
                    "DSpark's LM and Markov heads, MTP's head; output stays exact). 0: the whole vocabulary. "
-                   "[default: 2048 for a preset's shipped heads, else 0]")
+                   "[default: 2048 when every head has its token counts (the shipped heads, and heads from "
+                   "`specrt distill`) and the vocabulary is larger, else 0]")
 @click.option("--token-counts", type=click.Path(path_type=Path), default=None,
               help="Token counts (.npy, from `specrt distill`) for --draft-vocab [default: token_counts.npy beside "
                    "each head or in its parent directory]")
@@ -74,8 +75,23 @@ def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feed
         if shipped and not quiet:
             click.echo("with the shipped heads: " + ", ".join(f"--{'draft' if k == 'draft' else 'mtp'} {v}"
                                                              for k, v in shipped.items()), err=True)
-    if draft_vocab is None:
-        draft_vocab = PRESET_DRAFT_VOCAB if shipped else 0
+    if draft_vocab is None and shipped:
+        draft_vocab = PRESET_DRAFT_VOCAB
+    elif draft_vocab is None:  # heads with their token counts (as `specrt distill` writes them) get FR-Spec's default
+        from specrt.exporter.heads import token_counts_path
+        from specrt.exporter.vocab import default_draft_vocab
+
+        counts = []
+        for head in filter(None, (draft, mtp)):
+            try:
+                counts.append(token_counts_path(head, token_counts))
+            except SpecrtError:  # a head without counts: the whole vocabulary for every head
+                counts = []
+                break
+        draft_vocab = default_draft_vocab(counts)
+        if draft_vocab and not quiet:
+            click.echo(f"draft vocabulary: the {draft_vocab} tokens most frequent in the heads' distillation data "
+                       "(--draft-vocab 0: the whole vocabulary)", err=True)
     block = None
     if draft is not None:
         from specrt.exporter.heads import dspark_block_size

@@ -10,6 +10,7 @@ from specrt import artifact as io
 from specrt import native
 from specrt.errors import SpecrtError
 from specrt.configs.fetch import PRESETS
+from specrt.exporter.vocab import DEFAULT_DRAFT_VOCAB
 
 # trained heads shipped with specrt (package data, in specrt/ beside artifact.py; not specrt.__file__, which a
 # namespace package lacks: python -m specrt.cli from a folder holding a clone named specrt)
@@ -55,9 +56,9 @@ EXPORT_DEFAULTS = io.ExportSettings(batch=4, max_seq=1024, prefill_chunk=64, ver
 # are, through the cpu lowering (4-bit MatMulNBits, a runtime-sized cache). A TensorRT build wants
 # `--weights float --attention standard`.
 PRESET_FORMAT = {"weights": "gguf", "attention": "cpu"}
-# With its shipped DSpark head, a preset's draft scores the 2048 tokens most frequent in the head's distillation
-# data (FR-Spec; docs/speculation.md, "A smaller draft vocabulary": the draft call 0.22 instead of 1.09 decoding steps, same τ).
-PRESET_DRAFT_VOCAB = 2048
+# With its shipped heads, a preset's drafts score the 2048 tokens most frequent in the heads' distillation data
+# (FR-Spec; docs/speculation.md, "A smaller draft vocabulary": the draft call 0.22 instead of 1.09 decoding steps, same τ).
+PRESET_DRAFT_VOCAB = DEFAULT_DRAFT_VOCAB
 
 
 def preset_kernels() -> str:

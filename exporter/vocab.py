@@ -18,6 +18,10 @@ import numpy as np
 from specrt.errors import SpecrtError
 
 COUNTS_FILE = "token_counts.npy"
+# A head exported with its token counts (the shipped heads; every head `specrt distill` writes) scores this many
+# tokens unless --draft-vocab says otherwise: SmolLM2's DSpark draft call 0.22 decoding steps instead of 1.09, same
+# τ (docs/speculation.md, "A smaller draft vocabulary")
+DEFAULT_DRAFT_VOCAB = 2048
 
 
 def count_tokens(responses: Iterable[Sequence[int]], vocab_size: int) -> np.ndarray:
@@ -48,6 +52,20 @@ def read_counts(path: str | Path, vocab_size: int) -> np.ndarray:
         raise SpecrtError(f"{p} holds {counts.dtype}{list(counts.shape)}, not non-negative counts for a "
                           f"{vocab_size}-token vocabulary")
     return counts.astype(np.int64)
+
+
+def default_draft_vocab(counts_files: Sequence[Path]) -> int:
+    """--draft-vocab when not given: DEFAULT_DRAFT_VOCAB for heads whose token counts are `counts_files` (one per
+    head; none when a head has none, which means the whole vocabulary, 0), if the vocabulary is larger."""
+    if not counts_files:
+        return 0
+    sizes = []
+    for p in counts_files:
+        try:
+            sizes.append(len(np.load(p, allow_pickle=False, mmap_mode="r")))
+        except (OSError, ValueError, TypeError) as e:
+            raise SpecrtError(f"{p} is not a token-count file: {e}") from None
+    return DEFAULT_DRAFT_VOCAB if min(sizes) > DEFAULT_DRAFT_VOCAB else 0
 
 
 def draft_vocab(counts: np.ndarray, size: int, *, keep: Iterable[int] = ()) -> np.ndarray:

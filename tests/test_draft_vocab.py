@@ -190,3 +190,26 @@ def test_cli_errors(tmp_path):
     r = CliRunner().invoke(main, ["export", str(FIXTURE / "target"), "--out", str(tmp_path / "d"), "--draft-vocab",
                                   "-3", "--quiet"])
     assert r.exit_code != 0 and "--draft-vocab must be" in r.output
+
+
+def test_heads_with_their_counts_get_the_default_vocabulary(arts, tmp_path, monkeypatch):
+    """A head exported with the token counts `specrt distill` writes beside it scores the default draft vocabulary
+    (the fixture's vocabulary is smaller than 2048, so the default is scaled down here); without counts, all of it."""
+    import specrt.exporter.vocab as vocab
+    from specrt.exporter.vocab import default_draft_vocab
+
+    assert default_draft_vocab([]) == 0 and default_draft_vocab([arts["counts"]]) == 0  # 512 tokens: not larger
+    monkeypatch.setattr(vocab, "DEFAULT_DRAFT_VOCAB", 64)
+    assert default_draft_vocab([arts["counts"]]) == 64
+    (tmp_path / "bad.npy").write_text("not counts")
+    with pytest.raises(SpecrtError, match="bad.npy is not a token-count file"):
+        default_draft_vocab([tmp_path / "bad.npy"])
+    args = ["export", str(FIXTURE / "target"), "--batch", "1", "--max-seq-len", "64", "--prefill-chunk", "8",
+            "--draft", str(FIXTURE / "draft"), "--no-profile"]
+    r = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "with"), "--token-counts", str(arts["counts"])])
+    assert r.exit_code == 0, r.output
+    assert "draft vocabulary: the 64 tokens" in r.output
+    assert len(io.load_manifest(tmp_path / "with").heads["dspark"].vocab_ids) == 64
+    r = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "without"), "--quiet"])  # the fixture has no counts
+    assert r.exit_code == 0, r.output
+    assert not io.load_manifest(tmp_path / "without").heads["dspark"].vocab_ids
