@@ -10,7 +10,6 @@ from specrt import artifact as io
 from specrt import native
 from specrt.errors import SpecrtError
 from specrt.configs.fetch import PRESETS
-from specrt.exporter.vocab import DEFAULT_DRAFT_VOCAB
 
 # trained heads shipped with specrt (package data, in specrt/ beside artifact.py; not specrt.__file__, which a
 # namespace package lacks: python -m specrt.cli from a folder holding a clone named specrt)
@@ -58,7 +57,7 @@ EXPORT_DEFAULTS = io.ExportSettings(batch=4, max_seq=1024, prefill_chunk=64, ver
 PRESET_FORMAT = {"weights": "gguf", "attention": "cpu"}
 # With its shipped heads, a preset's drafts score the 2048 tokens most frequent in the heads' distillation data
 # (FR-Spec; docs/speculation.md, "A smaller draft vocabulary": the draft call 0.22 instead of 1.09 decoding steps, same τ).
-PRESET_DRAFT_VOCAB = DEFAULT_DRAFT_VOCAB
+PRESET_DRAFT_VOCAB = io.DEFAULT_DRAFT_VOCAB
 
 
 def preset_kernels() -> str:

@@ -15,13 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from specrt.artifact import DEFAULT_DRAFT_VOCAB
 from specrt.errors import SpecrtError
 
 COUNTS_FILE = "token_counts.npy"
-# A head exported with its token counts (the shipped heads; every head `specrt distill` writes) scores this many
-# tokens unless --draft-vocab says otherwise: SmolLM2's DSpark draft call 0.22 decoding steps instead of 1.09, same
-# τ (docs/speculation.md, "A smaller draft vocabulary")
-DEFAULT_DRAFT_VOCAB = 2048
 
 
 def count_tokens(responses: Iterable[Sequence[int]], vocab_size: int) -> np.ndarray:

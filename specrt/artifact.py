@@ -245,6 +245,10 @@ def cache_signature(inputs: list[TensorSpec], outputs: list[TensorSpec], *, num_
 
 
 KERNELS = ("stock", "specrt")  # ExportSettings.kernels
+# `specrt export`'s draft vocabulary for heads exported with their token counts (the shipped heads; every head
+# `specrt distill` writes) unless --draft-vocab says otherwise: SmolLM2's DSpark draft call 0.22 decoding steps
+# instead of 1.09, same τ (docs/speculation.md, "A smaller draft vocabulary")
+DEFAULT_DRAFT_VOCAB = 2048
 
 
 @dataclass(frozen=True, slots=True)
