@@ -36,15 +36,19 @@ def write_counts(path: str | Path, counts: np.ndarray) -> None:
     np.save(Path(path), np.asarray(counts, np.int64), allow_pickle=False)
 
 
+def _load(p: Path, mmap_mode: str | None = None) -> np.ndarray:
+    try:
+        return np.load(p, allow_pickle=False, mmap_mode=mmap_mode)
+    except FileNotFoundError:
+        raise SpecrtError(f"token counts not found: {p}") from None
+    except (OSError, ValueError, TypeError) as e:
+        raise SpecrtError(f"{p} is not a token-count file: {e}") from None
+
+
 def read_counts(path: str | Path, vocab_size: int) -> np.ndarray:
     """Counts saved by `write_counts`, checked against the vocabulary they are for."""
     p = Path(path)
-    try:
-        counts = np.load(p, allow_pickle=False)
-    except FileNotFoundError:
-        raise SpecrtError(f"token counts not found: {p}") from None
-    except (OSError, ValueError) as e:
-        raise SpecrtError(f"{p} is not a token-count file: {e}") from None
+    counts = _load(p)
     if counts.shape != (vocab_size,) or counts.dtype.kind not in "iu" or (counts < 0).any():
         raise SpecrtError(f"{p} holds {counts.dtype}{list(counts.shape)}, not non-negative counts for a "
                           f"{vocab_size}-token vocabulary")
@@ -56,13 +60,8 @@ def default_draft_vocab(counts_files: Sequence[Path]) -> int:
     head; none when a head has none, which means the whole vocabulary, 0), if the vocabulary is larger."""
     if not counts_files:
         return 0
-    sizes = []
-    for p in counts_files:
-        try:
-            sizes.append(len(np.load(p, allow_pickle=False, mmap_mode="r")))
-        except (OSError, ValueError, TypeError) as e:
-            raise SpecrtError(f"{p} is not a token-count file: {e}") from None
-    return DEFAULT_DRAFT_VOCAB if min(sizes) > DEFAULT_DRAFT_VOCAB else 0
+    vocab = min(len(_load(Path(p), mmap_mode="r")) for p in counts_files)
+    return DEFAULT_DRAFT_VOCAB if vocab > DEFAULT_DRAFT_VOCAB else 0
 
 
 def draft_vocab(counts: np.ndarray, size: int, *, keep: Iterable[int] = ()) -> np.ndarray:
