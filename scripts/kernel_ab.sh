@@ -31,6 +31,9 @@ build() {  # build TREE PREFIX [DEFINES...]: the kernels' translation units (the
     local defines=("$@")
     [ -f "$tree/gguf_amx.cpp" ] && defines+=(-DSPECRT_OPS_AMX)
     g++ "${flags[@]}" "${defines[@]}" -I"$tree" -c "$tree/gguf_kernels.cpp" -o "$work/$prefix-kernels.o"
+    if [ -f "$tree/gguf_formats.cpp" ]; then
+        g++ "${flags[@]}" "${defines[@]}" -I"$tree" -c "$tree/gguf_formats.cpp" -o "$work/$prefix-formats.o"
+    fi
     g++ "${flags[@]}" "${avx2[@]}" "${defines[@]}" -I"$tree" -c "$tree/gguf_avx2.cpp" -o "$work/$prefix-avx2.o"
     g++ "${flags[@]}" "${avx512[@]}" "${defines[@]}" -I"$tree" -c "$tree/gguf_avx512.cpp" -o "$work/$prefix-avx512.o"
     if [ -f "$tree/gguf_amx.cpp" ]; then

@@ -2,8 +2,8 @@
 user of the artifact would load them (SessionOptions.register_custom_ops_library).
 
 specrt::MatMulGGUF multiplies activations by weights in GGUF's own blocks (the bytes `gguf.quants.quantize` writes,
-as a GGUF file holds them): every format (Q4_0, Q4_1, Q8_0), every row count M from 1 to 16 and batched leading axes,
-SmolLM2's shapes and odd ones (3 blocks, N = 7, N = 1), on every instruction set this CPU runs (the scalar reference
+as a GGUF file holds them): every format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K), every row
+count M from 1 to 16 and batched leading axes, SmolLM2's shapes and odd ones (3 blocks, N = 7, N = 1), on every instruction set this CPU runs (the scalar reference
 and AVX2 forced by SPECRT_OPS_ISA, AVX-512 VNNI and AMX where the CPU has them). Checked two ways: against a numpy emulation
 of the documented arithmetic (activations quantized per 32-block to int8, integer dot products, scales applied in
 float32) to float rounding, and against the plain float product of `gguf`'s own dequantized weights, within the
@@ -23,7 +23,8 @@ from gguf import GGMLQuantizationType  # noqa: E402
 
 from specrt.kernels import reference  # noqa: E402
 
-FORMATS = {"Q4_0": GGMLQuantizationType.Q4_0, "Q4_1": GGMLQuantizationType.Q4_1, "Q8_0": GGMLQuantizationType.Q8_0}
+FORMATS = {name: GGMLQuantizationType[name] for name in reference.FORMATS}
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # 256 weights a block: K a multiple of 256, and gguf has no quantizer for them
 ISAS = ("scalar", "avx2", "avx512vnni", "amx")
 
 
@@ -60,7 +61,7 @@ def _session(lib, fmt: str, k: int, n: int, isa: str, constant: np.ndarray | Non
     """A MatMulGGUF session; W is an input fed with each call, or with `constant` an initializer (which the SIMD
     paths repack once, 8 rows at a time)."""
     node = helper.make_node("MatMulGGUF", ["A", "W"], ["Y"], domain="specrt", format=fmt, K=k, N=n)
-    row = k // 32 * {"Q4_0": 18, "Q4_1": 20}.get(fmt, 34)
+    row = _row_bytes(fmt, k)
     inputs = [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])]
     if constant is None:
         inputs.append(helper.make_tensor_value_info("W", TensorProto.UINT8, [n, row]))
@@ -70,20 +71,42 @@ def _session(lib, fmt: str, k: int, n: int, isa: str, constant: np.ndarray | Non
     return _open(lib, graph, isa)
 
 
+def _row_bytes(fmt: str, k: int) -> int:
+    f = reference.FORMATS.get(fmt)
+    return k if f is None else k // f.block_elems * f.block_bytes  # a format the kernels refuse: any width
+
+
 def _weights(fmt: str, n: int, k: int, rng) -> tuple[np.ndarray, np.ndarray]:
-    """GGUF blocks of a random [n, k] weight (as the file stores them) and gguf's own dequantization of them."""
-    w = rng.normal(size=(n, k)).astype(np.float32) * rng.uniform(0.01, 0.2, size=(n, 1)).astype(np.float32)
-    w += rng.normal(size=(n, k)).astype(np.float32) * 0.01 if fmt == "Q4_1" else 0.0  # mins that are not 0
-    raw = gguf_quants.quantize(w, FORMATS[fmt])
+    """GGUF blocks of a random [n, k] weight (as the file stores them) and gguf's own dequantization of them. gguf
+    quantizes the 32-weight formats; K-quant blocks are random bytes (every byte pattern is a block) with their
+    fp16 scales (and minimums) set to a weight's magnitudes, so every code, sub-block scale and minimum occurs."""
+    if fmt in K_QUANTS:
+        f = reference.FORMATS[fmt]
+        blocks = rng.integers(0, 256, size=(n, k // f.block_elems, f.block_bytes), dtype=np.uint8)
+        at = 208 if fmt == "Q6_K" else 0  # Q6_K keeps d last
+        scales = rng.uniform(0.0005, 0.004, size=(n, k // f.block_elems, 1)).astype(np.float16)
+        blocks[..., at:at + 2] = scales.view(np.uint8)
+        if fmt != "Q6_K":  # dmin
+            blocks[..., 2:4] = (scales * rng.uniform(0.5, 2.0, size=scales.shape).astype(np.float16)).view(np.uint8)
+        raw = blocks.reshape(n, -1)
+    else:
+        w = rng.normal(size=(n, k)).astype(np.float32) * rng.uniform(0.01, 0.2, size=(n, 1)).astype(np.float32)
+        w += rng.normal(size=(n, k)).astype(np.float32) * 0.01 if fmt in ("Q4_1", "Q5_1") else 0.0  # mins not 0
+        raw = gguf_quants.quantize(w, FORMATS[fmt])
     return np.ascontiguousarray(raw), gguf_quants.dequantize(raw, FORMATS[fmt]).astype(np.float32)
 
 
+def _k(fmt: str, k: int) -> int:
+    """A test's K for `fmt`: the K-quants' blocks are 256 weights, so K is rounded up to a multiple of 256."""
+    return -(-k // 256) * 256 if fmt in K_QUANTS else k
+
+
 def test_the_reference_formats_dequantize_as_gguf_does():
-    """Each entry of the reference's format table (block bytes, scale, offset, codes) gives gguf's own weights."""
+    """Each entry of the reference's format table (block bytes, scales, offset, codes) gives gguf's own weights."""
     rng = np.random.default_rng(0)
     for fmt in FORMATS:
-        raw, deq = _weights(fmt, 5, 96, rng)
-        np.testing.assert_array_equal(reference.dequantize(raw, fmt), deq)
+        raw, deq = _weights(fmt, 5, _k(fmt, 96), rng)
+        np.testing.assert_array_equal(reference.dequantize(raw, fmt), deq, err_msg=fmt)
 
 
 def test_the_exporter_refuses_a_kernel_node_off_its_schema():
@@ -120,6 +143,7 @@ def test_matmul_gguf_every_row_count_and_odd_shapes(ops_lib, fmt, isa):
     rng = np.random.default_rng(7)
     for k, n, rows in ((96, 7, range(1, 17)), (32, 1, (1, 3, 16)), (576, 1536, (1, 2, 5, 16)),
                        (1536, 576, (1, 4, 8)), (576, 49152 // 64, (1, 9))):
+        k = _k(fmt, k)
         raw, deq = _weights(fmt, n, k, rng)
         fed, packed = _session(ops_lib, fmt, k, n, isa), _session(ops_lib, fmt, k, n, isa, constant=raw)
         for m in rows:
@@ -213,10 +237,12 @@ def test_packed_weights_in_huge_page_chunks_or_the_heap_give_the_same_bits(ops_l
 def test_matmul_gguf_refuses_bad_attributes_and_shapes(ops_lib):
     rng = np.random.default_rng(0)
     raw, _ = _weights("Q8_0", 4, 64, rng)
-    with pytest.raises(Exception, match="format Q5_K"):
-        _session(ops_lib, "Q5_K", 64, 4, "scalar")
+    with pytest.raises(Exception, match="format IQ2_XS"):
+        _session(ops_lib, "IQ2_XS", 64, 4, "scalar")
     with pytest.raises(Exception, match="multiple of 32"):
         _session(ops_lib, "Q8_0", 48, 4, "scalar")
+    with pytest.raises(Exception, match="multiple of 256 .Q6_K's block"):
+        _session(ops_lib, "Q6_K", 576, 4, "scalar")
     session = _session(ops_lib, "Q8_0", 64, 4, "scalar")
     with pytest.raises(Exception, match="invalid dimensions for input: W|W is not"):
         session.run(None, {"A": np.zeros((1, 64), np.float32), "W": raw[:, :-1].copy()})
@@ -232,10 +258,11 @@ def test_matmul_gguf_rows_do_not_depend_on_the_call(ops_lib, fmt, isa):
     if not _supported(ops_lib, isa):
         pytest.skip(f"this CPU does not run the {isa} kernels")
     rng = np.random.default_rng(11)
-    raw, _ = _weights(fmt, 203, 576, rng)
-    a = rng.normal(size=(20, 576)).astype(np.float32)
-    for how, session, feed in (("fed", _session(ops_lib, fmt, 576, 203, isa), {"W": raw}),
-                               ("initializer", _session(ops_lib, fmt, 576, 203, isa, constant=raw), {})):
+    k = _k(fmt, 576)
+    raw, _ = _weights(fmt, 203, k, rng)
+    a = rng.normal(size=(20, k)).astype(np.float32)
+    for how, session, feed in (("fed", _session(ops_lib, fmt, k, 203, isa), {"W": raw}),
+                               ("initializer", _session(ops_lib, fmt, k, 203, isa, constant=raw), {})):
         alone = np.stack([session.run(None, {"A": a[i:i + 1], **feed})[0][0] for i in range(20)])
         for m in (2, 3, 4, 5, 8, 16, 20):
             (y,) = session.run(None, {"A": a[:m], **feed})
@@ -250,12 +277,13 @@ def test_matmul_gguf_prefetching_changes_no_bits(ops_lib, fmt, isa, monkeypatch)
     if not _supported(ops_lib, isa):
         pytest.skip(f"this CPU does not run the {isa} kernels")
     rng = np.random.default_rng(12)
-    raw, _ = _weights(fmt, 203, 576, rng)
-    a = rng.normal(size=(9, 576)).astype(np.float32)
+    k = _k(fmt, 576)
+    raw, _ = _weights(fmt, 203, k, rng)
+    a = rng.normal(size=(9, k)).astype(np.float32)
     outs = {}
     for rows in ("1", "9"):  # 1: every pass prefetches; 9: none does
         monkeypatch.setenv("SPECRT_OPS_PREFETCH_ROWS", rows)
-        session = _session(ops_lib, fmt, 576, 203, isa, constant=raw)
+        session = _session(ops_lib, fmt, k, 203, isa, constant=raw)
         outs[rows] = [session.run(None, {"A": a[:m]})[0] for m in range(1, 10)]
     for m, (y, z) in enumerate(zip(outs["1"], outs["9"]), 1):
         np.testing.assert_array_equal(y, z, err_msg=f"M={m}")
@@ -272,12 +300,13 @@ def test_matmul_gguf_wide_vectors_change_no_bits(ops_lib, fmt, isa, monkeypatch)
         pytest.skip(f"this CPU does not run the {isa} kernels")
     rng = np.random.default_rng(13)
     for n in (7, 13, 203):
-        raw, deq = _weights(fmt, n, 576, rng)
-        a = rng.normal(size=(16, 576)).astype(np.float32)
+        k = _k(fmt, 576)
+        raw, deq = _weights(fmt, n, k, rng)
+        a = rng.normal(size=(16, k)).astype(np.float32)
         outs = {}
         for wide in ("0", "1"):
             monkeypatch.setenv("SPECRT_OPS_WIDE", wide)
-            session = _session(ops_lib, fmt, 576, n, isa, constant=raw)
+            session = _session(ops_lib, fmt, k, n, isa, constant=raw)
             outs[wide] = [session.run(None, {"A": a[:m]})[0] for m in (*range(1, 10), 16)]
         for m, y, z in zip((*range(1, 10), 16), outs["0"], outs["1"]):
             np.testing.assert_array_equal(y, z, err_msg=f"N={n}, M={m}")
@@ -286,7 +315,7 @@ def test_matmul_gguf_wide_vectors_change_no_bits(ops_lib, fmt, isa, monkeypatch)
 
 def _gather_session(lib, fmt: str, k: int, v: int):
     node = helper.make_node("GatherGGUF", ["W", "ids"], ["Y"], domain="specrt", format=fmt, K=k)
-    row = k // 32 * {"Q4_0": 18, "Q4_1": 20}.get(fmt, 34)
+    row = _row_bytes(fmt, k)
     graph = helper.make_graph([node], "gather_gguf",
                               [helper.make_tensor_value_info("W", TensorProto.UINT8, [v, row]),
                                helper.make_tensor_value_info("ids", TensorProto.INT64, None)],
@@ -300,12 +329,13 @@ def _gather_session(lib, fmt: str, k: int, v: int):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_gather_gguf_rows_are_gguf_dequantized_rows(ops_lib, fmt):
     rng = np.random.default_rng(5)
-    raw, deq = _weights(fmt, 50, 96, rng)
-    session = _gather_session(ops_lib, fmt, 96, 50)
+    k = _k(fmt, 96)
+    raw, deq = _weights(fmt, 50, k, rng)
+    session = _gather_session(ops_lib, fmt, k, 50)
     ids = np.array([[0, 49, 7], [7, -1, 3]], np.int64)
     (y,) = session.run(None, {"W": raw, "ids": ids})
-    assert y.shape == (2, 3, 96)
-    np.testing.assert_allclose(y, deq[ids], rtol=1e-6, atol=1e-7)
+    assert y.shape == (2, 3, k)
+    np.testing.assert_array_equal(y, deq[ids])  # gguf's own arithmetic, bit for bit
     with pytest.raises(Exception, match="index 50 is out of range"):
         session.run(None, {"W": raw, "ids": np.array([50], np.int64)})
 

@@ -1,12 +1,13 @@
 // libspecrt_ops: specrt's ONNX Runtime custom operators, in the domain "specrt", registered by
 // SessionOptions.register_custom_ops_library (Python) or RegisterCustomOps (C/C++).
 //
-//   specrt::MatMulGGUF(A: float [..., K], W: uint8 [N, K/32 * block bytes]) -> Y: float [..., N]
-//     attributes: format ("Q4_0" | "Q4_1" | "Q8_0"), K, N, activation ("" or "swiglu", optional).  W is the GGUF
+//   specrt::MatMulGGUF(A: float [..., K], W: uint8 [N, K / block elements * block bytes]) -> Y: float [..., N]
+//     attributes: format (a name in kFormats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), K (a multiple of the
+//     format's block: 32, or 256 for the K-quants), N, activation ("" or "swiglu", optional).  W is the GGUF
 //     tensor's bytes as the file has them; Y = A Wᵀ with A's rows quantized per 32-block to int8 (gguf_kernels.h).
 //     With activation "swiglu" (W: gate's rows then up's) Y is [..., N/2]: silu(gate) * up, one node for an MLP's
 //     Split, SiLU and Mul.
-//   specrt::GatherGGUF(W: uint8 [V, K/32 * block bytes], ids: int64 [...]) -> Y: float [..., K]
+//   specrt::GatherGGUF(W: uint8 [V, K / block elements * block bytes], ids: int64 [...]) -> Y: float [..., K]
 //     attributes: format, K.  Rows of a GGUF table (the embedding), dequantized.
 //   specrt::RMSNorm(X: float [..., d], W: float [d]) -> Y: float [..., d]; attribute epsilon.
 //     Y = X / sqrt(mean(X^2) + epsilon) * W per row.
@@ -43,11 +44,14 @@ struct MatMulGGUFKernel {
         Ort::ConstKernelInfo ki(info);
         const std::string format = ki.GetAttribute<std::string>("format");
         if (!specrt::ops::parse_format(format, &format_))
-            throw Ort::Exception("specrt::MatMulGGUF: format " + format + " (Q4_0, Q4_1 or Q8_0)", ORT_INVALID_ARGUMENT);
+            throw Ort::Exception("specrt::MatMulGGUF: format " + format + " (" + specrt::ops::format_names() + ")",
+                                 ORT_INVALID_ARGUMENT);
         k_ = ki.GetAttribute<int64_t>("K");
         n_ = ki.GetAttribute<int64_t>("N");
-        if (k_ <= 0 || n_ <= 0 || k_ % specrt::ops::kBlock)
-            throw Ort::Exception("specrt::MatMulGGUF: K must be a positive multiple of 32 and N positive", ORT_INVALID_ARGUMENT);
+        const int64_t elems = specrt::ops::traits(format_).block_elems;
+        if (k_ <= 0 || n_ <= 0 || k_ % elems)
+            throw Ort::Exception("specrt::MatMulGGUF: K must be a positive multiple of " + std::to_string(elems) +
+                                 " (" + format + "'s block) and N positive", ORT_INVALID_ARGUMENT);
         std::string activation;
         try {
             activation = ki.GetAttribute<std::string>("activation");
@@ -71,7 +75,7 @@ struct MatMulGGUFKernel {
         if (constant && isa_ != specrt::ops::Isa::Scalar) {
             const std::vector<int64_t> ws = w.GetTensorTypeAndShapeInfo().GetShape();
             const int64_t blocks = k_ / specrt::ops::kBlock;
-            if (ws.size() == 2 && ws[0] == n_ && ws[1] == blocks * specrt::ops::block_bytes(format_))
+            if (ws.size() == 2 && ws[0] == n_ && ws[1] == specrt::ops::row_bytes(format_, k_))
                 specrt::ops::pack(format_, w.GetTensorData<uint8_t>(), n_, blocks, packed_);
         }
     }
@@ -81,11 +85,11 @@ struct MatMulGGUFKernel {
         Ort::ConstValue a = ctx.GetInput(0), w = ctx.GetInput(1);
         std::vector<int64_t> shape = a.GetTensorTypeAndShapeInfo().GetShape();
         std::vector<int64_t> wshape = w.GetTensorTypeAndShapeInfo().GetShape();
-        const int64_t row_bytes = k_ / specrt::ops::kBlock * specrt::ops::block_bytes(format_);
+        const int64_t row_bytes = specrt::ops::row_bytes(format_, k_);
         if (shape.empty() || shape.back() != k_)
             throw Ort::Exception("specrt::MatMulGGUF: A's last axis is not K", ORT_INVALID_ARGUMENT);
         if (wshape.size() != 2 || wshape[0] != n_ || wshape[1] != row_bytes)
-            throw Ort::Exception("specrt::MatMulGGUF: W is not [N, K/32 * block bytes]", ORT_INVALID_ARGUMENT);
+            throw Ort::Exception("specrt::MatMulGGUF: W is not [N, K / block elements * block bytes]", ORT_INVALID_ARGUMENT);
         int64_t m = 1;
         for (size_t i = 0; i + 1 < shape.size(); ++i) m *= shape[i];
         shape.back() = swiglu_ ? n_ / 2 : n_;
@@ -178,10 +182,13 @@ struct GatherGGUFKernel {
         Ort::ConstKernelInfo ki(info);
         const std::string format = ki.GetAttribute<std::string>("format");
         if (!specrt::ops::parse_format(format, &format_))
-            throw Ort::Exception("specrt::GatherGGUF: format " + format + " (Q4_0, Q4_1 or Q8_0)", ORT_INVALID_ARGUMENT);
+            throw Ort::Exception("specrt::GatherGGUF: format " + format + " (" + specrt::ops::format_names() + ")",
+                                 ORT_INVALID_ARGUMENT);
         k_ = ki.GetAttribute<int64_t>("K");
-        if (k_ <= 0 || k_ % specrt::ops::kBlock)
-            throw Ort::Exception("specrt::GatherGGUF: K must be a positive multiple of 32", ORT_INVALID_ARGUMENT);
+        const int64_t elems = specrt::ops::traits(format_).block_elems;
+        if (k_ <= 0 || k_ % elems)
+            throw Ort::Exception("specrt::GatherGGUF: K must be a positive multiple of " + std::to_string(elems) +
+                                 " (" + format + "'s block)", ORT_INVALID_ARGUMENT);
     }
 
     void Compute(OrtKernelContext* context) {
@@ -189,9 +196,10 @@ struct GatherGGUFKernel {
         Ort::ConstValue w = ctx.GetInput(0), ids = ctx.GetInput(1);
         const std::vector<int64_t> wshape = w.GetTensorTypeAndShapeInfo().GetShape();
         std::vector<int64_t> shape = ids.GetTensorTypeAndShapeInfo().GetShape();
-        const int64_t blocks = k_ / specrt::ops::kBlock, row_bytes = blocks * specrt::ops::block_bytes(format_);
+        const int64_t row_bytes = specrt::ops::row_bytes(format_, k_);
         if (wshape.size() != 2 || wshape[1] != row_bytes)
-            throw Ort::Exception("specrt::GatherGGUF: W is not [V, K/32 * block bytes]", ORT_INVALID_ARGUMENT);
+            throw Ort::Exception("specrt::GatherGGUF: W is not [V, K / block elements * block bytes]",
+                                 ORT_INVALID_ARGUMENT);
         const size_t n = ids.GetTensorTypeAndShapeInfo().GetElementCount();
         shape.push_back(k_);
         Ort::UnownedValue y = ctx.GetOutput(0, shape);
@@ -203,7 +211,7 @@ struct GatherGGUFKernel {
             if (row < 0 || row >= wshape[0])
                 throw Ort::Exception("specrt::GatherGGUF: index " + std::to_string(id[i]) + " is out of range",
                                      ORT_INVALID_ARGUMENT);
-            specrt::ops::dequantize_row(format_, table + row * row_bytes, blocks, out + i * k_);
+            specrt::ops::dequantize_row(format_, table + row * row_bytes, k_, out + i * k_);
         }
     }
 

@@ -103,7 +103,7 @@ void pair_blocks(const Packed& w, const int8_t* q, const float* d, const float* 
                 acc[ii] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(d[at])), acc[ii]);
             }
         } else {
-            const __m512 mw = t.min_at ? join_ph(r0 + 2 * kGroup, r1 + 2 * kGroup)
+            const __m512 mw = t.has_min ? join_ph(r0 + 2 * kGroup, r1 + 2 * kGroup)
                                        : _mm512_mul_ps(dw, _mm512_set1_ps(static_cast<float>(t.code_offset)));
             for (int ii = 0; ii < MR; ++ii) {
                 const int64_t at = (i0 + ii) * blocks + b0 + b;
@@ -162,7 +162,10 @@ void packed_amx(const Packed& w, const int8_t* q, const float* d, const int32_t*
     for (int64_t i0 = 0; i0 < m; i0 += kAmxRows) {
         const int mr = static_cast<int>(std::min<int64_t>(kAmxRows, m - i0));
         configure(mr);
-        with_format(w.format, [&](auto fmt) { rows_pass<decltype(fmt)::value>(mr, w, q, d, ds, i0, g0, g1, n_total, y); });
+        with_format(w.format, [&](auto fmt) {  // the formats with traits' amx (matmul_packed sends no other)
+            if constexpr (traits(decltype(fmt)::value).amx)
+                rows_pass<decltype(fmt)::value>(mr, w, q, d, ds, i0, g0, g1, n_total, y);
+        });
     }
 }
 

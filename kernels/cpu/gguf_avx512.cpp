@@ -13,13 +13,13 @@ void attention_avx512(const AttentionShape& s, const float* q, const void* k, co
                     const AttentionTask& task, float* scratch, float* out) {
     attention_group_impl(s, q, k, v, bias, task, scratch, out);
 }
-void packed_vnni(const Packed& w, const int8_t* q, const float* d, const int32_t* s, const float* ds, int64_t m,
-                 int64_t g0, int64_t g1, int64_t n_total, float* y, int prefetch_from) {
-    packed_simd<true>(w, q, d, s, ds, m, g0, g1, n_total, y, prefetch_from);
+void packed_vnni(const Packed& w, const ActRows& a, int64_t g0, int64_t g1, int64_t n_total, float* y,
+                 int prefetch_from) {
+    packed_simd<true>(w, a, g0, g1, n_total, y, prefetch_from);
 }
-void packed_vnni_wide(const Packed& w, const int8_t* q, const float* d, const int32_t* s, const float* ds, int64_t m,
-                      int64_t g0, int64_t g1, int64_t n_total, float* y, int prefetch_from) {
-    packed_simd512(w, q, d, s, ds, m, g0, g1, n_total, y, prefetch_from);
+void packed_vnni_wide(const Packed& w, const ActRows& a, int64_t g0, int64_t g1, int64_t n_total, float* y,
+                      int prefetch_from) {
+    packed_simd512(w, a, g0, g1, n_total, y, prefetch_from);
 }
 void quantize_vnni(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, int32_t* s) {
     quantize_blocks(x, b0, b1, q, d, s);

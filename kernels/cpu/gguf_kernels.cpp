@@ -21,71 +21,33 @@ namespace specrt::ops {
 
 namespace {
 
-float fp16(const uint8_t* p) {  // IEEE half (little-endian) to float
-    uint16_t h;
-    std::memcpy(&h, p, 2);
-    const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
-    uint32_t bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else {  // subnormal: normalize
-            int e = -1;
-            uint32_t m = mant;
-            do {
-                ++e;
-                m <<= 1;
-            } while (!(m & 0x400));
-            bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (m & 0x3FF) << 13;
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7F800000u | mant << 13;
-    } else {
-        bits = sign | (exp + 127 - 15) << 23 | mant << 13;
-    }
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
-
-// A block's scale, its minimum (the code offset folded in: -8 d for Q4_0) and its codes (kFormats).
-struct Block {
-    float d, m;
-    const uint8_t* codes;
-};
-
-Block block_at(Format f, const uint8_t* p) {
-    const FormatTraits& t = traits(f);
-    const float d = fp16(p);
-    const float m = t.min_at ? fp16(p + t.min_at) : t.code_offset ? static_cast<float>(t.code_offset) * d : 0.0f;
-    return {d, m, p + t.codes_at};
-}
-
-// Code i of a block (kFormats' layouts), as the integer the packed dot multiplies.
-int8_t code_at(Format f, const uint8_t* codes, int i) {
-    if (traits(f).code_bits == 8) return static_cast<int8_t>(codes[i]);
-    return static_cast<int8_t>(i < 16 ? codes[i] & 0x0F : codes[i - 16] >> 4);
-}
-
 // -- scalar reference ----------------------------------------------------------------------------------------------
 
+// Per (row, block): the halves' dots with their code offsets folded in, times D d_a, then the minimum times d_a s:
+// Σ_h D_h d_a (Σ_half c q + code_offset Σ_half q) + M d_a Σ q.
 void rows_scalar(Format f, const uint8_t* w, const Activations& a, int64_t n0, int64_t n1, int64_t n_total, float* y) {
-    const int bytes = block_bytes(f);
-    const int64_t blocks = a.blocks;
+    const FormatTraits& t = traits(f);
+    const int64_t blocks = a.blocks, supers = blocks / blocks_per_super(f);
     std::vector<float> acc(a.m);
+    Unpacked u;
     for (int64_t n = n0; n < n1; ++n) {
         std::fill(acc.begin(), acc.end(), 0.0f);
-        const uint8_t* row = w + n * blocks * bytes;
-        for (int64_t b = 0; b < blocks; ++b) {
-            const Block blk = block_at(f, row + b * bytes);
-            int8_t wq[kBlock];
-            for (int i = 0; i < kBlock; ++i) wq[i] = code_at(f, blk.codes, i);
-            for (int64_t i = 0; i < a.m; ++i) {
-                const int8_t* q = a.q.data() + (i * blocks + b) * kBlock;
-                int32_t dot = 0;
-                for (int k = 0; k < kBlock; ++k) dot += wq[k] * q[k];
-                const float da = a.d[i * blocks + b];
-                acc[i] += blk.d * da * static_cast<float>(dot) + blk.m * da * static_cast<float>(a.s[i * blocks + b]);
+        const uint8_t* row = w + n * supers * t.block_bytes;
+        for (int64_t sb = 0; sb < supers; ++sb) {
+            t.unpack(row + sb * t.block_bytes, &u);
+            for (int j = 0; j < blocks_per_super(f); ++j) {
+                const SubScales sub = sub_scales(f, u, j);
+                const int64_t b = sb * blocks_per_super(f) + j;
+                for (int64_t i = 0; i < a.m; ++i) {
+                    const int8_t* q = a.q.data() + (i * blocks + b) * kBlock;
+                    int32_t dot[2] = {0, 0};
+                    for (int k = 0; k < kBlock; ++k) dot[k / 16] += code(f, u, j * kBlock + k) * q[k];
+                    const int32_t half0 = a.h[i * blocks + b], half1 = a.s[i * blocks + b] - half0;
+                    const float da = a.d[i * blocks + b];
+                    acc[i] += sub.D[0] * da * static_cast<float>(dot[0] + t.code_offset * half0) +
+                              sub.D[1] * da * static_cast<float>(dot[1] + t.code_offset * half1) +
+                              sub.M * a.ds[i * blocks + b];
+                }
             }
         }
         for (int64_t i = 0; i < a.m; ++i) y[i * n_total + n] = acc[i];
@@ -101,12 +63,12 @@ void rows_vnni(Format f, const uint8_t* w, const int8_t* q, const float* d, cons
                int64_t blocks, int64_t n0, int64_t n1, int64_t n_total, float* y);
 void quantize_avx2(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, int32_t* s);
 void quantize_vnni(const float* x, int64_t b0, int64_t b1, int8_t* q, float* d, int32_t* s);
-void packed_avx2(const Packed& w, const int8_t* q, const float* d, const int32_t* s, const float* ds, int64_t m,
-                 int64_t g0, int64_t g1, int64_t n_total, float* y, int prefetch_from);
-void packed_vnni(const Packed& w, const int8_t* q, const float* d, const int32_t* s, const float* ds, int64_t m,
-                 int64_t g0, int64_t g1, int64_t n_total, float* y, int prefetch_from);
-void packed_vnni_wide(const Packed& w, const int8_t* q, const float* d, const int32_t* s, const float* ds, int64_t m,
-                      int64_t g0, int64_t g1, int64_t n_total, float* y, int prefetch_from);
+void packed_avx2(const Packed& w, const ActRows& a, int64_t g0, int64_t g1, int64_t n_total, float* y,
+                 int prefetch_from);
+void packed_vnni(const Packed& w, const ActRows& a, int64_t g0, int64_t g1, int64_t n_total, float* y,
+                 int prefetch_from);
+void packed_vnni_wide(const Packed& w, const ActRows& a, int64_t g0, int64_t g1, int64_t n_total, float* y,
+                      int prefetch_from);
 #ifdef SPECRT_OPS_AMX
 void packed_amx(const Packed& w, const int8_t* q, const float* d, const int32_t* s, const float* ds, int64_t m,
                 int64_t g0, int64_t g1, int64_t n_total, float* y, int prefetch_from);  // gguf_amx.cpp
@@ -120,6 +82,12 @@ void swiglu_avx512(const float* y, int64_t m, int64_t half, int64_t c0, int64_t 
 void rms_norm_avx2(const float* x, const float* w, int64_t m, int64_t d, float eps, float* y);
 void rms_norm_avx512(const float* x, const float* w, int64_t m, int64_t d, float eps, float* y);
 
+
+std::string format_names() {
+    std::string names;
+    for (const FormatTraits& t : kFormats) names += (names.empty() ? "" : ", ") + std::string(t.name);
+    return names;
+}
 
 bool parse_format(const std::string& name, Format* f) {
     for (size_t i = 0; i < std::size(kFormats); ++i)
@@ -242,7 +210,13 @@ void quantize(Isa isa, const float* x, int64_t m, int64_t k, Activations& out) {
         }
     }
     out.ds.resize(m * blocks);
-    for (int64_t i = 0; i < m * blocks; ++i) out.ds[i] = out.d[i] * static_cast<float>(out.s[i]);
+    out.h.resize(m * blocks);
+    for (int64_t i = 0; i < m * blocks; ++i) {
+        out.ds[i] = out.d[i] * static_cast<float>(out.s[i]);
+        int32_t half = 0;
+        for (int j = 0; j < kBlock / 2; ++j) half += out.q[i * kBlock + j];
+        out.h[i] = half;
+    }
 }
 
 void swiglu(Isa isa, const float* y, int64_t m, int64_t half, int64_t c0, int64_t c1, float* out) {
@@ -265,6 +239,7 @@ void rms_norm(Isa isa, const float* x, const float* w, int64_t m, int64_t d, flo
 
 void matmul_rows(Isa isa, Format f, const uint8_t* w, const Activations& a, int64_t n0, int64_t n1, int64_t n_total,
                  float* y) {
+    if (!traits(f).amx) isa = Isa::Scalar;  // the SIMD row kernels read Q4_0, Q4_1 and Q8_0 (gguf_simd.inc's tile)
     switch (isa) {
         case Isa::Amx:
         case Isa::Avx512Vnni:
@@ -275,28 +250,79 @@ void matmul_rows(Isa isa, Format f, const uint8_t* w, const Activations& a, int6
     }
 }
 
+namespace {
+
+// One row's file block, unpacked, into its lane j of a group's packed super-block (gguf_kernels.h, Packed).
+void pack_lane(Format f, const Unpacked& u, int j, uint8_t* super) {
+    const FormatTraits& t = traits(f);
+    const int header = packed_header(f), record = packed_record(f), codes_at = packed_codes_at(f);
+    if (t.scales != Scales::Block) {
+        std::memcpy(super + 2 * j, &u.d, 2);
+        if (t.scales == Scales::Super) std::memcpy(super + 2 * kGroup + 2 * j, &u.m, 2);
+    }
+    for (int b = 0; b < blocks_per_super(f); ++b) {
+        uint8_t* rec = super + header + b * record;
+        const uint8_t* c = u.codes + b * kBlock;
+        switch (t.scales) {
+            case Scales::Block:
+                std::memcpy(rec + 2 * j, &u.d, 2);
+                if (t.has_min) std::memcpy(rec + 2 * kGroup + 2 * j, &u.m, 2);
+                break;
+            case Scales::Super:
+                rec[j] = static_cast<uint8_t>(u.sc[b]);
+                rec[kGroup + j] = u.mn[b];
+                break;
+            case Scales::Super16:
+                rec[j] = static_cast<uint8_t>(u.sc[2 * b]);
+                rec[kGroup + j] = static_cast<uint8_t>(u.sc[2 * b + 1]);
+                break;
+        }
+        uint8_t* codes = rec + codes_at;
+        if (t.code_bits == 8) {  // vector v: elements 4v..4v+3
+            for (int v = 0; v < 8; ++v) std::memcpy(codes + 32 * v + 4 * j, c + 4 * v, 4);
+            continue;
+        }
+        for (int p = 0; p < 4; ++p)  // nibbles: elements 4p+k (low) and 16+4p+k (high)
+            for (int k = 0; k < 4; ++k)
+                codes[32 * p + 4 * j + k] = static_cast<uint8_t>((c[4 * p + k] & 0x0F) | (c[16 + 4 * p + k] & 0x0F) << 4);
+        uint8_t* high = codes + 128;
+        for (int k = 0; k < 4; ++k) {
+            if (t.code_bits == 5) {  // bit v of byte k: bit 4 of element 4v+k
+                uint8_t bits = 0;
+                for (int v = 0; v < 8; ++v) bits |= static_cast<uint8_t>(((c[4 * v + k] >> 4) & 1) << v);
+                high[4 * j + k] = bits;
+            } else if (t.code_bits == 6) {  // bits 2p, 2p+1 of byte k: bits 4-5 of element 4p+k (then 16+4p+k)
+                uint8_t lo = 0, hi = 0;
+                for (int p = 0; p < 4; ++p) {
+                    lo |= static_cast<uint8_t>(((c[4 * p + k] >> 4) & 3) << (2 * p));
+                    hi |= static_cast<uint8_t>(((c[16 + 4 * p + k] >> 4) & 3) << (2 * p));
+                }
+                high[4 * j + k] = lo;
+                high[32 + 4 * j + k] = hi;
+            }
+        }
+    }
+}
+
+}  // namespace
+
 void pack(Format f, const uint8_t* w, int64_t n, int64_t blocks, Packed& out) {
     const FormatTraits& t = traits(f);
-    const int bytes = t.block_bytes, record = packed_record(f), codes_at = packed_codes_at(f);
-    const int code_bytes = kBlock * t.code_bits / 8;
+    const int64_t supers = blocks / blocks_per_super(f), super_bytes = packed_super(f);
     out.format = f;
     out.n = n;
     out.blocks = blocks;
     out.groups = (n + kGroup - 1) / kGroup;
-    out.data = WeightBuffer(static_cast<size_t>(out.groups * blocks * record));
+    out.data = WeightBuffer(static_cast<size_t>(out.groups * supers * super_bytes));
+    Unpacked u;
     for (int64_t g = 0; g < out.groups; ++g)
-        for (int64_t b = 0; b < blocks; ++b) {
-            uint8_t* rec = out.data.data() + (g * blocks + b) * record;
+        for (int64_t sb = 0; sb < supers; ++sb)
             for (int j = 0; j < kGroup; ++j) {
                 const int64_t row = g * kGroup + j;
                 if (row >= n) continue;  // zero: scale 0, codes 0
-                const uint8_t* p = w + row * blocks * bytes + b * bytes;
-                std::memcpy(rec + 2 * j, p, 2);                                           // d
-                if (t.min_at) std::memcpy(rec + 2 * kGroup + 2 * j, p + t.min_at, 2);  // m
-                for (int c = 0; c < code_bytes; c += 4)  // the row's code bytes 4 at a time, lane j of vector c / 4
-                    std::memcpy(rec + codes_at + 32 * (c / 4) + 4 * j, p + t.codes_at + c, 4);
+                t.unpack(w + (row * supers + sb) * t.block_bytes, &u);
+                pack_lane(f, u, j, out.data.data() + (g * supers + sb) * super_bytes);
             }
-        }
 }
 
 namespace {
@@ -373,16 +399,19 @@ WeightBuffer::~WeightBuffer() {
     delete c;
 }
 
-void dequantize_row(Format f, const uint8_t* row, int64_t blocks, float* out) {
+void dequantize_row(Format f, const uint8_t* row, int64_t k, float* out) {
     const FormatTraits& t = traits(f);
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* p = row + b * t.block_bytes;
-        const float d = fp16(p);
-        float* o = out + b * kBlock;
-        // (c + offset) d, as GatherBlockQuantized computes (code - zero point) * scale; + m where the format has one
-        for (int i = 0; i < kBlock; ++i) {
-            const float w = static_cast<float>(code_at(f, p + t.codes_at, i) + t.code_offset) * d;
-            o[i] = t.min_at ? w + fp16(p + t.min_at) : w;
+    Unpacked u;
+    for (int64_t sb = 0; sb < k / t.block_elems; ++sb) {
+        t.unpack(row + sb * t.block_bytes, &u);
+        for (int j = 0; j < blocks_per_super(f); ++j) {
+            const SubScales sub = sub_scales(f, u, j);
+            float* o = out + sb * t.block_elems + j * kBlock;
+            // D (c + offset) + M, as gguf dequantizes (the M term only where the format has one: -0.0 stays)
+            for (int i = 0; i < kBlock; ++i) {
+                const float w = sub.D[i / 16] * static_cast<float>(code(f, u, j * kBlock + i) + t.code_offset);
+                o[i] = t.has_min ? w + sub.M : w;
+            }
         }
     }
 }
@@ -392,15 +421,16 @@ void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, i
     auto kernel = isa >= Isa::Avx512Vnni ? (wide ? packed_vnni_wide : packed_vnni) : packed_avx2;
     int64_t done = 0;  // activation rows multiplied so far
 #ifdef SPECRT_OPS_AMX
-    if (isa == Isa::Amx && a.m >= kAmxRows) {  // whole passes of 16 rows on the tiles (the same bits as VNNI's)
+    if (isa == Isa::Amx && a.m >= kAmxRows && traits(w.format).amx) {  // whole passes of 16 rows on the tiles
         done = a.m / kAmxRows * kAmxRows;
         packed_amx(w, a.q.data(), a.d.data(), a.s.data(), a.ds.data(), done, g0, g1, n_total, y, prefetch_from);
     }
 #endif
     if (done == a.m) return;
     const int64_t at = done * a.blocks;  // the rest's first (row, block)
-    kernel(w, a.q.data() + at * kBlock, a.d.data() + at, a.s.data() + at, a.ds.data() + at, a.m - done, g0, g1,
-           n_total, y + done * n_total, prefetch_from);
+    const ActRows rest{a.q.data() + at * kBlock, a.d.data() + at, a.s.data() + at, a.ds.data() + at, a.h.data() + at,
+                       a.m - done};
+    kernel(w, rest, g0, g1, n_total, y + done * n_total, prefetch_from);
 }
 
 namespace {

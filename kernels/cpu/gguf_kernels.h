@@ -1,8 +1,9 @@
-// Matrix products with weights in GGUF's own blocks (Q4_0, Q4_1, Q8_0: the file's bytes, unchanged): activations
-// quantized per 32-element block to int8 with their block sums, integer dot products per block, the Q4_0 offset and
-// Q4_1 minimums folded in through the block sums (as llama.cpp does), on the best instruction set the CPU has
-// (AVX-512 VNNI, AVX2, else a scalar reference), chosen at run time; where the CPU has AMX-INT8 (Intel since Sapphire
-// Rapids), products of several activation rows over packed weights take its tile multiplies.
+// Matrix products with weights in GGUF's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K:
+// the file's bytes): activations quantized per 32-element block to int8 with their block sums, integer dot products
+// per block, the scales, offsets and minimums applied in float32 (as llama.cpp does), on the best instruction set the
+// CPU has (AVX-512 VNNI, AVX2, else a scalar reference), chosen at run time; where the CPU has AMX-INT8 (Intel since
+// Sapphire Rapids), products of several activation rows over packed Q4_0 / Q4_1 / Q8_0 weights take its tile
+// multiplies.
 #pragma once
 
 #include <cstddef>
@@ -14,29 +15,76 @@
 
 namespace specrt::ops {
 
-enum class Format { Q4_0, Q4_1, Q8_0 };
-constexpr int kBlock = 32;
-constexpr int kGroup = 8;  // weight rows per packed record
-  // weight rows per packed record
+// In kFormats' order.
+enum class Format { Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K };
+constexpr int kBlock = 32;  // activation block: the elements one integer dot product covers
+constexpr int kGroup = 8;   // weight rows per packed record
 
-// A GGUF weight format is one entry of kFormats (ggml's type_traits habit): a block of 32 weights is `block_bytes`
-// bytes, an fp16 scale d first; weight i is d (c_i + code_offset) + m, with m the fp16 at `min_at` (0: none). The
-// packed dot of a block with activation codes q (scale d_a) is d d_a Σ c q + (m + code_offset d) d_a Σ q. The code
-// layouts the kernels unpack: 4 bits (unsigned, elements 0..15 in the low nibbles, 16..31 in the high) or 8 (signed).
+// How a format's blocks scale their codes:
+//   Block:   one fp16 scale d per 32 weights (and, with a minimum, an fp16 m): w = d (c + code_offset) + m.
+//   Super:   256 weights share fp16 d and dmin; each 32 has 6-bit integers sc and mn: w = (d sc) c - (dmin mn).
+//   Super16: 256 weights share fp16 d; each 16 has an int8 sc: w = (d sc) (c + code_offset).
+// d sc and dmin mn are exact in float32 (11 + 8 significant bits at most), so every format's weights are
+// D (c + code_offset) + M with float32 D and M per 16 or 32 weights: the form the kernels and the reference compute.
+enum class Scales { Block, Super, Super16 };
+
+struct Unpacked;  // one file block, unpacked (below)
+
+// A GGUF weight format is one entry of kFormats (ggml's type_traits habit): a file block holds `block_elems` weights
+// in `block_bytes` bytes; its codes are unsigned `code_bits`-bit integers (8: signed) and `unpack` reads them, with
+// the block's scales, from the file's own layout. Nothing else in the kernels knows a format's layout.
 struct FormatTraits {
     const char* name;
+    int block_elems;
     int block_bytes;
-    int min_at;
-    int codes_at;
     int code_bits;
     int code_offset;
+    Scales scales;
+    bool has_min;
+    bool amx;  // the AMX kernel reads it (gguf_amx.cpp)
+    void (*unpack)(const uint8_t* block, Unpacked* out);
 };
+
+// One file block: the fp16 bits of its scale and minimum (Super: d and dmin; Block without a minimum: m = 0), the
+// sub-block integers (Super: sc[0..7] and mn[0..7], 6 bits; Super16: sc[0..15], int8) and every code, in element order.
+struct Unpacked {
+    uint16_t d = 0, m = 0;
+    int8_t sc[16] = {};
+    uint8_t mn[8] = {};
+    uint8_t codes[256] = {};  // unsigned codes; Q8_0: the int8 codes' bits
+};
+
+void unpack_q4_0(const uint8_t*, Unpacked*);
+void unpack_q4_1(const uint8_t*, Unpacked*);
+void unpack_q8_0(const uint8_t*, Unpacked*);
+void unpack_q5_0(const uint8_t*, Unpacked*);
+void unpack_q5_1(const uint8_t*, Unpacked*);
+void unpack_q4_k(const uint8_t*, Unpacked*);
+void unpack_q5_k(const uint8_t*, Unpacked*);
+void unpack_q6_k(const uint8_t*, Unpacked*);
+
 inline constexpr FormatTraits kFormats[] = {
-    {"Q4_0", 18, 0, 2, 4, -8},
-    {"Q4_1", 20, 2, 4, 4, 0},
-    {"Q8_0", 34, 0, 2, 8, 0},
+    {"Q4_0", 32, 18, 4, -8, Scales::Block, false, true, unpack_q4_0},
+    {"Q4_1", 32, 20, 4, 0, Scales::Block, true, true, unpack_q4_1},
+    {"Q8_0", 32, 34, 8, 0, Scales::Block, false, true, unpack_q8_0},
+    {"Q5_0", 32, 22, 5, -16, Scales::Block, false, false, unpack_q5_0},
+    {"Q5_1", 32, 24, 5, 0, Scales::Block, true, false, unpack_q5_1},
+    {"Q4_K", 256, 144, 4, 0, Scales::Super, true, false, unpack_q4_k},
+    {"Q5_K", 256, 176, 5, 0, Scales::Super, true, false, unpack_q5_k},
+    {"Q6_K", 256, 210, 6, -32, Scales::Super16, false, false, unpack_q6_k},
 };
+// Block j (32 weights) of an unpacked file block as numbers: weight i is D[i / 16] (c_i + code_offset) + M, D and M
+// exact in float32 (Scales above).
+struct SubScales {
+    float D[2];
+    float M;
+};
+SubScales sub_scales(Format f, const Unpacked& u, int j);
+int32_t code(Format f, const Unpacked& u, int i);  // code i as the integer the dot products multiply
+float half_to_float(uint16_t h);
+
 constexpr const FormatTraits& traits(Format f) { return kFormats[static_cast<int>(f)]; }
+constexpr int kFormatCount = static_cast<int>(sizeof kFormats / sizeof kFormats[0]);
 
 // Calls fn with the format as a compile-time constant (std::integral_constant<Format, f>): the one switch over formats.
 template <class Fn>
@@ -44,6 +92,11 @@ decltype(auto) with_format(Format f, Fn&& fn) {
     switch (f) {
         case Format::Q4_0: return fn(std::integral_constant<Format, Format::Q4_0>{});
         case Format::Q4_1: return fn(std::integral_constant<Format, Format::Q4_1>{});
+        case Format::Q5_0: return fn(std::integral_constant<Format, Format::Q5_0>{});
+        case Format::Q5_1: return fn(std::integral_constant<Format, Format::Q5_1>{});
+        case Format::Q4_K: return fn(std::integral_constant<Format, Format::Q4_K>{});
+        case Format::Q5_K: return fn(std::integral_constant<Format, Format::Q5_K>{});
+        case Format::Q6_K: return fn(std::integral_constant<Format, Format::Q6_K>{});
         default: return fn(std::integral_constant<Format, Format::Q8_0>{});
     }
 }
@@ -51,7 +104,11 @@ decltype(auto) with_format(Format f, Fn&& fn) {
 enum class Isa { Scalar, Avx2, Avx512Vnni, Amx };
 
 constexpr int block_bytes(Format f) { return traits(f).block_bytes; }
+// Bytes of a row of k weights (k a multiple of the format's block_elems).
+constexpr int64_t row_bytes(Format f, int64_t k) { return k / traits(f).block_elems * traits(f).block_bytes; }
 bool parse_format(const std::string& name, Format* f);
+// "Q4_0, Q4_1, ..." (for errors)
+std::string format_names();
 const char* isa_name(Isa isa);
 // The best instruction set this CPU runs, AMX's tile multiplies included where the CPU and Linux allow them;
 // $SPECRT_OPS_ISA (scalar, avx2, avx512vnni) asks for a lower one.
@@ -65,15 +122,31 @@ struct Activations {
     std::vector<float> d;     // [m, blocks]
     std::vector<int32_t> s;   // [m, blocks]: sum of the block's codes
     std::vector<float> ds;    // [m, blocks]: d * s (what a block's minimum is multiplied by)
+    std::vector<int32_t> h;   // [m, blocks]: sum of the block's first 16 codes (for scales per 16 weights)
 };
 void quantize(Isa isa, const float* a, int64_t m, int64_t k, Activations& out);
+// M activation rows of an Activations, from a row on, as the packed kernels read them.
+struct ActRows {
+    const int8_t* q;
+    const float* d;
+    const int32_t* s;
+    const float* ds;
+    const int32_t* h;
+    int64_t m;
+};
 
-// The weights repacked once per session, 8 rows at a time, for the SIMD kernels: per (group of 8 rows, block) the 8
-// scales (fp16), for Q4_1 the 8 minimums (fp16), then the codes as 32-byte vectors with one 32-bit lane per row:
-// vector c holds bytes 4c..4c+3 of each row's codes (Q4: 4 vectors, the low nibbles elements 4c.., the high ones
-// 16+4c..; Q8_0: 8 vectors), so that one vector op serves 8 rows and leaves each row's sum in its own lane, in row
-// order. Rows past N are zero. The same bits as the file's blocks: each row's products are computed from exactly
-// its own codes and scales.
+
+// The weights repacked once per session, 8 rows at a time, for the SIMD kernels. Per group of 8 rows, per
+// super-block of the format (256 weights for the K-quants, else 32) a header, then per block of 32 a record:
+//   header  Super: the 8 rows' d, then dmin (fp16); Super16: their d; Block: none
+//   record  Block: the 8 scales (fp16) [, the 8 minimums]; Super: 8 sc, 8 mn (uint8); Super16: 8 sc of the first 16
+//           weights, 8 of the last 16 (int8); then the codes as 32-byte vectors with one 32-bit lane per row.
+// Codes of 4 to 6 bits: 4 vectors of nibbles, vector p holding elements 4p..4p+3 of each row in its low nibbles and
+// 16+4p..16+4p+3 in its high ones; 5 bits: one more vector whose byte k of a lane has in bit v bit 4 of element
+// 4v+k; 6 bits: two more, for the low-nibble elements and the high-nibble ones, with in bits 2p, 2p+1 of byte k
+// bits 4-5 of element 4p+k (or 16+4p+k). Q8_0: 8 vectors, vector j elements 4j..4j+3 (signed). One vector op then
+// serves 8 rows and leaves each row's sum in its own lane, in row order. Rows past N are zero. The same numbers as
+// the file's blocks: each row's products are computed from exactly its own codes and scales.
 // Zeroed memory for packed weights, carved from 2 MiB-aligned chunks of 32 MiB that the kernel is asked to back with
 // transparent huge pages (madvise MADV_HUGEPAGE, honoured where /sys/kernel/mm/transparent_hugepage/enabled is
 // "madvise" or "always"): streaming a model's weights every step then walks 2 MiB pages, not 4 KiB ones. A chunk is
@@ -131,10 +204,16 @@ bool wide_vectors();
 // the 16-lane VNNI kernel (wide_vectors()): 0.96-0.99x at 16, 32, 48 and 64 rows, but 1.03-1.07x at 10 and 12 and
 // 1.08-1.14x at 20, 24 and 40 (a last pass of 4 or 8 rows on the tiles).
 constexpr int kAmxRows = 16;
-// A packed record: kGroup rows' fp16 scales (and minimums), then their codes, 4 bytes of each row in turn.
-constexpr int packed_scales(Format f) { return traits(f).min_at ? 2 : 1; }
-constexpr int packed_codes_at(Format f) { return kGroup * 2 * packed_scales(f); }
+// The packed layout's sizes (bytes): a super-block's header, a block's scales, its codes, its record, a super-block.
+constexpr int blocks_per_super(Format f) { return traits(f).block_elems / kBlock; }
+constexpr int packed_header(Format f) {
+    return traits(f).scales == Scales::Super ? 4 * kGroup : traits(f).scales == Scales::Super16 ? 2 * kGroup : 0;
+}
+constexpr int packed_codes_at(Format f) {
+    return traits(f).scales == Scales::Block ? kGroup * 2 * (traits(f).has_min ? 2 : 1) : 2 * kGroup;
+}
 constexpr int packed_record(Format f) { return packed_codes_at(f) + kGroup * kBlock * traits(f).code_bits / 8; }
+constexpr int packed_super(Format f) { return packed_header(f) + blocks_per_super(f) * packed_record(f); }
 void pack(Format f, const uint8_t* w, int64_t n, int64_t blocks, Packed& out);
 // y[i, n] for the rows of groups [g0, g1) of packed weights and all M activation rows; y is [M, n_total].
 void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, int64_t g1, int64_t n_total, float* y,
@@ -150,7 +229,7 @@ void matmul_rows(Isa isa, Format f, const uint8_t* w, const Activations& a, int6
 void swiglu(Isa isa, const float* y, int64_t m, int64_t half, int64_t c0, int64_t c1, float* out);
 void rms_norm(Isa isa, const float* x, const float* w, int64_t m, int64_t d, float eps, float* y);
 
-// One row of a GGUF tensor ([blocks * block_bytes]) as float32 (an embedding lookup).
-void dequantize_row(Format f, const uint8_t* row, int64_t blocks, float* out);
+// One row of k weights of a GGUF tensor (row_bytes(f, k) bytes) as float32 (an embedding lookup).
+void dequantize_row(Format f, const uint8_t* row, int64_t k, float* out);
 
 }  // namespace specrt::ops
