@@ -24,15 +24,17 @@ from specrt.cli.options import export_options, export_settings
 @click.option("--no-heads", is_flag=True, help="Export a preset without its shipped draft heads.")
 @click.option("--weights", type=click.Choice(["float", "int8", "int4", "gguf"]), default=None,
               help="Weight format: float (--dtype); int8 / int4 (ONNX Runtime's block quantizer, block 32); gguf "
-                   "(a GGUF's own Q4_0/Q4_1/Q8_0 blocks as they are). Quantized graphs run on ONNX Runtime only. "
-                   "[default: gguf for a preset, else float]")
+                   "(a GGUF's own blocks as they are: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K on specrt's "
+                   "kernels, Q4_0/Q4_1/Q8_0 on ONNX Runtime's). Quantized graphs run on ONNX Runtime only. "
+                   "[default: gguf for a preset or a .gguf file, else float]")
 @click.option("--accuracy-level", type=click.Choice(["0", "4"]), default="4",
               help="Quantized weights: activations of MatMulNBits in fp32 (0, exact numerics) or int8 (4, faster).")
 @click.option("--kernels", type=click.Choice(["stock", "specrt"]), default=None,
               help="stock: ONNX Runtime's own ops; specrt: the GGUF's blocks as the file's bytes and attention run "
                    "by specrt's CPU kernels (libspecrt_ops, built when specrt is installed; each output row "
                    "computed alone, so verifying T tokens gives each the bits decoding it does), needs --weights "
-                   "gguf --attention cpu. [default: specrt for a preset when this install has libspecrt_ops, else stock]")
+                   "gguf --attention cpu. [default: specrt for a preset or a .gguf file when this install has "
+                   "libspecrt_ops, else stock]")
 @click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
               help="How the target's KV cache stores keys and values: float16 / bfloat16 halve its memory (each key "
                    "and value rounded once, when written; read widened exactly), with --kernels specrt. "
@@ -57,8 +59,9 @@ def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feed
     """Export MODEL (HF directory, .gguf file, or preset name `smollm2`) into an artifact directory.
 
     A preset comes with the draft heads specrt ships for it (DSpark and MTP) unless --draft/--mtp or
-    --no-heads say otherwise, and is exported for ONNX Runtime on CPU (--weights gguf --attention cpu)
-    unless --weights/--attention say otherwise."""
+    --no-heads say otherwise. A preset and a .gguf file are exported for ONNX Runtime on CPU with the file's own
+    blocks on specrt's kernels (--weights gguf --attention cpu --kernels specrt) unless --weights/--attention/
+    --kernels say otherwise."""
     from specrt.exporter.export import export_artifact
     from specrt.configs.presets import PRESET_DRAFT_VOCAB, preset_format, preset_heads, resolve_model
 
@@ -111,12 +114,35 @@ def export(model: str, out: Path, draft: Path | None, mtp: Path | None, mtp_feed
             save_profile(path, measure(path, progress=not quiet, position=min(128, settings.max_seq // 2)))
         except SpecrtError as e:
             click.echo(f"specrt: warning: no cost profile stored ({e}); runs will measure a quick one", err=True)
+    click.echo(summary(path), err=True)
     click.echo(f"wrote {path}")
     if without_library:
         from specrt import native
 
         click.echo(f"specrt: {native.kernels_line('stock')}", err=True)
 
+
+
+def summary(path: Path) -> str:
+    """What an export chose: the weight format and kernels, the target's matrices per GGUF block type, the bytes one
+    decoded token reads."""
+    import onnx
+
+    from specrt import artifact as io
+    from specrt.artifact import load_manifest
+
+    m = load_manifest(path)
+    s = m.export
+    line = f"weights: {s.weights}" + (", specrt's kernels" if s.kernels == "specrt" else "")
+    kinds: dict[str, int] = {}
+    graph = onnx.load(str(path / m.graphs[io.TARGET].file), load_external_data=False).graph
+    for node in graph.node:
+        if node.op_type in ("MatMulGGUF", "GatherGGUF"):
+            kind = next(a.s.decode() for a in node.attribute if a.name == "format")
+            kinds[kind] = kinds.get(kind, 0) + 1
+    if kinds:
+        line += " (target matrices: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) + ")"
+    return line + f"; {m.weights.bytes_per_token / 2**20:.1f} MiB read per decoded token"
 
 
 @click.command()

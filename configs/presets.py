@@ -67,8 +67,8 @@ def preset_kernels() -> str:
 
 def preset_format(name: str) -> dict[str, str]:
     """{"weights", "attention", "kernels"} defaults for exporting `name`: PRESET_FORMAT and `preset_kernels` for a
-    preset, else float/standard/stock."""
-    if name in PRESETS:
+    preset or a GGUF file (its own blocks on specrt's kernels, as the preset's), else float/standard/stock."""
+    if name in PRESETS or str(name).lower().endswith(".gguf"):
         return {**PRESET_FORMAT, "kernels": preset_kernels()}
     return {"weights": "float", "attention": "standard", "kernels": "stock"}
 

@@ -17,10 +17,10 @@ from specrt.model_config import ModelConfig
 from specrt.exporter.heads import HeadPlan, dspark_plan, feature_layout, mtp_plan
 from specrt.exporter.loaders import LoadedTarget, load_target
 from specrt.exporter.onnx.builder import GraphBuilder, WeightStore
-from specrt.blocks import Blocks
-from specrt.exporter.onnx.quant import pack_weights, select_rows, stored_bytes
+from specrt.blocks import Blocks, GGUFRows
+from specrt.exporter.onnx.quant import Stack, pack_weights, select_rows, stored_bytes
 from specrt.outdir import check_out, staged
-from specrt.exporter.onnx.target import FINAL, build_target_graph, target_cache_len, target_weights
+from specrt.exporter.onnx.target import FINAL, build_target_graph, stacked_types, target_cache_len, target_weights
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -76,7 +76,8 @@ def _write_head(art: Path, store: WeightStore, head: HeadPlan, s: io.ExportSetti
 def _bytes_per_token(store: WeightStore, cfg: ModelConfig, tensors: dict[str, "np.ndarray | Blocks"]) -> int:
     """Weight bytes one decoded token reads: every target matmul, the LM head and one embedding row."""
     embed = "model.embed_tokens.weight"
-    matrices = [n for n, w in tensors.items() if n != embed and (isinstance(w, Blocks) or np.ndim(w) == 2)]
+    matrices = [n for n, w in tensors.items()
+                if n != embed and (isinstance(w, (Blocks, GGUFRows, Stack)) or np.ndim(w) == 2)]
     head = stored_bytes(store, embed) if cfg.tie_word_embeddings else 0  # untied: lm_head is among the matrices
     return sum(stored_bytes(store, n) for n in matrices) + head + stored_bytes(store, embed) // cfg.vocab_size
 
@@ -143,7 +144,7 @@ def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSett
                 for name, (src, rows) in head.row_subsets.items():  # e.g. a draft vocabulary's LM head rows
                     tensors[name] = select_rows(target_tensors[src], rows)
             packed = pack_weights(tensors, settings.weights, dtype=dtype, gguf_names=target_tensors,
-                                  kernels=settings.kernels)
+                                  kernels=settings.kernels, types=stacked_types(loaded.tensor_types))
             for name in sorted(packed):
                 store.add(name, packed[name])
             del packed

@@ -36,7 +36,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
-from specrt.blocks import BLOCK, BLOCK_BYTES
+from specrt.blocks import KERNEL_TYPES
 from specrt.native import ops_library
 
 
@@ -61,7 +61,7 @@ def matmuls(art: Path) -> tuple[Counter, int]:
         if n.op_type == "MatMulGGUF":
             at = {a.name: helper.get_attribute_value(a) for a in n.attribute}
             nodes[(at["format"].decode(), at["K"], at["N"])] += 1
-    return nodes, sum(c * n * k // BLOCK * BLOCK_BYTES[f] for (f, k, n), c in nodes.items())
+    return nodes, sum(c * n * k // KERNEL_TYPES[f][0] * KERNEL_TYPES[f][1] for (f, k, n), c in nodes.items())
 
 
 def _session(nodes, inits, k: int, n: int, threads: int, lib: str) -> ort.InferenceSession:

@@ -12,8 +12,10 @@ so that  w[n, k] = (code - zero) * scale + min  of k's block. Zero points are ui
 take a slow path in ONNX Runtime.
 
 With specrt's own kernels (`specrt export --kernels specrt`, libspecrt_ops) a GGUF weight is instead stored as the
-file's bytes, unchanged, under `W.gguf.FORMAT` (uint8 [N, K/32 * block bytes]; FORMAT Q4_0, Q4_1 or Q8_0), read by
-specrt::MatMulGGUF and specrt::GatherGGUF.
+file's bytes, unchanged, under `W.gguf.FORMAT` (uint8 [N, K / block weights * block bytes]; FORMAT one of
+KERNEL_TYPES), read by specrt::MatMulGGUF and specrt::GatherGGUF. A stacked weight whose parts have different formats
+(a Q4_K_M file's q and k in Q4_K, its v in Q6_K) is stored as its runs of one format, `W.part0.gguf.Q4_K`,
+`W.part1.gguf.Q6_K`, ..., multiplied one node each and concatenated.
 """
 from __future__ import annotations
 
@@ -27,14 +29,64 @@ GATHER_ROWS = ".qrows"  # an alias of .qcodes as [N, K*bits/8], the layout Gathe
 GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the GGUF block formats kept exactly
 GGUF_TAG = ".gguf."  # W.gguf.FORMAT: a GGUF tensor's own bytes (specrt's kernels)
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # d (fp16)[, m (fp16)], 32 codes
+# The GGUF block types specrt's kernels read (kernels/cpu/gguf_kernels.h, kFormats): (weights, bytes) a block.
+KERNEL_TYPES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24),
+                "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+PART = ".part"  # W.part{i}.gguf.FORMAT: run i of a stacked weight's parts
+
+
+def row_weights(kind: str, row_bytes: int) -> int:
+    """K of a GGUF row of `row_bytes` bytes of blocks `kind`."""
+    elems, size = KERNEL_TYPES[kind]
+    return row_bytes // size * elems
 
 
 def gguf_key(store, name: str) -> tuple[str, str] | None:
-    """(store key, format) of weight `name` kept as GGUF bytes, or None."""
-    for fmt in GGUF_TYPES:
+    """(store key, format) of weight `name` kept as one GGUF tensor's bytes, or None."""
+    for fmt in KERNEL_TYPES:
         if name + GGUF_TAG + fmt in store:
             return name + GGUF_TAG + fmt, fmt
     return None
+
+
+def gguf_parts(store, name: str) -> list[tuple[str, str]]:
+    """[(store key, format)] of weight `name` kept as GGUF bytes: one entry, or its parts in order (PART); [] if
+    it is kept otherwise."""
+    one = gguf_key(store, name)
+    if one is not None:
+        return [one]
+    parts = []
+    while (part := gguf_key(store, f"{name}{PART}{len(parts)}")) is not None:
+        parts.append(part)
+    return parts
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFRows:
+    """One [N, K] weight as a GGUF tensor's bytes, a row of blocks per output: the types specrt's kernels read
+    that MatMulNBits cannot hold exactly (Q5_0, Q5_1 and the K-quants: 5-6 bit codes, scales per 16 weights)."""
+
+    kind: str
+    data: np.ndarray  # uint8 [N, K / block weights * block bytes]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], row_weights(self.kind, self.data.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def rows(self, select) -> "GGUFRows":
+        """The weight with `select(array)` applied to its rows (a permutation, a subset)."""
+        return GGUFRows(self.kind, np.ascontiguousarray(select(self.data)))
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 [N, K] weight (gguf's own arithmetic)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        return np.asarray(dequantize(self.data, GGMLQuantizationType[self.kind]), np.float32).reshape(self.shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,10 +187,18 @@ def dequantize_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     weight `W` it stands for (the torch backend reads quantized artifacts this way; aliases for
     GatherBlockQuantized are dropped)."""
     out = {k: v for k, v in tensors.items() if not k.endswith((*SUFFIXES, GATHER_ROWS)) and GGUF_TAG not in k}
+    parts: dict[str, dict[int, np.ndarray]] = {}
     for key, raw in tensors.items():
         if GGUF_TAG in key:
             name, fmt = key.rsplit(GGUF_TAG, 1)
-            out[name] = from_gguf(raw, fmt).dequantize()
+            w = from_gguf(raw, fmt).dequantize() if fmt in GGUF_TYPES else GGUFRows(fmt, raw).dequantize()
+            whole, _, index = name.rpartition(PART)
+            if whole and index.isdigit():
+                parts.setdefault(whole, {})[int(index)] = w
+            else:
+                out[name] = w
+    for name, runs in parts.items():
+        out[name] = np.concatenate([runs[i] for i in sorted(runs)])
     for key in tensors:
         if key.endswith(".qscales"):
             name, (n, kb) = key.removesuffix(".qscales"), tensors[key].shape

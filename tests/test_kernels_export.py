@@ -1,7 +1,7 @@
 """`specrt export --kernels specrt`: a GGUF's blocks kept as the file's bytes and attention fused, run by specrt's
 ONNX Runtime kernels (libspecrt_ops, built by the C++ build fixture), on a tiny random Llama GGUF whose matrices are
-Q4_0, Q4_1 and Q8_0 blocks (one layer's q/k/v of two formats: the stated Q8_0 fallback), with random DSpark and MTP
-heads. Checked: the graphs use the library's operators, the weight file holds the GGUF's bytes, the logits agree with
+Q4_0, Q4_1 and Q8_0 blocks (one layer's q/k/v of two formats: a product per format, concatenated), with random DSpark
+and MTP heads (tests/test_gguf_types.py: the other block types). Checked: the graphs use the library's operators, the weight file holds the GGUF's bytes, the logits agree with
 the stock-op artifact of the same file, every method under every scheduler gives `ar`'s greedy tokens, and a missing
 library or an impossible combination of flags is one clear error."""
 from __future__ import annotations
@@ -30,7 +30,7 @@ from gguf.quants import quantize  # noqa: E402
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
 Q = gguf.GGMLQuantizationType
-# per tensor: its block format (layer 1's q and k differ: stacked q/k/v of two formats fall back to Q8_0)
+# per tensor: its block format (layer 1's q and k differ: stacked q/k/v of two formats, one product per format)
 TYPES = {"token_embd": Q.Q8_0, "output": Q.Q4_0, "attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1,
          "attn_output": Q.Q4_0, "ffn_gate": Q.Q8_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1}
 SETTINGS = io.ExportSettings(batch=3, max_seq=256, prefill_chunk=16, verify_len=5, weights="gguf", attention="cpu")
@@ -131,10 +131,10 @@ def test_graphs_run_on_the_library_and_store_the_files_bytes(arts, sources):
     assert m.export.kernels == "specrt"
     ops = collections.Counter(n.op_type for n in onnx.load(str(art / "target.onnx"), load_external_data=False)
                               .graph.node if n.domain == "specrt")
-    # every matrix of the target (2 layers x qkv, o, gate_up, down; the head), its embedding, its attention (rope,
-    # cache writes and attention in one node), its norms (each layer's input norm and the final one; the residual add
-    # and norm after attention)
-    assert ops == {"MatMulGGUF": 2 * 4 + 1, "GatherGGUF": 1, "PackedAttention": 2, "RMSNorm": 2 + 1, "SkipRMSNorm": 2}
+    # every matrix of the target (2 layers x qkv, o, gate_up, down; the head; layer 1's q apart from its k/v), its
+    # embedding, its attention (rope, cache writes and attention in one node), its norms (each layer's input norm and
+    # the final one; the residual add and norm after attention)
+    assert ops == {"MatMulGGUF": 2 * 4 + 1 + 1, "GatherGGUF": 1, "PackedAttention": 2, "RMSNorm": 2 + 1, "SkipRMSNorm": 2}
     # each MLP's SiLU and product are its gate/up node's: no Split, Sigmoid or stock norm left
     assert sum(n.op_type == "MatMulGGUF" and any(a.name == "activation" and a.s == b"swiglu" for a in n.attribute)
                for n in target_nodes(art)) == 2
@@ -149,8 +149,11 @@ def test_graphs_run_on_the_library_and_store_the_files_bytes(arts, sources):
     entry = {e.key: e.value for e in init.external_data}
     data = (art / entry["location"]).read_bytes()[int(entry["offset"]):][:int(entry["length"])]
     assert data == np.asarray(raw.data).tobytes()
-    # layer 1's q (Q4_0) and k/v (Q4_1) stack into one matrix of two formats: Q8_0 instead
-    assert any(i.name == "model.layers.1.self_attn.qkv_proj.weight.gguf.Q8_0" for i in target.graph.initializer)
+    # layer 1's q (Q4_0) and k/v (Q4_1) stack into one matrix of two formats: each run kept as the file has it
+    names = {i.name for i in target.graph.initializer}
+    assert {"model.layers.1.self_attn.qkv_proj.weight.part0.gguf.Q4_0",
+            "model.layers.1.self_attn.qkv_proj.weight.part1.gguf.Q4_1"} <= names
+    assert "model.layers.1.self_attn.qkv_proj.weight.gguf.Q8_0" not in names  # not the Q8_0 fallback
     # the draft heads' own matrices (trained in float) take Q4_1 blocks: every product of every graph on the library
     assert set(m.heads) == {"dspark", "mtp"}
     for name in m.heads:

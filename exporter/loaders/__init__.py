@@ -26,7 +26,10 @@ class LoadedTarget:
     weights: dict[str, np.ndarray]
     source_files: list[Path] = field(default_factory=list)
     tokenizer: "TokenizerSource | None" = None
-    blocks: dict | None = None  # a GGUF's own Q4_0/Q4_1/Q8_0 blocks: HF name -> quant.Blocks (None: not a GGUF)
+    # a GGUF's own blocks: HF name -> specrt.blocks.Blocks (Q4_0/Q4_1/Q8_0) or GGUFRows (the other types specrt's
+    # kernels read); None: not a GGUF
+    blocks: dict | None = None
+    tensor_types: dict[str, str] = field(default_factory=dict)  # a GGUF's: HF name -> its GGUF type (Q4_K, F16, ...)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -1,5 +1,5 @@
 """Load a GGUF file (llama, qwen2, qwen3 archs): metadata -> ModelConfig, dequantized HF weights, and the
-file's own Q4_0 / Q4_1 / Q8_0 blocks (for `specrt export --weights gguf`)."""
+file's own blocks of the types specrt's kernels read (for `specrt export --weights gguf`)."""
 from __future__ import annotations
 
 import re
@@ -11,7 +11,7 @@ import numpy as np
 from specrt.errors import SpecrtError
 from specrt.model_config import ModelConfig
 from specrt.exporter.loaders import LoadedTarget, check_weights, expected_shapes
-from specrt.blocks import Blocks
+from specrt.blocks import KERNEL_TYPES, Blocks, GGUFRows
 from specrt.exporter.onnx.quant import from_gguf, permute_rows
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
@@ -159,11 +159,15 @@ def load_gguf(path: Path) -> LoadedTarget:
     check_weights(cfg, {k: tuple(int(s) for s in reversed(t.shape)) for k, t in by_hf.items()},
                   path)
     weights: dict[str, np.ndarray] = {}
-    blocks: dict[str, Blocks] = {}
+    blocks: dict[str, Blocks | GGUFRows] = {}
+    types: dict[str, str] = {}
     for name in expected_shapes(cfg):
         t = by_hf[name]
         shape = tuple(int(s) for s in reversed(t.shape))
-        b = from_gguf(t.data, t.tensor_type.name) if len(shape) == 2 else None  # exact-path blocks, as they are
+        kind = types[name] = t.tensor_type.name
+        b = None
+        if len(shape) == 2 and kind in KERNEL_TYPES:  # the file's blocks, as they are
+            b = from_gguf(t.data, kind) or GGUFRows(kind, np.asarray(t.data, np.uint8).reshape(shape[0], -1))
         try:  # the blocks dequantize with gguf-py's arithmetic (bit-identical), vectorized over the whole tensor
             w = b.dequantize() if b is not None else \
                 np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
@@ -184,4 +188,4 @@ def load_gguf(path: Path) -> LoadedTarget:
     if "tokenizer.ggml.model" in meta:
         tokenizer = TokenizerSource.from_gguf(path, eos_token_ids=cfg.eos_token_ids)
     return LoadedTarget(name=path.stem, config=cfg, weights=weights, source_files=[path],
-                        tokenizer=tokenizer, blocks=blocks)
+                        tokenizer=tokenizer, blocks=blocks, tensor_types=types)

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from specrt.blocks import gguf_key
+from specrt.blocks import gguf_parts
 from specrt.kernels import ops as kernel_ops
 from specrt.kernels.ops import KERNEL_OPS
 
@@ -139,7 +139,7 @@ class GraphBuilder:
         A weight stored as blocks (`name.qcodes`, ...) is returned by name too: `linear` and `embedding`
         read its block tensors (`weight` registers them then)."""
         if name not in self.store:
-            if name + ".qcodes" in self.store or gguf_key(self.store, name):
+            if name + ".qcodes" in self.store or gguf_parts(self.store, name):
                 return name
             raise KeyError(f"weight {name} was not added to the store")
         self._weights.add(name)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specrt.exporter.onnx.builder import MS_DOMAIN, PLUGIN_DOMAIN, GraphBuilder, onnx_dtype
-from specrt.blocks import BLOCK, BLOCK_BYTES, GATHER_ROWS, gguf_key
+from specrt.blocks import BLOCK, GATHER_ROWS, gguf_key, gguf_parts, row_weights
 from specrt.exporter.onnx.quant import is_quantized
 
 
@@ -73,22 +73,28 @@ def _own_kernels(g: GraphBuilder, dtype: str) -> bool:
 
 
 def fuses_swiglu(g: GraphBuilder, weight: str) -> bool:
-    """Whether `linear(..., activation="swiglu")` can be one node: a stacked gate/up weight in GGUF blocks."""
+    """Whether `linear(..., activation="swiglu")` can be one node: a stacked gate/up weight in GGUF blocks of one
+    type."""
     return gguf_key(g.store, weight) is not None
 
 
 def linear(g: GraphBuilder, x: str, weight: str, bias: str | None = None, name: str = "linear", *,
            activation: str = "") -> str:
     """x [N, K] @ weightᵀ (+ bias): Gemm(transB=1) on a float weight, MatMulNBits on a block-quantized one,
-    specrt::MatMulGGUF on a GGUF tensor's own bytes. `activation` "swiglu" (MatMulGGUF only, `fuses_swiglu`):
-    silu of the first half of the product's columns times the second half, in the same node."""
-    raw = gguf_key(g.store, weight)
-    if raw is not None:
-        key, fmt = raw
-        n, row = g.store.shape(key)
+    specrt::MatMulGGUF on a GGUF tensor's own bytes (one per part of a stack of several types, concatenated).
+    `activation` "swiglu" (MatMulGGUF only, `fuses_swiglu`): silu of the first half of the product's columns times
+    the second half, in the same node."""
+    parts = gguf_parts(g.store, weight)
+    if parts:
+        if activation and len(parts) > 1:
+            raise ValueError(f"{name}: activation {activation!r} needs a weight of one GGUF type")
         extra = {"activation": activation} if activation else {}
-        y = g.op("MatMulGGUF", x, g.weight(key), name=name, domain=PLUGIN_DOMAIN, format=fmt,
-                 K=row // BLOCK_BYTES[fmt] * BLOCK, N=n, **extra)
+        ys = []
+        for i, (key, fmt) in enumerate(parts):
+            n, row = g.store.shape(key)
+            ys.append(g.op("MatMulGGUF", x, g.weight(key), name=name if len(parts) == 1 else f"{name}/part{i}",
+                           domain=PLUGIN_DOMAIN, format=fmt, K=row_weights(fmt, row), N=n, **extra))
+        y = ys[0] if len(ys) == 1 else g.op("Concat", *ys, name=f"{name}/parts", axis=-1)
         return g.op("Add", y, bias, name=f"{name}_bias") if bias else y
     if activation:
         raise ValueError(f"{name}: activation {activation!r} needs a weight in GGUF blocks (specrt::MatMulGGUF)")
@@ -130,7 +136,7 @@ def embedding(g: GraphBuilder, table: str, ids: str, name: str = "embed_tokens")
     if raw is not None:
         key, fmt = raw
         return g.op("GatherGGUF", g.weight(key), ids, name=name, domain=PLUGIN_DOMAIN, format=fmt,
-                    K=g.store.shape(key)[1] // BLOCK_BYTES[fmt] * BLOCK)
+                    K=row_weights(fmt, g.store.shape(key)[1]))
     if not is_quantized(g.store, table):
         return g.op("Gather", g.weight(table), ids, name=name)
     v, kb, blob = g.store.shape(table + ".qcodes")

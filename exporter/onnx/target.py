@@ -208,6 +208,18 @@ def stack_layer_weights(out: dict[str, np.ndarray], prefix: str, cfg: ModelConfi
     out[f"{m}.gate_up_proj.weight"] = concat_rows([out.pop(f"{m}.gate_proj.weight"), out.pop(f"{m}.up_proj.weight")])
 
 
+def stacked_types(types: dict[str, str]) -> dict[str, str]:
+    """Per-tensor labels (a GGUF's types) extended to the stacked tensors `stack_layer_weights` makes: "Q4_K+Q6_K"
+    for a q/k/v stack whose parts differ."""
+    out = dict(types)
+    for name in types:
+        for parts, stacked in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+            if f".{parts[0]}." in name:
+                labels = [types.get(name.replace(parts[0], p), "?") for p in parts]
+                out[name.replace(parts[0], stacked)] = "+".join(dict.fromkeys(labels))
+    return out
+
+
 def target_weights(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The tensors the target graph reads: HF tensors, with q/k/v and gate/up stacked into one Gemm each."""
     out = dict(weights)
