@@ -556,6 +556,78 @@ def test_tokenizer_llama3_style_split_regex_and_bos(specrt_cpp, tmp_path):
     _check_tokenizer(file, sample, add_special=True)
 
 
+def _sentencepiece_style(tmp_path: Path, legacy: bool) -> Path:
+    """A SentencePiece-style BPE (Llama 2, Mistral, TinyLlama) trained here with the tokenizers library on the prompt
+    sets: spaces as U+2581, an alphabet of 120 characters so that the rest (accents, CJK, emoji) take byte fallback's
+    <0xXX> tokens, a BOS by the post-processor; `legacy`: Llama 2's normalizer form (Prepend + Replace, no
+    pre-tokenizer), else the Metaspace form a GGUF's vocabulary becomes."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, fuse_unk=True))
+    if legacy:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator(_dataset_texts(), trainers.BpeTrainer(vocab_size=2000, limit_alphabet=120,
+                                                                  special_tokens=["<unk>", "<s>", "</s>"],
+                                                                  show_progress=False))
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    for b in range(256):  # byte fallback's tokens, in the model's vocabulary as SentencePiece has them
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    bos = vocab["<s>"]
+    data["post_processor"] = json.loads(processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)]).__getstate__())
+    file = tmp_path / f"spm-{'legacy' if legacy else 'metaspace'}.tokenizer.json"
+    file.write_text(json.dumps(data))
+    ids = Tokenizer.from_file(str(file)).encode("日本", add_special_tokens=False)
+    assert ids.tokens[:2] == ["\u2581", "<0xE6>"]  # byte fallback in use
+    return file
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["metaspace", "legacy-normalizer"])
+def test_tokenizer_sentencepiece_style_with_byte_fallback(specrt_cpp, tmp_path, legacy):
+    """SentencePiece-style vocabularies (what a GGUF of Llama 2, Mistral or TinyLlama carries): every tenth prompt
+    turn and the edge cases give the tokenizers library's ids with and without the BOS, and its text back, whole and
+    streamed (the first space dropped once)."""
+    file = _sentencepiece_style(tmp_path, legacy)
+    sample = _dataset_texts()[::10] + EDGE_TEXTS + ["<s>hello</s> world", "  two leading spaces", "\u2581already"]
+    _check_tokenizer(file, sample, add_special=False)
+    _check_tokenizer(file, sample, add_special=True)
+
+
+def test_tokenizer_of_a_gguf_llama_vocabulary(specrt_cpp, tmp_path):
+    """A GGUF's SentencePiece vocabulary (tokenizer.ggml.model "llama": pieces with scores, <0xXX> byte tokens), made
+    into tokenizer.json by `specrt export`'s loader, read by the C++ tokenizer as the tokenizers library reads it."""
+    import gguf
+
+    from specrt.exporter.loaders.tokenizer import TokenizerSource
+
+    pieces = ["\u2581", "e", "t", "h", "l", "o", "\u2581t", "he", "\u2581the", "ll", "llo", "\u2581he", "\u2581hello",
+              "w", "r", "d", "\u2581w", "or", "\u2581wor", "ld", "\u2581world", "a", "\u2581a", "!", "."]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    w = gguf.GGUFWriter(tmp_path / "spm.gguf", "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    w.add_token_types([gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+                      + [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * len(pieces))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_tensor("x", np.zeros(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    TokenizerSource.from_gguf(tmp_path / "spm.gguf", eos_token_ids=(2,)).save(tmp_path / "tok")
+    texts = ["hello world", " the world!", "héllo wörld 你好 🤖", "a\nb  c", "", "the the hello", *EDGE_TEXTS]
+    _check_tokenizer(tmp_path / "tok" / "tokenizer.json", texts, add_special=False)
+    _check_tokenizer(tmp_path / "tok" / "tokenizer.json", texts, add_special=True)
+
+
 @pytest.fixture(scope="module")
 def chat_art(served_art) -> Path:
     """The served artifact's manifest with the chat template's text around a user message, as `specrt export` now

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <fstream>
 #include <mutex>
+#include <queue>
 
 namespace specrt {
 
@@ -108,6 +109,14 @@ struct Tokenizer::Impl {
     pcre2_code* regex = nullptr;
     bool prefix_space = false, ignore_merges = false, nfc = false;
     int64_t unk = -1;
+    // SentencePiece-style BPE (Llama 2, Mistral, TinyLlama: byte fallback, spaces as U+2581): `spm` set, the text's
+    // spaces replaced and a U+2581 prepended (`prepend`: to no segment, the one at the text's start, or every one;
+    // `prepend_always`: even where one is there already), split before each U+2581 (`split_words`) or not, each
+    // character its token or its UTF-8 bytes' <0xXX> tokens (`byte_ids`); decoding strips the text's first space.
+    bool spm = false, prepend_always = false, split_words = false, strip_first = false;
+    enum { kNever, kFirst, kAlways } prepend = kNever;
+    int64_t byte_ids[256];
+    std::vector<int16_t> byte_of;  // id -> the byte a <0xXX> token stands for, -1 for other tokens
     std::vector<int64_t> bos_ids, eos_ids;  // the post-processor's special tokens around a sequence
     std::string post_problem;  // why add_special cannot be honoured ("" when it can)
     mutable std::mutex cache_lock;
@@ -116,11 +125,59 @@ struct Tokenizer::Impl {
     ~Impl() {
         if (regex) pcre2_code_free(regex);
     }
+    // tokenizer.json's normalizer, pre-tokenizer and decoder, for each kind of vocabulary
+    void read_byte_level(const std::filesystem::path& file, const json& j);
+    void read_spm(const std::filesystem::path& file, const json& j);
+
+    // Merge adjacent symbols by rank until no pair has a merge: the lowest rank first, the leftmost on ties (as
+    // tokenizers' BPE does), with a heap of candidate pairs over a linked list: n log n, not n^2, for long words.
+    void merge(std::vector<int64_t>& syms) const {
+        const size_t n = syms.size();
+        if (n < 2) return;
+        std::vector<int64_t> next(n), prev(n);
+        for (size_t i = 0; i < n; ++i) {
+            next[i] = i + 1 < n ? static_cast<int64_t>(i + 1) : -1;
+            prev[i] = static_cast<int64_t>(i) - 1;
+        }
+        struct Pair {
+            int64_t rank, pos, left, right;
+            bool operator>(const Pair& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+        };
+        std::priority_queue<Pair, std::vector<Pair>, std::greater<Pair>> heap;
+        auto offer = [&](int64_t i) {
+            if (i < 0 || next[i] < 0) return;
+            auto m = merges.find(static_cast<uint64_t>(syms[i]) << 32 | static_cast<uint64_t>(syms[next[i]]));
+            if (m != merges.end()) heap.push({m->second.first, i, syms[i], syms[next[i]]});
+        };
+        for (size_t i = 0; i + 1 < n; ++i) offer(static_cast<int64_t>(i));
+        std::vector<char> gone(n, 0);
+        while (!heap.empty()) {
+            const Pair p = heap.top();
+            heap.pop();
+            const int64_t j = next[p.pos];
+            if (gone[p.pos] || j < 0 || syms[p.pos] != p.left || syms[j] != p.right) continue;  // stale
+            syms[p.pos] = merges.at(static_cast<uint64_t>(p.left) << 32 | static_cast<uint64_t>(p.right)).second;
+            gone[j] = 1;
+            next[p.pos] = next[j];
+            if (next[j] >= 0) prev[next[j]] = p.pos;
+            offer(prev[p.pos]);
+            offer(p.pos);
+        }
+        size_t k = 0;
+        for (size_t i = 0; i < n; ++i)
+            if (!gone[i]) syms[k++] = syms[i];
+        syms.resize(k);
+    }
 
     void bpe(const std::string& piece, std::vector<int64_t>& out) const {
         std::string word;
-        for (unsigned char c : piece) word += byte_char[c];
-        {
+        if (spm) {
+            word = piece;
+        } else {
+            for (unsigned char c : piece) word += byte_char[c];
+        }
+        const bool cached = word.size() <= 256;  // a long word (SentencePiece's whole segment) is not kept
+        if (cached) {
             std::lock_guard<std::mutex> g(cache_lock);
             auto hit = cache.find(word);
             if (hit != cache.end()) {
@@ -137,34 +194,56 @@ struct Tokenizer::Impl {
                 size_t n = 1;
                 while (i + n < word.size() && (static_cast<unsigned char>(word[i + n]) & 0xC0) == 0x80) ++n;
                 auto it = vocab.find(word.substr(i, n));
-                if (it != vocab.end()) syms.push_back(it->second);
-                else if (unk >= 0) syms.push_back(unk);
-                else throw Error(SPECRT_ERROR_REQUEST, "the tokenizer has no token for a character of the text");
+                if (it != vocab.end()) {
+                    syms.push_back(it->second);
+                } else if (spm) {  // byte fallback: the character's UTF-8 bytes as <0xXX> tokens
+                    for (size_t b = i; b < i + n; ++b) {
+                        const int64_t id = byte_ids[static_cast<unsigned char>(word[b])];
+                        if (id < 0 && unk < 0)
+                            throw Error(SPECRT_ERROR_REQUEST, "the tokenizer has no token for a byte of the text");
+                        syms.push_back(id >= 0 ? id : unk);
+                    }
+                } else if (unk >= 0) {
+                    syms.push_back(unk);
+                } else {
+                    throw Error(SPECRT_ERROR_REQUEST, "the tokenizer has no token for a character of the text");
+                }
                 i += n;
             }
-            while (syms.size() > 1) {  // merge the lowest-ranked adjacent pair (the leftmost on ties) until none is left
-                int64_t best = -1, rank = INT64_MAX, merged = 0;
-                for (size_t i = 0; i + 1 < syms.size(); ++i) {
-                    auto m = merges.find(static_cast<uint64_t>(syms[i]) << 32 | static_cast<uint64_t>(syms[i + 1]));
-                    if (m != merges.end() && m->second.first < rank) {
-                        rank = m->second.first;
-                        merged = m->second.second;
-                        best = static_cast<int64_t>(i);
-                    }
-                }
-                if (best < 0) break;
-                syms[best] = merged;
-                syms.erase(syms.begin() + best + 1);
-            }
+            merge(syms);
         }
         out.insert(out.end(), syms.begin(), syms.end());
+        if (!cached) return;
         std::lock_guard<std::mutex> g(cache_lock);
         if (cache.size() > (1u << 16)) cache.clear();
         cache.emplace(std::move(word), std::move(syms));
     }
 
+    // SentencePiece-style text without added tokens (`first`: it starts the whole text): spaces as U+2581, the
+    // prepended U+2581, the words (or the whole segment), BPE with byte fallback.
+    void segment_spm(const std::string& text, bool first, std::vector<int64_t>& out) const {
+        if (text.empty()) return;
+        static const std::string kSpace = "\xE2\x96\x81";  // U+2581
+        std::string s;
+        for (char c : text) {
+            if (c == ' ') s += kSpace;
+            else s += c;
+        }
+        if ((prepend == kAlways || (prepend == kFirst && first)) && (prepend_always || s.compare(0, 3, kSpace) != 0))
+            s = kSpace + s;
+        if (!split_words) return bpe(s, out);
+        size_t start = 0;  // each word begins at a U+2581 (tokenizers' MergedWithNext)
+        for (size_t i = 3; i + 3 <= s.size(); ++i)
+            if (s.compare(i, 3, kSpace) == 0) {
+                bpe(s.substr(start, i - start), out);
+                start = i;
+            }
+        bpe(s.substr(start), out);
+    }
+
     // Text without added tokens: prefix space, the regex's pieces (and the gaps between them), BPE.
-    void segment(std::string text, std::vector<int64_t>& out) const {
+    void segment(std::string text, bool first, std::vector<int64_t>& out) const {
+        if (spm) return segment_spm(text, first, out);
         if (text.empty()) return;
         if (prefix_space && text[0] != ' ') text = " " + text;
         pcre2_match_data* md = pcre2_match_data_create_from_pattern(regex, nullptr);
@@ -190,11 +269,98 @@ namespace {
 
 [[noreturn]] void unsupported(const std::filesystem::path& file, const std::string& what) {
     throw Error(SPECRT_ERROR_ARTIFACT, file.string() + ": " + what +
-                                           " (the C++ tokenizer reads byte-level BPE: GPT-2, SmolLM2, Llama 3, Qwen); "
-                                           "pass token ids");
+                                           " (the C++ tokenizer reads byte-level BPE: GPT-2, SmolLM2, Llama 3, Qwen; "
+                                           "and SentencePiece-style BPE with byte fallback: Llama 2, Mistral, "
+                                           "TinyLlama); pass token ids");
 }
 
 }  // namespace
+
+// The byte-level tokenizer's normalizer (none, or NFC: text that is ASCII is its own NFC form), pre-tokenizer
+// (ByteLevel with its regex, or a Split regex followed by ByteLevel without one) and decoder (ByteLevel).
+void Tokenizer::Impl::read_byte_level(const std::filesystem::path& file, const json& j) {
+    Impl& t = *this;
+    const json& norm = j.value("normalizer", json());
+    if (!norm.is_null()) {
+        const std::string type = norm.value("type", "");
+        if (type == "NFC") t.nfc = true;
+        else if (!(type == "Sequence" && norm.value("normalizers", json::array()).empty()))
+            unsupported(file, "a " + type + " normalizer");
+    }
+    const json& pre = j.at("pre_tokenizer");
+    std::string pattern;
+    auto byte_level = [&](const json& p, bool regex) {
+        if (p.value("type", "") != "ByteLevel") return false;
+        t.prefix_space = p.value("add_prefix_space", false);
+        if (p.value("use_regex", true) != regex) return false;
+        if (regex) pattern = kGpt2Pattern;
+        return true;
+    };
+    bool ok = byte_level(pre, true);
+    if (!ok && pre.value("type", "") == "Sequence") {
+        const json& seq = pre.at("pretokenizers");
+        if (seq.size() == 2 && seq[0].value("type", "") == "Split" && seq[0].value("behavior", "") == "Isolated" &&
+            !seq[0].value("invert", false) && seq[0].at("pattern").contains("Regex") && byte_level(seq[1], false)) {
+            pattern = seq[0]["pattern"]["Regex"].get<std::string>();
+            ok = true;
+        } else if (seq.size() == 1 && byte_level(seq[0], true)) {
+            ok = true;
+        }
+    }
+    if (!ok) unsupported(file, "a " + pre.value("type", "?") + " pre-tokenizer");
+    const json& dec = j.value("decoder", json());
+    if (dec.is_null() || dec.value("type", "") != "ByteLevel") unsupported(file, "a decoder other than ByteLevel");
+    int err = 0;
+    PCRE2_SIZE offset = 0;
+    t.regex = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.c_str()), PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP,
+                            &err, &offset, nullptr);
+    if (!t.regex) unsupported(file, "a pre-tokenizer regex PCRE2 cannot compile");
+    pcre2_jit_compile(t.regex, PCRE2_JIT_COMPLETE);  // faster where the JIT is available; the interpreter otherwise
+}
+
+// SentencePiece-style BPE with byte fallback as tokenizers writes it, in either of its two forms: a Metaspace
+// pre-tokenizer (replacement U+2581, prepend_scheme first / always / never, split or not; what a GGUF's llama
+// vocabulary becomes) or the legacy normalizer Prepend(U+2581) + Replace(" ", U+2581) with no pre-tokenizer (Llama
+// 2's tokenizer.json); the decoder Replace(U+2581, " "), ByteFallback, Fuse and Strip(" ", 1, 0).
+void Tokenizer::Impl::read_spm(const std::filesystem::path& file, const json& j) {
+    Impl& t = *this;
+    static const std::string kSpace = "\xE2\x96\x81";
+    const json& norm = j.value("normalizer", json());
+    const json& pre = j.value("pre_tokenizer", json());
+    auto is_replace = [](const json& x, const std::string& from, const std::string& to) {
+        return x.value("type", "") == "Replace" && x.contains("pattern") && x["pattern"].value("String", "") == from &&
+               x.value("content", "") == to;
+    };
+    if (!norm.is_null()) {
+        const json& seq = norm.value("normalizers", json::array());
+        const bool legacy = norm.value("type", "") == "Sequence" && seq.size() == 2 &&
+                            seq[0].value("type", "") == "Prepend" && seq[0].value("prepend", "") == kSpace &&
+                            is_replace(seq[1], " ", kSpace);
+        if (!legacy) unsupported(file, "a " + norm.value("type", "?") + " normalizer with byte fallback");
+        if (!pre.is_null()) unsupported(file, "a pre-tokenizer after the Prepend normalizer");
+        t.prepend = kAlways;
+        t.prepend_always = true;
+    } else {
+        if (pre.value("type", "") != "Metaspace" || pre.value("replacement", "") != kSpace)
+            unsupported(file, "a " + pre.value("type", "?") + " pre-tokenizer with byte fallback");
+        const std::string scheme = pre.contains("prepend_scheme") ? pre.value("prepend_scheme", "")
+                                   : pre.value("add_prefix_space", true) ? "always" : "never";
+        if (scheme == "first") t.prepend = kFirst;
+        else if (scheme == "always") t.prepend = kAlways;
+        else if (scheme != "never") unsupported(file, "a Metaspace prepend scheme " + scheme);
+        t.split_words = pre.value("split", true);
+    }
+    const json& dec = j.value("decoder", json());
+    const json& steps = dec.value("decoders", json::array());
+    bool ok = dec.value("type", "") == "Sequence" && (steps.size() == 3 || steps.size() == 4) &&
+              is_replace(steps[0], kSpace, " ") && steps[1].value("type", "") == "ByteFallback" &&
+              steps[2].value("type", "") == "Fuse";
+    if (ok && steps.size() == 4)
+        ok = steps[3].value("type", "") == "Strip" && steps[3].value("content", "") == " " &&
+             steps[3].value("start", 0) == 1 && steps[3].value("stop", 0) == 0;
+    if (!ok) unsupported(file, "a decoder other than SentencePiece's (Replace, ByteFallback, Fuse, Strip)");
+    t.strip_first = steps.size() == 4;
+}
 
 Tokenizer::Tokenizer(const std::filesystem::path& file, std::optional<ChatText> chat, std::string chat_problem)
     : impl_(std::make_unique<Impl>()), chat_(std::move(chat)), chat_problem_(std::move(chat_problem)) {
@@ -210,7 +376,7 @@ Tokenizer::Tokenizer(const std::filesystem::path& file, std::optional<ChatText> 
     try {
         const json& model = j.at("model");
         if (model.value("type", "") != "BPE") unsupported(file, "a " + model.value("type", "?") + " model");
-        if (model.value("byte_fallback", false)) unsupported(file, "a BPE model with byte fallback");
+        t.spm = model.value("byte_fallback", false);
         t.ignore_merges = model.value("ignore_merges", false);
         for (const auto& [tok, id] : model.at("vocab").items()) t.vocab[tok] = id.get<int64_t>();
         int64_t size = 0;
@@ -220,6 +386,14 @@ Tokenizer::Tokenizer(const std::filesystem::path& file, std::optional<ChatText> 
         t.special.assign(size, 0);
         t.added.assign(size, 0);
         for (const auto& [tok, id] : t.vocab) t.tokens[id] = tok;
+        t.byte_of.assign(size, -1);
+        for (int b = 0; b < 256; ++b) {  // byte fallback's tokens, <0x00> .. <0xFF>
+            char name[8];
+            std::snprintf(name, sizeof name, "<0x%02X>", b);
+            auto it = t.vocab.find(name);
+            t.byte_ids[b] = it == t.vocab.end() ? -1 : it->second;
+            if (it != t.vocab.end()) t.byte_of[it->second] = static_cast<int16_t>(b);
+        }
         int64_t rank = 0;
         for (const json& m : model.at("merges")) {
             std::string a, b;
@@ -263,38 +437,11 @@ Tokenizer::Tokenizer(const std::filesystem::path& file, std::optional<ChatText> 
             t.byte_char[b] = utf8(cp);
             t.char_byte[cp] = static_cast<unsigned char>(b);
         }
-        // normalizer: none, or NFC (text that is ASCII is its own NFC form)
-        const json& norm = j.value("normalizer", json());
-        if (!norm.is_null()) {
-            const std::string type = norm.value("type", "");
-            if (type == "NFC") t.nfc = true;
-            else if (!(type == "Sequence" && norm.value("normalizers", json::array()).empty()))
-                unsupported(file, "a " + type + " normalizer");
+        if (t.spm) {
+            t.read_spm(file, j);
+        } else {
+            t.read_byte_level(file, j);
         }
-        // pre-tokenizer: ByteLevel with its regex, or a Split regex followed by ByteLevel without one
-        const json& pre = j.at("pre_tokenizer");
-        std::string pattern;
-        auto byte_level = [&](const json& p, bool regex) {
-            if (p.value("type", "") != "ByteLevel") return false;
-            t.prefix_space = p.value("add_prefix_space", false);
-            if (p.value("use_regex", true) != regex) return false;
-            if (regex) pattern = kGpt2Pattern;
-            return true;
-        };
-        bool ok = byte_level(pre, true);
-        if (!ok && pre.value("type", "") == "Sequence") {
-            const json& seq = pre.at("pretokenizers");
-            if (seq.size() == 2 && seq[0].value("type", "") == "Split" && seq[0].value("behavior", "") == "Isolated" &&
-                !seq[0].value("invert", false) && seq[0].at("pattern").contains("Regex") && byte_level(seq[1], false)) {
-                pattern = seq[0]["pattern"]["Regex"].get<std::string>();
-                ok = true;
-            } else if (seq.size() == 1 && byte_level(seq[0], true)) {
-                ok = true;
-            }
-        }
-        if (!ok) unsupported(file, "a " + pre.value("type", "?") + " pre-tokenizer");
-        const json& dec = j.value("decoder", json());
-        if (dec.is_null() || dec.value("type", "") != "ByteLevel") unsupported(file, "a decoder other than ByteLevel");
         // post-processor: nothing, ByteLevel (offsets only), TemplateProcessing's special tokens, or a sequence of those
         std::vector<json> posts;
         const json& post = j.value("post_processor", json());
@@ -320,12 +467,6 @@ Tokenizer::Tokenizer(const std::filesystem::path& file, std::optional<ChatText> 
                     (seen ? t.eos_ids : t.bos_ids).push_back(id.get<int64_t>());
             }
         }
-        int err = 0;
-        PCRE2_SIZE offset = 0;
-        t.regex = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.c_str()), PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP,
-                                &err, &offset, nullptr);
-        if (!t.regex) unsupported(file, "a pre-tokenizer regex PCRE2 cannot compile");
-        pcre2_jit_compile(t.regex, PCRE2_JIT_COMPLETE);  // faster where the JIT is available; the interpreter otherwise
     } catch (const json::exception& e) {
         throw Error(SPECRT_ERROR_ARTIFACT, file.string() + ": not a tokenizer.json this runtime reads (" + e.what() + ")");
     }
@@ -356,12 +497,12 @@ std::vector<int64_t> Tokenizer::encode(const std::string& text, bool add_special
             ++i;
             continue;
         }
-        t.segment(text.substr(start, i - start), out);
+        t.segment(text.substr(start, i - start), start == 0, out);
         out.push_back(hit->second);
         i += hit->first.size();
         start = i;
     }
-    t.segment(text.substr(start), out);
+    t.segment(text.substr(start), start == 0, out);
     if (add_special) out.insert(out.end(), t.eos_ids.begin(), t.eos_ids.end());
     return out;
 }
@@ -440,6 +581,21 @@ std::string Tokenizer::bytes(const int64_t* ids, size_t n, bool skip_special) co
             throw Error(SPECRT_ERROR_REQUEST, "token id " + std::to_string(id) + " is outside the tokenizer's vocabulary");
         if (skip_special && t.special[id]) continue;
         const std::string& s = t.tokens[id];
+        if (t.spm && !t.added[id]) {  // a <0xXX> token is its byte; U+2581 is a space
+            if (t.byte_of[id] >= 0) {
+                out += static_cast<char>(t.byte_of[id]);
+                continue;
+            }
+            for (size_t i = 0; i < s.size(); ++i) {
+                if (s.compare(i, 3, "\xE2\x96\x81") == 0) {
+                    out += ' ';
+                    i += 2;
+                } else {
+                    out += s[i];
+                }
+            }
+            continue;
+        }
         for (size_t i = 0; i < s.size();) {  // each character of the byte-level alphabet is one byte; others stay
             size_t len = 1;
             while (i + len < s.size() && (static_cast<unsigned char>(s[i + len]) & 0xC0) == 0x80) ++len;
@@ -457,12 +613,20 @@ std::string Tokenizer::bytes(const int64_t* ids, size_t n, bool skip_special) co
     return out;
 }
 
+bool Tokenizer::strips_first_space() const { return impl_->strip_first; }
+
 std::string Tokenizer::decode(const std::vector<int64_t>& ids, bool skip_special) const {
-    return utf8_lossy(bytes(ids.data(), ids.size(), skip_special));
+    std::string b = bytes(ids.data(), ids.size(), skip_special);
+    if (strips_first_space() && !b.empty() && b[0] == ' ') b.erase(0, 1);
+    return utf8_lossy(b);
 }
 
 std::string StreamDecoder::push(const int64_t* ids, size_t n) {
     pending_ += tok_.bytes(ids, n, skip_);
+    if (!started_ && !pending_.empty()) {  // decode's strip of the text's first space, once per stream
+        if (tok_.strips_first_space() && pending_[0] == ' ') pending_.erase(0, 1);
+        started_ = true;
+    }
     // release up to the last complete character; an incomplete one at the end waits for its next bytes
     size_t cut = pending_.size();
     for (size_t back = 1; back <= std::min<size_t>(3, pending_.size()); ++back) {

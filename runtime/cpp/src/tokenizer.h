@@ -1,7 +1,9 @@
-// Byte-level BPE from a tokenizer.json, as the `tokenizers` library runs it for GPT-2-style vocabularies (SmolLM2,
-// Llama 3, Qwen): added tokens matched first (leftmost, longest), the pre-tokenizer's regex splitting the rest (PCRE2
-// with Unicode properties), each piece's bytes mapped to the byte-level alphabet and merged by rank; decoding maps
-// back to bytes, and a stream decoder releases only whole UTF-8 characters. The chat template is not run here: the
+// BPE from a tokenizer.json, as the `tokenizers` library runs it: byte-level for GPT-2-style vocabularies (SmolLM2,
+// Llama 3, Qwen: added tokens matched first (leftmost, longest), the pre-tokenizer's regex splitting the rest (PCRE2
+// with Unicode properties), each piece's bytes mapped to the byte-level alphabet and merged by rank), or
+// SentencePiece-style with byte fallback (Llama 2, Mistral, TinyLlama: spaces as U+2581, a character without a token
+// as its bytes' <0xXX> tokens); merges by rank with a heap (n log n in a word's length); decoding maps back to bytes,
+// and a stream decoder releases only whole UTF-8 characters. The chat template is not run here: the
 // exporter renders it once around a user message and stores the text before and after it in the manifest.
 #pragma once
 
@@ -37,6 +39,8 @@ public:
     std::string decode(const std::vector<int64_t>& ids, bool skip_special) const;
     // The bytes `ids` stand for.
     std::string bytes(const int64_t* ids, size_t n, bool skip_special) const;
+    // Whether decoding drops the text's first space (SentencePiece's decoder: the space its encoding prepended).
+    bool strips_first_space() const;
 
 private:
     struct Impl;
@@ -55,6 +59,7 @@ public:
 private:
     const Tokenizer& tok_;
     bool skip_;
+    bool started_ = false;  // some text has been taken (the first space dropped where the tokenizer does)
     std::string pending_;
 };
 
