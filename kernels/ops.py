@@ -6,8 +6,8 @@
     RMSNorm          x / sqrt(mean(x^2) + epsilon) * w
     SkipRMSNorm      s = x + delta; (rms_norm(s), s)
     CacheAttention   attention of q over a slot's cache with an additive bias; optional `cells`: the packed rows
-    PackedAttention  qkv projection's output in, rope, cache writes at the scattered cells, attention, out: one node
-                     per layer (the packed verify's)
+    PackedAttention  qkv projection's output in, (Qwen3's q/k norms,) rope, cache writes at the scattered cells,
+                     attention, out: one node per layer (the packed verify's)
 
 The exporter checks every node it emits against these (exporter/onnx/builder.py), the library registers the same
 names (kernels/cpu/custom_ops.cpp), and specrt.native recognises a graph that needs the library by them.
@@ -33,7 +33,7 @@ SCHEMAS = {
     "RMSNorm": Schema((2, 2), 1, frozenset({"epsilon"})),
     "SkipRMSNorm": Schema((3, 3), 2, frozenset({"epsilon"})),
     "CacheAttention": Schema((4, 5), 1, frozenset({"scale"})),
-    "PackedAttention": Schema((8, 8), 3, frozenset({"scale", "heads", "kv_heads"})),
+    "PackedAttention": Schema((8, 10), 3, frozenset({"scale", "heads", "kv_heads"}), frozenset({"epsilon"})),
 }
 KERNEL_OPS = tuple(SCHEMAS)  # the operators the library implements
 

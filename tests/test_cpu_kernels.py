@@ -619,11 +619,12 @@ def test_cache_attention_refuses_bad_shapes(ops_lib):
         session.run(None, {"q": q6, "k": k6, "v": k6, "bias": np.zeros((1, 1, 1, 2, 10), np.float32)})
 
 
-def _packed_session(lib, isa: str, H: int, Hkv: int, kv: str = "float32"):
-    """A session of one PackedAttention (rope, cache writes and attention of a packed call's rows)."""
-    names = ["qkv", "cos", "sin", "slots", "bias", "cells", "past_k", "past_v"]
+def _packed_session(lib, isa: str, H: int, Hkv: int, kv: str = "float32", norms: bool = False):
+    """A session of one PackedAttention (rope, cache writes and attention of a packed call's rows); `norms`: with
+    Qwen3's q and k norms (inputs q_norm, k_norm; epsilon 1e-5, the reference's)."""
+    names = ["qkv", "cos", "sin", "slots", "bias", "cells", "past_k", "past_v"] + (["q_norm", "k_norm"] if norms else [])
     node = helper.make_node("PackedAttention", names, ["Y", "present_k", "present_v"], domain="specrt",
-                            scale=0.125, heads=H, kv_heads=Hkv)
+                            scale=0.125, heads=H, kv_heads=Hkv, **({"epsilon": 1e-5} if norms else {}))
     types = {"slots": TensorProto.INT64, "cells": TensorProto.INT64, "past_k": KV_TYPES[kv], "past_v": KV_TYPES[kv]}
     f = lambda name: helper.make_tensor_value_info(name, types.get(name, TensorProto.FLOAT), None)  # noqa: E731
     graph = helper.make_graph([node], "packed_attention", [f(n) for n in names],
@@ -723,6 +724,43 @@ def test_packed_attention_is_rope_cache_writes_then_cache_attention(ops_lib, isa
             np.testing.assert_array_equal(got_k, want_k, err_msg=what)
             np.testing.assert_array_equal(got_v, want_v, err_msg=what)
             np.testing.assert_array_equal(y, want, err_msg=what)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_packed_attention_with_qk_norms_norms_each_head_before_its_rope(ops_lib, isa):
+    """Qwen3's layers: with q_norm and k_norm, each q and k head is RMS-normed (the bits of specrt::RMSNorm, the
+    reference's arithmetic) before its rope; v is written as it is. Against the same reference as above."""
+    if not _supported(ops_lib, isa):
+        pytest.skip(f"this CPU does not run the {isa} kernels")
+    rng = np.random.default_rng(12)
+    B, T, H, Hkv, D, S = 2, 4, 4, 2, 64, 16
+    packed = _packed_session(ops_lib, isa, H, Hkv, norms=True)
+    attention = _attention_session(ops_lib, isa, 0.125, "float32", cells=True)
+    starts = rng.integers(0, S - T + 1, size=B)
+    slots = (starts[:, None] + np.arange(T)[None]).astype(np.int64)
+    angles = slots[..., None, None] * rng.uniform(0.01, 1.0, size=D // 2).repeat(2)[None, None, None]
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    bias = _causal_bias(B, T, int(slots.max()) + 1, starts)
+    cells = rng.permutation(B * T).astype(np.int64)
+    qkv = (rng.normal(size=(B * T, (H + 2 * Hkv) * D)) * 3).astype(np.float32)
+    qn, kn = (1 + 0.2 * rng.normal(size=(2, D))).astype(np.float32)
+    past_k, past_v = rng.normal(size=(2, B, Hkv, S, D)).astype(np.float32)
+    want_k, want_v, q = past_k.copy(), past_v.copy(), np.zeros((B, T, H, D), np.float32)
+    for i, c in enumerate(cells):
+        b, t = divmod(int(c), T)
+        heads = qkv[i].reshape(H + 2 * Hkv, D)
+        q[b, t] = _rope(reference.rms_norm(heads[:H], qn), cos[b, t], sin[b, t])
+        want_k[b, :, slots[b, t]] = _rope(reference.rms_norm(heads[H:H + Hkv], kn), cos[b, t], sin[b, t])
+        want_v[b, :, slots[b, t]] = heads[H + Hkv:]
+    (grid,) = attention.run(None, {"q": q, "k": want_k, "v": want_v, "bias": bias, "cells": cells})
+    feeds = {"qkv": qkv, "cos": cos, "sin": sin, "slots": slots, "bias": bias, "cells": cells, "q_norm": qn,
+             "k_norm": kn}
+    y, got_k, got_v = _run_packed(packed, feeds, past_k, past_v, "float32", True, H)
+    np.testing.assert_array_equal(got_k, want_k)
+    np.testing.assert_array_equal(got_v, want_v)
+    np.testing.assert_array_equal(y, grid.reshape(B * T, H * D)[cells])
+    with pytest.raises(Exception, match=r"q_norm and k_norm must be \[D\]"):
+        _run_packed(packed, {**feeds, "k_norm": kn[:8].copy()}, past_k, past_v, "float32", True, H)
 
 
 def test_packed_attention_refuses_bad_cells_slots_and_shapes(ops_lib):

@@ -133,10 +133,12 @@ def _attention(g: GraphBuilder, x: str, p: str, cache: tuple[str, str], cfg: Mod
             w = g.weight
             qkv = linear(g, x, w(f"{p}.qkv_proj.weight"), w(f"{p}.qkv_proj.bias") if cfg.attention_bias else None,
                          name="qkv_proj")
+            norms = (w(f"{p}.q_norm.weight"), w(f"{p}.k_norm.weight")) if cfg.qk_norm else ()
+            extra = {"epsilon": float(cfg.rms_norm_eps)} if cfg.qk_norm else {}
             o, present_k, present_v = g.op(
-                "PackedAttention", qkv, rope[0], rope[1], scatter_idx, bias, packing.rows, *cache, name="attention",
-                outputs=3, domain=PLUGIN_DOMAIN, scale=float(cfg.head_dim ** -0.5), heads=cfg.num_heads,
-                kv_heads=cfg.num_kv_heads)
+                "PackedAttention", qkv, rope[0], rope[1], scatter_idx, bias, packing.rows, *cache, *norms,
+                name="attention", outputs=3, domain=PLUGIN_DOMAIN, scale=float(cfg.head_dim ** -0.5),
+                heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, **extra)
             o = linear(g, o, w(f"{p}.o_proj.weight"), w(f"{p}.o_proj.bias") if cfg.o_proj_bias else None,
                        name="o_proj")
         return o, present_k, present_v
@@ -154,9 +156,9 @@ def _attention(g: GraphBuilder, x: str, p: str, cache: tuple[str, str], cfg: Mod
 def fuses_attention(g: GraphBuilder, cfg: ModelConfig, dtype: str, lowering: str, sized_cache: bool,
                     packing: Packing | None) -> bool:
     """Whether a target layer's attention is one specrt::PackedAttention (`--kernels specrt`, cpu lowering, float32
-    activations, a packed call over the runtime-sized cache, rope with no q/k norm before it)."""
+    activations, a packed call over the runtime-sized cache; Qwen3's q/k norms inside it)."""
     return (g.kernels == "specrt" and lowering == "cpu" and sized_cache and packing is not None
-            and dtype == "float32" and not cfg.qk_norm)
+            and dtype == "float32")
 
 
 def decoder_layer(g: GraphBuilder, x: str, prefix: str, cache: tuple[str, str], cfg: ModelConfig, shapes: Shapes,

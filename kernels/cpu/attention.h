@@ -60,8 +60,11 @@ void attention_run(Isa isa, const AttentionShape& s, const float* q, const void*
 // b * T + t) is row i of qkv [P, (H + 2 Hkv) D]: its q and k heads are rotated (rope, rotate-half: x cos[c] +
 // rotate_half(x) sin[c], each product and the sum rounded apart, as ONNX's Mul and Add do), q is placed at cell c of
 // the grid [B, T, H, D], and k and v are stored in the cache [B, Hkv, S, D] at position slots[c] of batch row b,
-// rounded to the cache's type (to nearest even). Elementwise: a token's bits never depend on the call's others.
+// rounded to the cache's type (to nearest even). With `q_norm` and `k_norm` ([D] each, Qwen3's), every q and k head
+// is first RMS-normed (x / sqrt(mean(x^2) + eps) * w, elementwise.inc's arithmetic: the bits of specrt::RMSNorm).
+// Elementwise: a token's bits never depend on the call's others.
 void rope_rows(const AttentionShape& s, const float* qkv, int64_t p, const int64_t* cells, const float* cos,
-               const float* sin, const int64_t* slots, float* q_grid, void* k, void* v);
+               const float* sin, const int64_t* slots, float* q_grid, void* k, void* v, const float* q_norm = nullptr,
+               const float* k_norm = nullptr, float eps = 0.0f);
 
 }  // namespace specrt::ops

@@ -18,8 +18,10 @@
 //     -> Y: float [B, T, H, D]; attribute scale.  softmax(q·scale·kᵀ + bias)·v over the first L keys, the cache's
 //     elements widened to float32 (attention.h).
 //   specrt::PackedAttention(qkv: float [P, (H + 2 Hkv) D], cos, sin: float [B, T, 1, D], slots: int64 [B, T],
-//                           bias: float [B, 1, 1, T or 1, L], cells: int64 [P], past_k, past_v: [B, Hkv, S, D])
-//     -> Y: float [P, H D], present_k, present_v: [B, Hkv, S, D] (past's type); attributes scale, heads, kv_heads.
+//                           bias: float [B, 1, 1, T or 1, L], cells: int64 [P], past_k, past_v: [B, Hkv, S, D],
+//                           optional q_norm, k_norm: float [D])
+//     -> Y: float [P, H D], present_k, present_v: [B, Hkv, S, D] (past's type); attributes scale, heads, kv_heads,
+//     epsilon (with the norms: each q and k head RMS-normed before its rope, as Qwen3's layers do).
 //     A packed call's attention in one node: the P tokens' q and k rotated (rope), their k and v written into the
 //     cache at slots[cell], then CacheAttention's rows for the cells, packed. present is past with the writes: bound
 //     to past's buffer it is written in place, otherwise past is copied first.
@@ -404,6 +406,10 @@ struct PackedAttentionKernel {
         if (heads_ <= 0 || kv_heads_ <= 0 || heads_ % kv_heads_)
             throw Ort::Exception("specrt::PackedAttention: heads must be a positive multiple of kv_heads",
                                  ORT_INVALID_ARGUMENT);
+        try {
+            epsilon_ = ki.GetAttribute<float>("epsilon");
+        } catch (const Ort::Exception&) {  // absent: no q/k norms read it
+        }
         isa_ = specrt::ops::best_isa();
     }
 
@@ -432,6 +438,16 @@ struct PackedAttentionKernel {
         if (kt != pv.GetTensorTypeAndShapeInfo().GetElementType()) fail("past k and v must have one element type");
         if (!cache_type_of(kt, &s.cache_type)) fail("past k and v must be float, float16 or bfloat16");
         if (heads_ / kv_heads_ * specrt::ops::kTokensPerTask > 64) fail("more than 32 query heads per KV head");
+        // optional inputs 8 and 9: the q and k norms' weights [D] (Qwen3), both or neither
+        const float* norms[2] = {nullptr, nullptr};
+        for (size_t i = 0; i < 2; ++i) {
+            if (ctx.GetInputCount() <= 8 + i) continue;
+            Ort::ConstValue w = ctx.GetInput(8 + i);
+            if (!w) continue;
+            if (shape(w) != std::vector<int64_t>{D}) fail("q_norm and k_norm must be [D]");
+            norms[i] = w.GetTensorData<float>();
+        }
+        if ((norms[0] == nullptr) != (norms[1] == nullptr)) fail("q_norm and k_norm come together");
 
         Ort::UnownedValue y = ctx.GetOutput(0, {P, heads_ * D});
         Ort::UnownedValue present_k = ctx.GetOutput(1, ks), present_v = ctx.GetOutput(2, ks);
@@ -459,7 +475,7 @@ struct PackedAttentionKernel {
         q_grid.resize(grid * row);
         out_grid.resize(grid * row);
         specrt::ops::rope_rows(s, qkv.GetTensorData<float>(), P, at, cos.GetTensorData<float>(),
-                               sin.GetTensorData<float>(), slot, q_grid.data(), k, v);
+                               sin.GetTensorData<float>(), slot, q_grid.data(), k, v, norms[0], norms[1], epsilon_);
         const std::vector<specrt::ops::AttentionTask> tasks =
             specrt::ops::attention_plan(s, bias.GetTensorData<float>(), computed.data());
         attend_rows(ctx, isa_, s, tasks, q_grid.data(), bias.GetTensorData<float>(), k, v, out_grid.data());
@@ -468,7 +484,7 @@ struct PackedAttentionKernel {
     }
 
 private:
-    float scale_ = 1.0f;
+    float scale_ = 1.0f, epsilon_ = 1e-6f;
     int64_t heads_ = 0, kv_heads_ = 0;
     specrt::ops::Isa isa_ = specrt::ops::Isa::Scalar;
 };
@@ -482,10 +498,13 @@ struct PackedAttentionOp : Ort::CustomOpBase<PackedAttentionOp<Cache>, PackedAtt
     }
     const char* GetName() const { return "PackedAttention"; }
     const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-    size_t GetInputTypeCount() const { return 8; }
+    size_t GetInputTypeCount() const { return 10; }
     ONNXTensorElementDataType GetInputType(size_t i) const {
         if (i == 3 || i == 5) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;  // slots, cells
-        return i >= 6 ? Cache : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+        return i == 6 || i == 7 ? Cache : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    }
+    OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+        return i >= 8 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;  // q_norm, k_norm
     }
     size_t GetOutputTypeCount() const { return 3; }
     ONNXTensorElementDataType GetOutputType(size_t i) const { return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : Cache; }

@@ -547,17 +547,24 @@ void rope(const float* x, const float* cos, const float* sin, int64_t n, float* 
 }  // namespace
 
 void rope_rows(const AttentionShape& s, const float* qkv, int64_t p, const int64_t* cells, const float* cos,
-               const float* sin, const int64_t* slots, float* q_grid, void* k, void* v) {
+               const float* sin, const int64_t* slots, float* q_grid, void* k, void* v, const float* q_norm,
+               const float* k_norm, float eps) {
     const int64_t D = s.head_dim, H = s.heads, Hkv = s.kv_heads, width = (H + 2 * Hkv) * D;
     const int64_t item = s.cache_type == CacheType::F32 ? 4 : 2;
-    float rotated[kMaxHeadDim];
+    float rotated[kMaxHeadDim], normed[kMaxHeadDim];
+    // a head's input to the rope: as it is, or RMS-normed first (Qwen3's q and k norms)
+    auto head = [&](const float* x, const float* w) {
+        if (w == nullptr) return x;
+        rms_norm_rows(x, w, 1, D, eps, normed);
+        return static_cast<const float*>(normed);
+    };
     for (int64_t i = 0; i < p; ++i) {
         const int64_t c = cells[i], b = c / s.tokens, slot = slots[c];
         const float *x = qkv + i * width, *cs = cos + c * D, *sn = sin + c * D;
-        for (int64_t h = 0; h < H; ++h) rope(x + h * D, cs, sn, D, q_grid + (c * H + h) * D);
+        for (int64_t h = 0; h < H; ++h) rope(head(x + h * D, q_norm), cs, sn, D, q_grid + (c * H + h) * D);
         for (int64_t h = 0; h < Hkv; ++h) {
             const int64_t at = ((b * Hkv + h) * s.cache + slot) * D * item;
-            rope(x + (H + h) * D, cs, sn, D, rotated);
+            rope(head(x + (H + h) * D, k_norm), cs, sn, D, rotated);
             store_row(s.cache_type, rotated, D, static_cast<uint8_t*>(k) + at);
             store_row(s.cache_type, x + (H + Hkv + h) * D, D, static_cast<uint8_t*>(v) + at);
         }
