@@ -219,3 +219,36 @@ def test_cpp_runtime_gives_python_tokens(arts, cpp_build, family):
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1])["outputs"] == want
+
+
+def test_packed_weights_leave_the_files_pages(arts):
+    """Once a MatMulGGUF has packed its weight, the pages of weights.bin that held it leave the process's resident
+    memory (the weights are in memory once: peak RSS about the weights plus the cache); $SPECRT_OPS_KEEP_PAGES=1
+    keeps them. Measured in a process of its own, from /proc/self/smaps, after the engine is made and has decoded."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from specrt.runtime.config import EngineConfig\n"
+        "from specrt.runtime.engine import Engine, Request\n"
+        "from specrt.runtime.sampling import SamplingParams\n"
+        "e = Engine(sys.argv[1], EngineConfig(threads=2))\n"
+        "e.generate([Request([1, 70, 71], SamplingParams(max_new_tokens=4, ignore_eos=True), id=0)])\n"
+        "rss, inside = 0, False\n"
+        "for line in open('/proc/self/smaps'):\n"
+        "    if '-' in line.split(' ', 1)[0]:\n"
+        "        inside = line.rstrip().endswith('weights.bin')\n"
+        "    elif inside and line.startswith('Rss:'):\n"
+        "        rss += int(line.split()[1])\n"
+        "print(rss)\n")
+    art = arts["llama"][1]
+    size_kb = (art / "weights.bin").stat().st_size // 1024
+    kept = {}
+    for keep in ("0", "1"):
+        r = subprocess.run([sys.executable, "-c", script, str(art)], capture_output=True, text=True, timeout=300,
+                           env={**__import__("os").environ, "SPECRT_OPS_KEEP_PAGES": keep})
+        assert r.returncode == 0, r.stderr
+        kept[keep] = int(r.stdout.strip().splitlines()[-1])
+    assert kept["1"] > 0.6 * size_kb, kept  # the packing read every matrix's pages
+    assert kept["0"] < 0.5 * kept["1"], kept  # and they were given back

@@ -77,8 +77,11 @@ struct MatMulGGUFKernel {
         if (constant && isa_ != specrt::ops::Isa::Scalar) {
             const std::vector<int64_t> ws = w.GetTensorTypeAndShapeInfo().GetShape();
             const int64_t blocks = k_ / specrt::ops::kBlock;
-            if (ws.size() == 2 && ws[0] == n_ && ws[1] == specrt::ops::row_bytes(format_, k_))
+            if (ws.size() == 2 && ws[0] == n_ && ws[1] == specrt::ops::row_bytes(format_, k_)) {
                 specrt::ops::pack(format_, w.GetTensorData<uint8_t>(), n_, blocks, packed_);
+                // the packed copy is what the calls read: the file's pages that held W leave the process's memory
+                specrt::ops::release_file_pages(w.GetTensorData<uint8_t>(), static_cast<size_t>(n_ * ws[1]));
+            }
         }
     }
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
@@ -323,6 +324,30 @@ void pack(Format f, const uint8_t* w, int64_t n, int64_t blocks, Packed& out) {
                 t.unpack(w + (row * supers + sb) * t.block_bytes, &u);
                 pack_lane(f, u, j, out.data.data() + (g * supers + sb) * super_bytes);
             }
+}
+
+void release_file_pages(const void* p, size_t n) {
+    if (const char* env = std::getenv("SPECRT_OPS_KEEP_PAGES"); env && std::strcmp(env, "1") == 0) return;
+    const long page = sysconf(_SC_PAGESIZE);
+    const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~static_cast<uintptr_t>(page - 1);
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) & ~static_cast<uintptr_t>(page - 1);
+    if (end <= begin) return;
+    // /proc/self/maps: "start-end perms offset dev inode path"; a file mapping has an inode and a path
+    FILE* maps = std::fopen("/proc/self/maps", "r");
+    if (!maps) return;
+    char line[4096];
+    bool file_backed = false;
+    while (std::fgets(line, sizeof line, maps)) {
+        unsigned long lo = 0, hi = 0, inode = 0;
+        char perms[8] = {}, path[2] = {};
+        if (std::sscanf(line, "%lx-%lx %7s %*s %*s %lu %1s", &lo, &hi, perms, &inode, path) < 4) continue;
+        if (lo <= begin && end <= hi) {
+            file_backed = inode != 0 && path[0] == '/';
+            break;
+        }
+    }
+    std::fclose(maps);
+    if (file_backed) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
 }
 
 namespace {

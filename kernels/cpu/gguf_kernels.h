@@ -215,6 +215,11 @@ constexpr int packed_codes_at(Format f) {
 constexpr int packed_record(Format f) { return packed_codes_at(f) + kGroup * kBlock * traits(f).code_bits / 8; }
 constexpr int packed_super(Format f) { return packed_header(f) + blocks_per_super(f) * packed_record(f); }
 void pack(Format f, const uint8_t* w, int64_t n, int64_t blocks, Packed& out);
+// Where [p, p + n) lies in a mapping of a file (ONNX Runtime maps an artifact's page-aligned external weights), its
+// whole pages leave this process's resident memory (madvise MADV_DONTNEED: a later read maps them again from the
+// file, unchanged); anywhere else nothing happens. After packing, a weight is in memory once, not twice.
+// $SPECRT_OPS_KEEP_PAGES=1 keeps them.
+void release_file_pages(const void* p, size_t n);
 // y[i, n] for the rows of groups [g0, g1) of packed weights and all M activation rows; y is [M, n_total].
 void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, int64_t g1, int64_t n_total, float* y,
                    int prefetch_from = prefetch_rows(), bool wide = wide_vectors());
