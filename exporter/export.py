@@ -135,7 +135,9 @@ def export_artifact(source: str | Path, out: str | Path, settings: io.ExportSett
                 raise SpecrtError(f"--weights gguf keeps a GGUF file's own blocks, and {source} is not a GGUF "
                                   "file; use --weights int4 or int8")
             # gguf: the file's blocks where it has them (stacked block rows), float tensors elsewhere
-            source_weights = {**loaded.weights, **loaded.blocks} if settings.weights == "gguf" else loaded.weights
+            # (a GGUF's float weights are made when read: only those without blocks here)
+            source_weights = {n: loaded.blocks[n] if n in loaded.blocks else loaded.weights[n] for n in loaded.weights} \
+                if settings.weights == "gguf" else loaded.weights
             tensors = target_weights(cfg, source_weights)
             target_tensors = dict(tensors)
             for head in heads:  # tensors a head shares with the target (embedding, head) keep the target's form

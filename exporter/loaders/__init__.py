@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,7 +15,27 @@ from specrt.model_config import ModelConfig
 if TYPE_CHECKING:
     from specrt.exporter.loaders.tokenizer import TokenizerSource
 
-__all__ = ["LoadedTarget", "load_target", "expected_shapes", "check_weights"]
+__all__ = ["LoadedTarget", "LazyWeights", "load_target", "expected_shapes", "check_weights"]
+
+
+class LazyWeights(Mapping):
+    """Weights made when first read and kept: a GGUF's tensors dequantized to float32 only where something asks for
+    them (an export that keeps the file's blocks reads the embedding and the head; training reads all). Iterating
+    or `dict(...)` makes every one."""
+
+    def __init__(self, makers: dict[str, "Callable[[], np.ndarray]"]) -> None:
+        self._makers, self._made = makers, {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._made:
+            self._made[name] = self._makers[name]()
+        return self._made[name]
+
+    def __iter__(self) -> "Iterator[str]":
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
 
 
 @dataclass
@@ -23,7 +44,7 @@ class LoadedTarget:
 
     name: str
     config: ModelConfig
-    weights: dict[str, np.ndarray]
+    weights: Mapping[str, np.ndarray]  # a dict, or for a GGUF a LazyWeights
     source_files: list[Path] = field(default_factory=list)
     tokenizer: "TokenizerSource | None" = None
     # a GGUF's own blocks: HF name -> specrt.blocks.Blocks (Q4_0/Q4_1/Q8_0) or GGUFRows (the other types specrt's

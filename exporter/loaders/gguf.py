@@ -10,7 +10,7 @@ import numpy as np
 
 from specrt.errors import SpecrtError
 from specrt.model_config import ModelConfig
-from specrt.exporter.loaders import LoadedTarget, check_weights, expected_shapes
+from specrt.exporter.loaders import LazyWeights, LoadedTarget, check_weights, expected_shapes
 from specrt.blocks import KERNEL_TYPES, Blocks, GGUFRows
 from specrt.exporter.onnx.quant import from_gguf, permute_rows
 
@@ -138,6 +138,30 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], vocab_rows: i
     )
 
 
+class _Dequantize:
+    """One tensor's float32 weight in HF layout: its blocks' (gguf-py's arithmetic, bit-identical) or the file's
+    tensor dequantized, Llama's q/k permute undone (`heads`)."""
+
+    def __init__(self, path: Path, tensor: Any, shape: tuple[int, ...], blocks: Any, heads: int) -> None:
+        self.path, self.tensor, self.shape, self.blocks, self.heads = path, tensor, shape, blocks, heads
+
+    def __call__(self) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        if self.blocks is not None:  # already in HF row order
+            return np.ascontiguousarray(self.blocks.dequantize(), dtype=np.float32)
+        t = self.tensor
+        try:
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(self.shape)
+        except (NotImplementedError, ValueError) as e:
+            raise SpecrtError(f"{self.path}: cannot dequantize {t.name} ({t.tensor_type.name}): {e}") from None
+        if self.heads:
+            w = unpermute_qk(w, self.heads)
+        if not (w.flags.writeable and w.flags.c_contiguous):
+            w = np.array(w, dtype=np.float32, order="C")  # F32 tensors are views of the mmap
+        return w
+
+
 def load_gguf(path: Path) -> LoadedTarget:
     """Load and dequantize a GGUF file into float32 HF-layout weights."""
     from gguf.quants import dequantize
@@ -158,32 +182,22 @@ def load_gguf(path: Path) -> LoadedTarget:
     # GGUF shapes are [ne0 (in), ne1 (out)]; numpy/HF layout is the reverse.
     check_weights(cfg, {k: tuple(int(s) for s in reversed(t.shape)) for k, t in by_hf.items()},
                   path)
-    weights: dict[str, np.ndarray] = {}
     blocks: dict[str, Blocks | GGUFRows] = {}
     types: dict[str, str] = {}
-    for name in expected_shapes(cfg):
+    floats = {}  # HF name -> how to make its float32 weight (when asked for: an export that keeps the file's blocks
+    for name in expected_shapes(cfg):  # reads only the few it needs in float, the embedding and the head)
         t = by_hf[name]
         shape = tuple(int(s) for s in reversed(t.shape))
         kind = types[name] = t.tensor_type.name
-        b = None
+        heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+        permuted = cfg.family == "llama" and (".q_proj." in name or ".k_proj." in name)
         if len(shape) == 2 and kind in KERNEL_TYPES:  # the file's blocks, as they are
             b = from_gguf(t.data, kind) or GGUFRows(kind, np.asarray(t.data, np.uint8).reshape(shape[0], -1))
-        try:  # the blocks dequantize with gguf-py's arithmetic (bit-identical), vectorized over the whole tensor
-            w = b.dequantize() if b is not None else \
-                np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        except (NotImplementedError, ValueError) as e:
-            raise SpecrtError(f"{path}: cannot dequantize {t.name} ({t.tensor_type.name}): {e}") \
-                from None
-        if cfg.family == "llama" and (".q_proj." in name or ".k_proj." in name):
-            heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
-            w = unpermute_qk(w, heads)
-            if b is not None:  # a row permutation, so it moves whole block rows
-                b = permute_rows(b, lambda rows: unpermute_qk(rows, heads))
-        if b is not None:
+            if permuted:  # a row permutation, so it moves whole block rows
+                b = permute_rows(b, lambda rows, heads=heads: unpermute_qk(rows, heads))
             blocks[name] = b
-        if not (w.flags.writeable and w.flags.c_contiguous):
-            w = np.array(w, dtype=np.float32, order="C")  # F32 tensors are views of the mmap
-        weights[name] = w
+        floats[name] = _Dequantize(path, t, shape, blocks.get(name), heads if permuted else 0)
+    weights = LazyWeights(floats)
     tokenizer = None
     if "tokenizer.ggml.model" in meta:
         tokenizer = TokenizerSource.from_gguf(path, eos_token_ids=cfg.eos_token_ids)
