@@ -21,7 +21,7 @@ from specrt.runtime.engine import Engine, Request
 from specrt.runtime.sampling import SamplingParams
 from kquants import quantize_k
 from test_cli import cli
-from test_llama_cpp import MERGES, TEMPLATE, byte_tokens
+from test_kernels_export import tiny_gguf_writer
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import quantize  # noqa: E402
@@ -45,19 +45,8 @@ def _blocks(x: np.ndarray, kind: str) -> np.ndarray:
 
 def write_typed_gguf(path: Path, family: str, seed: int = 0) -> Path:
     """A tiny random `family` GGUF with a byte-level BPE vocabulary and the block types of GLOBAL and LAYER_TYPES."""
-    tokens = ["<pad>", "<s>", "</s>", *byte_tokens(), *("".join(m) for m in MERGES)]
-    vocab, head_dim = len(tokens), HIDDEN // HEADS
-    w = gguf.GGUFWriter(path, family)
-    for add, value in ((w.add_block_count, LAYERS), (w.add_context_length, 512), (w.add_embedding_length, HIDDEN),
-                       (w.add_feed_forward_length, FFN), (w.add_head_count, HEADS), (w.add_head_count_kv, KV_HEADS),
-                       (w.add_key_length, head_dim), (w.add_value_length, head_dim),
-                       (w.add_rope_dimension_count, head_dim), (w.add_layer_norm_rms_eps, 1e-6),
-                       (w.add_rope_freq_base, 10000.0), (w.add_tokenizer_model, "gpt2"), (w.add_token_list, tokens),
-                       (w.add_bos_token_id, 1), (w.add_eos_token_id, 2), (w.add_pad_token_id, 0),
-                       (w.add_add_bos_token, False), (w.add_chat_template, TEMPLATE)):
-        add(value)
-    w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (vocab - 3))
-    w.add_token_merges([" ".join(m) for m in MERGES])
+    w, vocab = tiny_gguf_writer(path, family, layers=LAYERS, hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS)
+    head_dim = HIDDEN // HEADS
     rng = np.random.default_rng(seed)
 
     def add(name: str, kind: str, shape: tuple[int, int], std: float) -> None:

@@ -38,19 +38,29 @@ KERNELS = dataclasses.replace(SETTINGS, kernels="specrt")
 HALF_CACHES = ("float16", "bfloat16")
 
 
-def write_quantized_gguf(path: Path, seed: int = 0) -> Path:
+def tiny_gguf_writer(path: Path, arch: str, *, layers: int, hidden: int, ffn: int, heads: int,
+                     kv_heads: int) -> "tuple[gguf.GGUFWriter, int]":
+    """(a GGUFWriter with a tiny model's header and a byte-level BPE vocabulary (test_llama_cpp's merges, a chat
+    template), the vocabulary's size): the tensors are the caller's."""
     tokens = ["<pad>", "<s>", "</s>", *byte_tokens(), *("".join(m) for m in MERGES)]
-    vocab, head_dim = len(tokens), HIDDEN // HEADS
-    w = gguf.GGUFWriter(path, "llama")
-    for add, value in ((w.add_block_count, LAYERS), (w.add_context_length, 512), (w.add_embedding_length, HIDDEN),
-                       (w.add_feed_forward_length, FFN), (w.add_head_count, HEADS), (w.add_head_count_kv, KV_HEADS),
+    head_dim = hidden // heads
+    w = gguf.GGUFWriter(path, arch)
+    for add, value in ((w.add_block_count, layers), (w.add_context_length, 512), (w.add_embedding_length, hidden),
+                       (w.add_feed_forward_length, ffn), (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
+                       (w.add_key_length, head_dim), (w.add_value_length, head_dim),
                        (w.add_rope_dimension_count, head_dim), (w.add_layer_norm_rms_eps, 1e-6),
                        (w.add_rope_freq_base, 10000.0), (w.add_tokenizer_model, "gpt2"), (w.add_token_list, tokens),
                        (w.add_bos_token_id, 1), (w.add_eos_token_id, 2), (w.add_pad_token_id, 0),
                        (w.add_add_bos_token, False), (w.add_chat_template, TEMPLATE)):
         add(value)
-    w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (vocab - 3))
+    w.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(tokens) - 3))
     w.add_token_merges([" ".join(m) for m in MERGES])
+    return w, len(tokens)
+
+
+def write_quantized_gguf(path: Path, seed: int = 0) -> Path:
+    w, vocab = tiny_gguf_writer(path, "llama", layers=LAYERS, hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS)
+    head_dim = HIDDEN // HEADS
     rng = np.random.default_rng(seed)
 
     def add(name: str, kind: str, shape: tuple[int, int], std: float, qtype=None) -> None:
