@@ -43,6 +43,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # a GGUF's rope_freqs tensor (llama.cpp's form of Llama 3.1+'s scaling): each inverse frequency divided by its
+    # factor; head_dim / 2 of them. A Hugging Face config stores the scaling's parameters instead (rope_scaling)
+    rope_freq_factors: tuple[float, ...] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projection bias (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k before rope (Qwen3)
@@ -62,6 +65,10 @@ class ModelConfig:
                               f"num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise SpecrtError(f"model config: head_dim must be even for rope, got {self.head_dim}")
+        f = self.rope_freq_factors
+        if f is not None and (len(f) != self.head_dim // 2 or not all(math.isfinite(x) and x > 0 for x in f)):
+            raise SpecrtError(f"model config: rope_freq_factors must be {self.head_dim // 2} positive numbers "
+                              f"(head_dim / 2), got {len(f)}")
 
     @property
     def o_proj_bias(self) -> bool:
@@ -76,6 +83,8 @@ class ModelConfig:
         """Rope inverse frequencies, with llama3 scaling applied when configured."""
         d = self.head_dim
         freqs = [1.0 / (self.rope_theta ** (2 * i / d)) for i in range(d // 2)]
+        if self.rope_freq_factors is not None:  # llama.cpp's theta / factor
+            return [f / k for f, k in zip(freqs, self.rope_freq_factors)]
         s = self.rope_scaling
         if s is None:
             return freqs
@@ -103,7 +112,8 @@ class ModelConfig:
         rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
             rope.update(asdict(self.rope_scaling), rope_type="llama3")
-        return {"architectures": [arch], "model_type": self.family, "vocab_size": self.vocab_size,
+        extra = {"rope_freq_factors": list(self.rope_freq_factors)} if self.rope_freq_factors else {}
+        return {**extra, "architectures": [arch], "model_type": self.family, "vocab_size": self.vocab_size,
                 "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
                 "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
                 "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
@@ -118,6 +128,8 @@ class ModelConfig:
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        if d.get("rope_freq_factors") is not None:
+            d["rope_freq_factors"] = tuple(float(x) for x in d["rope_freq_factors"])
         return cls(**d)
 
     @classmethod
@@ -158,6 +170,8 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=scaling,
+            # specrt's own key (a GGUF's rope_freqs kept through a head's config.json); transformers ignores it
+            rope_freq_factors=tuple(float(x) for x in hf["rope_freq_factors"]) if hf.get("rope_freq_factors") else None,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
             qk_norm=family == "qwen3",

@@ -153,8 +153,9 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def write_tiny_gguf(model_dir: Path, out: Path) -> Path:
-    """Write a HF tiny model as an F32 GGUF the way llama.cpp's converter lays it out."""
+def write_tiny_gguf(model_dir: Path, out: Path, rope_freqs: np.ndarray | None = None) -> Path:
+    """Write a HF tiny model as an F32 GGUF the way llama.cpp's converter lays it out (`rope_freqs`: its
+    rope_freqs.weight tensor, which the converter writes for Llama 3.1+'s llama3 rope scaling)."""
     import gguf
 
     from specrt.model_config import ModelConfig
@@ -176,6 +177,8 @@ def write_tiny_gguf(model_dir: Path, out: Path) -> Path:
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     names = {v: k for k, v in {
         "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
         "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
@@ -197,6 +200,56 @@ def write_tiny_gguf(model_dir: Path, out: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def llama_cpp_rope_factors(cfg) -> np.ndarray:
+    """convert_hf_to_gguf.py's rope_freqs for a llama3-scaled config (LlamaModel.generate_extra_tensors), in float32
+    as it computes them."""
+    s, d = cfg.rope_scaling, cfg.head_dim
+    freqs = 1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))
+    low, high = s.original_max_position_embeddings / s.low_freq_factor, s.original_max_position_embeddings / \
+        s.high_freq_factor
+    out = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < high:
+            out.append(1.0)
+        elif wavelen > low:
+            out.append(s.factor)
+        else:
+            smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor)
+            out.append(1 / ((1 - smooth) / s.factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def test_gguf_rope_freqs_are_the_llama3_scaling(tmp_path, tiny_model_dir):
+    """A Llama 3.1+ GGUF carries its rope scaling as llama.cpp's rope_freqs tensor (per-frequency divisors): read, it
+    gives the inverse frequencies the Hugging Face config's llama3 parameters give (to float32 rounding), the
+    exported graphs the same logits, and the factors survive a config.json round trip (a distilled head's)."""
+    from specrt.artifact import ExportSettings
+    from specrt.exporter.export import export_artifact
+    from specrt.model_config import ModelConfig
+    from specrt.runtime.config import EngineConfig
+    from specrt.runtime.engine import Engine
+    from specrt.tools.parity import _specrt_logits
+
+    d = tiny_model_dir("llama3_scaled")
+    ref = load_target(d)
+    factors = llama_cpp_rope_factors(ref.config)
+    assert len(set(factors.tolist())) > 2  # unscaled, fully scaled and smoothed frequencies all occur
+    t = load_target(write_tiny_gguf(d, tmp_path / "scaled.gguf", rope_freqs=factors))
+    assert t.config.rope_scaling is None and t.config.rope_freq_factors is not None
+    np.testing.assert_allclose(t.config.inv_freq(), ref.config.inv_freq(), rtol=2e-7)
+    assert ModelConfig.from_hf(t.config.to_hf()).inv_freq() == t.config.inv_freq()
+    settings = ExportSettings(batch=1, max_seq=128, prefill_chunk=16, verify_len=4)
+    logits = []
+    for src, out in ((d, tmp_path / "hf"), (tmp_path / "scaled.gguf", tmp_path / "gguf")):
+        with Engine(export_artifact(src, out, settings, progress=False), EngineConfig(threads=2)) as engine:
+            logits.append(_specrt_logits(engine, list(range(3, 100))))
+    np.testing.assert_allclose(logits[1], logits[0], atol=1e-4)
+    with pytest.raises(SpecrtError, match="rope_freq_factors must be 8 positive numbers"):
+        ModelConfig.from_dict({**t.config.to_dict(), "rope_freq_factors": [1.0, 2.0]})
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])

@@ -92,7 +92,7 @@ def _meta(reader: Any) -> dict[str, Any]:
 
 
 def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], vocab_rows: int,
-                     path: Path) -> ModelConfig:
+                     path: Path, rope_freqs: np.ndarray | None = None) -> ModelConfig:
     """Build a ModelConfig from GGUF metadata (`{arch}.block_count`, ... , tokenizer.ggml.*)."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
@@ -106,8 +106,8 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], vocab_rows: i
         return v
 
     scaling = meta.get(f"{arch}.rope.scaling.type")
-    if (scaling not in (None, "none")) or "rope_freqs.weight" in tensor_names:
-        raise SpecrtError(f"{path}: GGUF rope scaling ({scaling or 'rope_freqs'}) is not supported; "
+    if scaling not in (None, "none"):
+        raise SpecrtError(f"{path}: GGUF rope scaling ({scaling}) is not supported; "
                           "export from the Hugging Face directory instead")
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
@@ -129,6 +129,8 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: set[str], vocab_rows: i
         head_dim=head_dim,
         rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=_f32(get("rope.freq_base", 10000.0)),
+        # Llama 3.1+: llama.cpp's converter stores the llama3 scaling as per-frequency divisors
+        rope_freq_factors=None if rope_freqs is None else tuple(float(x) for x in rope_freqs.reshape(-1)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
         qk_norm=arch == "qwen3",
@@ -177,7 +179,9 @@ def load_gguf(path: Path) -> LoadedTarget:
     if "token_embd.weight" not in tensors:
         raise SpecrtError(f"{path}: missing tensor token_embd.weight")
     vocab_rows = int(tensors["token_embd.weight"].shape[-1])
-    cfg = config_from_gguf(meta, set(tensors), vocab_rows, path)
+    freqs = tensors.get("rope_freqs.weight")
+    cfg = config_from_gguf(meta, set(tensors), vocab_rows, path,
+                           None if freqs is None else np.asarray(freqs.data, dtype=np.float32))
     by_hf = {hf_name(n): t for n, t in tensors.items() if hf_name(n) is not None}
     # GGUF shapes are [ne0 (in), ne1 (out)]; numpy/HF layout is the reverse.
     check_weights(cfg, {k: tuple(int(s) for s in reversed(t.shape)) for k, t in by_hf.items()},
