@@ -1,8 +1,9 @@
 """Weight formats at export: float, ONNX Runtime block quantization (int4 / int8), or GGUF blocks as they are.
 
-A quantized weight is stored as MatMulNBits blocks, in the layout specrt/blocks.py describes (`Blocks`); this module
-makes them: quantizing float weights, taking a GGUF's Q4_0 / Q4_1 / Q8_0 blocks as they are, and packing a graph
-family's weights.
+A quantized weight is stored as MatMulNBits blocks, in the layout specrt/blocks.py describes (`Blocks`), or for
+specrt's kernels as a GGUF tensor's own bytes (`GGUFRows`, every type in KERNEL_TYPES); this module makes them:
+quantizing float weights, taking a GGUF's blocks as they are (stacks of several types as a `Stack` of runs), and
+packing a graph family's weights.
 """
 from __future__ import annotations
 
