@@ -7,6 +7,7 @@ packing a graph family's weights.
 """
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterable
 
@@ -210,12 +211,21 @@ def pack_weights(tensors: dict[str, "np.ndarray | Blocks | GGUFRows | Stack"], f
             out.update(quantize(w, 4, symmetric=False).tensors(name))
     if fallback:
         kept = "/".join(KERNEL_TYPES if own else GGUF_TYPES)
-        named = [f"{n} ({types[n]})" if types and n in types else n for n in fallback]
         print(f"specrt: warning: {len(fallback)} GGUF matrices (a stacked q/k/v or gate/up counts once) are not "
-              f"{kept} blocks, stored as {'Q8_0' if own else 'int8'} instead: "
-              f"{', '.join(named[:3])}"
-              f"{f', and {len(named) - 3} more' if len(named) > 3 else ''}", file=sys.stderr)
+              f"{kept} blocks, stored as {'Q8_0' if own else 'int8'} instead: {_by_type(fallback, types or {})}",
+              file=sys.stderr)
     return out
+
+
+def _by_type(names: list[str], types: dict[str, str]) -> str:
+    """Every name, grouped by its GGUF type and, across layers, by its place in a layer: "Q3_K:
+    model.layers.*.mlp.down_proj.weight (x32), ...; F16: model.embed_tokens.weight"."""
+    groups: dict[str, dict[str, list[str]]] = {}
+    for n in names:
+        role = re.sub(r"\.layers\.\d+\.", ".layers.*.", n)
+        groups.setdefault(types.get(n, "float"), {}).setdefault(role, []).append(n)
+    return "; ".join(f"{t}: " + ", ".join(f"{r} (x{len(ns)})" if len(ns) > 1 else ns[0] for r, ns in roles.items())
+                     for t, roles in groups.items())
 
 
 def is_quantized(store, name: str) -> bool:
