@@ -82,10 +82,6 @@ class Stack:
                 runs.append(p)
         self.parts = runs
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
-
     def merged(self) -> "np.ndarray | Blocks":
         """One tensor: blocks of one bit width concatenated exactly (MatMulNBits), else float."""
         if all(isinstance(p, Blocks) for p in self.parts) and len({p.bits for p in self.parts}) == 1:

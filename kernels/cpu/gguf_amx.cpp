@@ -162,8 +162,8 @@ void packed_amx(const Packed& w, const int8_t* q, const float* d, const int32_t*
     for (int64_t i0 = 0; i0 < m; i0 += kAmxRows) {
         const int mr = static_cast<int>(std::min<int64_t>(kAmxRows, m - i0));
         configure(mr);
-        with_format(w.format, [&](auto fmt) {  // the formats with traits' amx (matmul_packed sends no other)
-            if constexpr (traits(decltype(fmt)::value).amx)
+        with_format(w.format, [&](auto fmt) {  // plain formats (matmul_packed sends no other)
+            if constexpr (traits(decltype(fmt)::value).plain)
                 rows_pass<decltype(fmt)::value>(mr, w, q, d, ds, i0, g0, g1, n_total, y);
         });
     }

@@ -240,7 +240,7 @@ void rms_norm(Isa isa, const float* x, const float* w, int64_t m, int64_t d, flo
 
 void matmul_rows(Isa isa, Format f, const uint8_t* w, const Activations& a, int64_t n0, int64_t n1, int64_t n_total,
                  float* y) {
-    if (!traits(f).amx) isa = Isa::Scalar;  // the SIMD row kernels read Q4_0, Q4_1 and Q8_0 (gguf_simd.inc's tile)
+    if (!traits(f).plain) isa = Isa::Scalar;  // the SIMD row kernels read Q4_0, Q4_1 and Q8_0 (gguf_simd.inc's tile)
     switch (isa) {
         case Isa::Amx:
         case Isa::Avx512Vnni:
@@ -446,7 +446,7 @@ void matmul_packed(Isa isa, const Packed& w, const Activations& a, int64_t g0, i
     auto kernel = isa >= Isa::Avx512Vnni ? (wide ? packed_vnni_wide : packed_vnni) : packed_avx2;
     int64_t done = 0;  // activation rows multiplied so far
 #ifdef SPECRT_OPS_AMX
-    if (isa == Isa::Amx && a.m >= kAmxRows && traits(w.format).amx) {  // whole passes of 16 rows on the tiles
+    if (isa == Isa::Amx && a.m >= kAmxRows && traits(w.format).plain) {  // whole passes of 16 rows on the tiles
         done = a.m / kAmxRows * kAmxRows;
         packed_amx(w, a.q.data(), a.d.data(), a.s.data(), a.ds.data(), done, g0, g1, n_total, y, prefetch_from);
     }

@@ -41,7 +41,10 @@ struct FormatTraits {
     int code_offset;
     Scales scales;
     bool has_min;
-    bool amx;  // the AMX kernel reads it (gguf_amx.cpp)
+    // a plain block: 32 weights, fp16 d [, fp16 m], then 4- or 8-bit codes (Q4_0, Q4_1, Q8_0): what the row kernel
+    // reads in the file (gguf_simd.inc's tile) and AMX in the packed records (gguf_amx.cpp); the others take the
+    // scalar rows and the VNNI packed kernel there
+    bool plain;
     void (*unpack)(const uint8_t* block, Unpacked* out);
 };
 
