@@ -81,6 +81,65 @@ CACHE_LEN = "S"
 PAST_PREFIX, PRESENT_PREFIX = "past.", "present."  # each layer's cache: past.{i}.key / .value in, present.{i}.* out
 Bucket = dict[str, int]  # sizes of a family's named axes for one fixed shape it is run at
 
+# ---- the rules an artifact is held to ------------------------------------------------------------------------------
+# An artifact may come from someone else. Both loaders hold it to these rules (Python: load_manifest and the backends;
+# C++: runtime/cpp/src/artifact.cpp, through runtime/cpp/src/rules.h, which scripts/gen_cpp_names.py writes from
+# here), and one table of hostile artifacts (tests/hostile_artifacts.py) runs through both:
+# - every integer below is an integer within its bounds ("*": every key of that object);
+# - the buckets and max_seq of each graph family are those the export settings give (target_buckets, head_buckets),
+#   and those its graph file records (GRAPH_META); its declared inputs and outputs are the manifest's;
+# - model.vocab_size is the width of the target's logits, and a head's vocab_ids lie inside the vocabulary;
+# - every path the manifest names, and every file of ARTIFACT_FILES present, resolves (links followed) inside the
+#   artifact, and is a regular file (a FIFO would block a reader forever) of at most MAX_JSON_BYTES when it is JSON;
+# - threads are capped at the cores the process may run on.
+INT_LIMITS: dict[str, tuple[int, int]] = {
+    "export.batch": (1, 4096),
+    "export.max_seq": (2, 1 << 22),
+    "export.prefill_chunk": (1, 1 << 16),
+    "export.verify_len": (1, 256),
+    "model.vocab_size": (1, 1 << 24),
+    "graphs.*.max_seq": (2, 1 << 22),
+    "heads.*.steps": (1, 256),
+    "heads.*.feature_offset": (0, 1 << 24),
+    "heads.*.feature_dim": (1, 1 << 24),
+}
+MAX_JSON_BYTES = 256 << 20  # manifest.json, profile.json, tokenizer.json
+ARTIFACT_FILES = (MANIFEST, PROFILE_FILE, f"{TOKENIZER_DIR}/tokenizer.json")  # the JSON files the runtimes read
+ARTIFACT_DIRS = (TOKENIZER_DIR, ENGINE_DIR)
+
+
+def _short(value: Any) -> str:
+    text = repr(value) if not isinstance(value, int) or isinstance(value, bool) else str(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
+def check_limits(d: dict[str, Any]) -> None:
+    """Each integer of INT_LIMITS present in the manifest `d` is an integer within its bounds (one-line error)."""
+    for path, (lo, hi) in INT_LIMITS.items():
+        found: list[tuple[str, Any]] = [("", d)]
+        for key in path.split("."):
+            step = []
+            for where, obj in found:
+                if not isinstance(obj, dict):
+                    continue
+                items = obj.items() if key == "*" else ((key, obj[key]),) if key in obj else ()
+                step += [(f"{where}.{k}" if where else str(k), v) for k, v in items]
+            found = step
+        for where, value in found:
+            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+                raise SpecrtError(f"{where} must be an integer in {lo}..{hi}, got {_short(value)}")
+
+
+def regular_file(path: Path, what: str) -> Path:
+    """`path`, refused unless it is a regular file (a FIFO or device would block or flood a reader) and, for the
+    JSON files the runtimes read, no larger than MAX_JSON_BYTES."""
+    if not path.is_file():
+        raise SpecrtError(f"{path}: the {what} is not a regular file; refusing it")
+    if path.suffix == ".json" and path.stat().st_size > MAX_JSON_BYTES:
+        raise SpecrtError(f"{path}: the {what} is {_size(path.stat().st_size)}, more than the "
+                          f"{_size(MAX_JSON_BYTES)} a specrt artifact's JSON files may be; refusing it")
+    return path
+
 
 def past_names(layer: int) -> tuple[str, str]:
     return f"{PAST_PREFIX}{layer}.key", f"{PAST_PREFIX}{layer}.value"
@@ -454,12 +513,14 @@ def inside(art: Path, name: Any, what: str) -> Path:
 def _check_paths(art: Path, m: "Manifest") -> None:
     """Every file the manifest names, and the fixed ones the runtime reads, stay inside the artifact."""
     for g in m.graphs.values():
-        for file in filter(None, (g.file, g.greedy_file)):
+        for file in (g.file, *filter(None, (g.greedy_file,))):
             inside(art, file, f"{g.name} graph file")
     inside(art, m.weights.file, "weights file")
-    for name in (TOKENIZER_DIR, f"{TOKENIZER_DIR}/tokenizer.json", PROFILE_FILE, ENGINE_DIR):
+    for name in (*ARTIFACT_DIRS, *ARTIFACT_FILES):
         if (art / name).exists() or (art / name).is_symlink():
             inside(art, name, "file")
+            if name in ARTIFACT_FILES:
+                regular_file(art / name, "file")
     for family, spec in ((m.engines or {}).get("families") or {}).items():
         if isinstance(spec, dict) and spec.get("engine"):
             inside(art, spec["engine"], f"{family} TensorRT engine")
@@ -536,12 +597,14 @@ def load_manifest(art_dir: str | Path) -> Manifest:
     if not art.exists():
         raise SpecrtError(f"artifact not found: {art}")
     path = art / MANIFEST
-    if not path.is_file():
+    if not path.exists():
         raise SpecrtError(f"{art} is not a specrt artifact (no {MANIFEST}); create one with `specrt export`")
+    inside(art, MANIFEST, "manifest")
+    regular_file(path, "manifest")
     try:
         d = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SpecrtError(f"{path} is not valid JSON: {e}") from None
+        raise SpecrtError(f"{path} is malformed: not valid JSON ({e})") from None
     except RecursionError:
         raise SpecrtError(f"{path} is malformed: nested too deeply") from None
     except ValueError as e:  # an integer past Python's digit limit (sys.set_int_max_str_digits)
@@ -555,6 +618,7 @@ def load_manifest(art_dir: str | Path) -> Manifest:
         raise SpecrtError(f"{art} has artifact format version {version}, this specrt reads versions "
                           f"{', '.join(map(str, READS_VERSIONS))}; re-export it with this specrt")
     try:
+        check_limits(d)
         m = Manifest.from_dict(d)
     except SpecrtError as e:
         raise SpecrtError(f"{path} is malformed: {e}") from None

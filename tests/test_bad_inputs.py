@@ -419,18 +419,6 @@ def _edit_manifest(art: Path, dest: Path, edit) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("file, fragment", [
-    ("../../etc/passwd", "leads outside the artifact"),
-    ("/etc/passwd", "is not a path inside the artifact"),
-    ("../other/target.onnx", "leads outside the artifact"),  # another artifact's graph
-])
-def test_graph_paths_must_stay_inside_the_artifact(art, tmp_path, file, fragment):
-    shutil.copytree(art, tmp_path / "other")
-    bad = _edit_manifest(art, tmp_path / "bad", lambda d: d["graphs"]["target"].update(file=file))
-    assert_one_line_error(cli_process("run", bad, "--input-ids", "1,2", "--max-new-tokens", "2"), fragment)
-    assert_one_line_error(cli("inspect", bad), fragment)
-
-
 def test_links_and_external_data_leaving_the_artifact_are_refused(art, tmp_path):
     import onnx
 
@@ -467,38 +455,27 @@ def _regenerate_buckets(d: dict) -> None:
         g["max_seq"] = s.max_seq
 
 
-@pytest.mark.parametrize("edit, fragment", [
-    (lambda d: d["model"].update(vocab_size=10 ** 12), "model.vocab_size 1000000000000 differs from the target"),
-    (lambda d: d["graphs"]["target"]["buckets"]["prefill"][0].update(T=10 ** 9, P=10 ** 9),
-     "buckets are not those of the export settings"),
-    (lambda d: d["graphs"]["target"].update(max_seq=10 ** 9), "max_seq 1000000000 differs from export.max_seq"),
-    # every field agreeing, and only the graph files telling the truth
-    (lambda d: (d["export"].update(batch=10 ** 9), _regenerate_buckets(d)), "exported for other shapes"),
-    (lambda d: (d["export"].update(max_seq=10 ** 9), _regenerate_buckets(d)), "disagree"),
-])
-def test_absurd_numbers_in_a_manifest_are_refused(art, tmp_path, edit, fragment):
-    bad = _edit_manifest(art, tmp_path / "bad", edit)
-    assert_one_line_error(cli_process("run", bad, "--input-ids", "1,2", "--max-new-tokens", "2"), fragment)
+# Absurd numbers, paths and special files in a manifest: tests/hostile_artifacts.py, through both runtimes.
 
 
 def test_allocations_are_estimated_before_they_are_made(art, tmp_path):
-    """Graphs exported before they recorded their shapes are checked by the memory estimate: a batch of 10^9
-    slots is one line naming the size and the memory available, not an attempt at 15 TiB."""
+    """Graphs exported before they recorded their shapes are checked by the memory estimate: 4,096 slots of 4M
+    positions is one line naming the size and the memory available, not an attempt at terabytes."""
     import onnx
 
     from specrt.errors import SpecrtError
     from specrt.runtime.engine import Engine
 
     def edit(d):
-        d["export"]["batch"] = 10 ** 9
+        d["export"].update(batch=4096, max_seq=1 << 22)
         _regenerate_buckets(d)
 
     bad = _edit_manifest(art, tmp_path / "bad", edit)
     model = onnx.load(str(bad / "target.onnx"), load_external_data=False)
     del model.metadata_props[:]
     onnx.save(model, str(bad / "target.onnx"))
-    with pytest.raises(SpecrtError, match=r"needs [\d.]+ [GT]iB, more than the [\d.]+ GiB of memory available"):
-        Engine(bad, slots=10 ** 9)
+    with pytest.raises(SpecrtError, match=r"needs [\d.]+ [GTP]iB, more than the [\d.]+ GiB of memory available"):
+        Engine(bad, slots=4096)
     from serving import free_port
 
     assert_one_line_error(cli_process("serve", bad, "--port", str(free_port())), "of memory available")

@@ -133,10 +133,10 @@ def test_bad_artifacts_and_requests_are_one_line_errors(specrt_cpp, tiny_arts, t
         (d / "manifest.json").write_text(json.dumps(m))
 
     cases = [(tmp_path / "nowhere", [5, 6], "not a specrt artifact"),
-             (broken("old", bump), [5, 6], "format 3"),
+             (broken("old", bump), [5, 6], "format version 3"),
              (broken("nograph", lambda d: (d / "target.onnx").unlink()), [5, 6], "missing"),
              (broken("corrupt", lambda d: (d / "target.onnx").write_bytes(b"not onnx")), [5, 6], "cannot load"),
-             (broken("badjson", lambda d: (d / "manifest.json").write_text("{")), [5, 6], "not a valid manifest"),
+             (broken("badjson", lambda d: (d / "manifest.json").write_text("{")), [5, 6], "not valid JSON"),
              (broken("shape", shape), [5, 6], "input_ids is [B, T] in the graph, [B, 7] in the manifest"),
              (art, [5, 10 ** 6], "outside the vocabulary"),
              (art, [5] * 150, "exceeds the artifact's 159 cache positions")]

@@ -62,7 +62,8 @@ def session_options(threads: int | None = None, *, spin: bool = True) -> "ort.Se
     service that opens its own ONNX Runtime sessions beside specrt's would break; $SPECRT_ORT_SHARED_POOL=0 keeps a
     pool per session in specrt's own processes too."""
     global _shared_pool
-    threads = threads or max(1, len(os.sched_getaffinity(0)))
+    cores = max(1, len(os.sched_getaffinity(0)))
+    threads = min(threads, cores) if threads else cores  # more threads than cores only contend (artifact rules)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3

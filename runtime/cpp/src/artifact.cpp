@@ -1,10 +1,12 @@
 #include "artifact.h"
 #include "io_names.h"
+#include "rules.h"
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 
 namespace specrt {
@@ -13,10 +15,115 @@ using json = nlohmann::json;
 
 namespace {
 
-constexpr int kFormatVersion = 5;  // specrt/artifact.py FORMAT_VERSION
-constexpr int kOldestFormat = 4;   // READS_VERSIONS: 4 is 5 without the target's tree_mask input
 constexpr int kProfileVersion = 2;  // runtime/profile.py VERSION
-const std::set<std::string> kGreedyDrops{io::kDraftLogits, io::kDraftProbs};  // specrt/artifact.py GREEDY_DROPS
+const std::set<std::string> kGreedyDrops(std::begin(rules::kGreedyDrops), std::end(rules::kGreedyDrops));
+
+std::string clip(std::string s, size_t n = 160) {  // a message quotes at most n characters of what it was given
+    s = s.substr(0, s.find('\n'));
+    return s.size() > n ? s.substr(0, n) + "...(" + std::to_string(s.size()) + " characters)" : s;
+}
+
+std::string size_text(uintmax_t n) {
+    const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    double x = static_cast<double>(n);
+    int u = 0;
+    while (x >= 1024 && u < 4) x /= 1024, ++u;
+    char buf[32];
+    std::snprintf(buf, sizeof buf, u ? "%.1f %s" : "%.0f %s", x, units[u]);
+    return buf;
+}
+
+// `path`, refused unless it is a regular file (a FIFO or a device would block or flood its reader) and, for the JSON
+// files the runtime reads, at most rules::kMaxJsonBytes (specrt/artifact.py regular_file)
+const fs::path& regular_file(const fs::path& path, const std::string& what) {
+    std::error_code ec;
+    if (!fs::is_regular_file(path, ec))
+        throw Error(SPECRT_ERROR_ARTIFACT, path.string() + ": the " + what + " is not a regular file; refusing it");
+    const uintmax_t size = fs::file_size(path, ec);
+    if (path.extension() == ".json" && !ec && size > static_cast<uintmax_t>(rules::kMaxJsonBytes))
+        throw Error(SPECRT_ERROR_ARTIFACT, path.string() + ": the " + what + " is " + size_text(size) + ", more than the " +
+                                               size_text(rules::kMaxJsonBytes) +
+                                               " a specrt artifact's JSON files may be; refusing it");
+    return path;
+}
+
+json read_json(const fs::path& path, const std::string& what) {
+    std::ifstream f(regular_file(path, what));
+    if (!f) throw Error(SPECRT_ERROR_ARTIFACT, "cannot read " + path.string());
+    try {
+        return json::parse(f);
+    } catch (const json::exception& e) {
+        throw Error(SPECRT_ERROR_ARTIFACT, path.string() + " is malformed: not valid JSON (" + clip(e.what()) + ")");
+    }
+}
+
+// Each integer of rules::kIntLimits present in the manifest is an integer within its bounds (artifact.py check_limits).
+void check_limits(const json& j) {
+    for (const rules::IntLimit& limit : rules::kIntLimits) {
+        std::vector<std::pair<std::string, const json*>> found{{"", &j}};
+        const std::string path = limit.path;
+        for (size_t start = 0; start <= path.size();) {
+            const size_t dot = std::min(path.find('.', start), path.size());
+            const std::string key = path.substr(start, dot - start);
+            std::vector<std::pair<std::string, const json*>> next;
+            for (const auto& [where, obj] : found) {
+                if (!obj->is_object()) continue;
+                for (auto it = obj->begin(); it != obj->end(); ++it)
+                    if (key == "*" || it.key() == key) next.emplace_back(where.empty() ? it.key() : where + "." + it.key(), &*it);
+            }
+            found = std::move(next);
+            start = dot + 1;
+        }
+        for (const auto& [where, v] : found) {
+            bool ok = false;
+            if (v->is_number_unsigned()) {
+                const uint64_t x = v->get<uint64_t>();
+                ok = x <= static_cast<uint64_t>(limit.hi) && static_cast<int64_t>(x) >= limit.lo;
+            } else if (v->is_number_integer()) {
+                const int64_t x = v->get<int64_t>();
+                ok = x >= limit.lo && x <= limit.hi;
+            }
+            if (!ok)
+                throw Error(SPECRT_ERROR_ARTIFACT, where + " must be an integer in " + std::to_string(limit.lo) + ".." +
+                                                       std::to_string(limit.hi) + ", got " + clip(v->dump(), 40));
+        }
+    }
+}
+
+// Slot-count buckets, verify budgets, each family's buckets: what the export settings give (specrt/artifact.py
+// batch_sizes, token_budgets, target_buckets, head_buckets), which the manifest's must be.
+std::vector<int64_t> batch_sizes(int64_t batch) {
+    std::vector<int64_t> out;
+    for (int64_t b = 1; b < batch; b *= 2) out.push_back(b);
+    out.push_back(batch);
+    return out;
+}
+
+std::vector<int64_t> token_budgets(int64_t slots, int64_t tokens) {
+    const int64_t grid = slots * tokens;
+    if (slots == 1) return {grid};
+    std::set<int64_t> out{grid};
+    for (int64_t p = 1; p < grid; p *= 2)
+        if (p >= slots) out.insert(p);
+    return {out.begin(), out.end()};
+}
+
+std::map<std::string, std::vector<Bucket>> export_buckets(const std::string& family, int64_t batch, int64_t chunk,
+                                                          int64_t verify_len) {
+    std::map<std::string, std::vector<Bucket>> out;
+    if (family != "target") {
+        out["prefill"] = {{{"B", 1}, {"C", chunk}}};
+        for (int64_t b : batch_sizes(batch))
+            for (int64_t c = 1; c <= verify_len; ++c) out["propose"].push_back({{"B", b}, {"C", c}});
+        return out;
+    }
+    out["prefill"] = {{{"B", 1}, {"T", chunk}, {"P", chunk}, {"R", 1}}};
+    for (int64_t b : batch_sizes(batch)) out["decode"].push_back({{"B", b}, {"T", 1}, {"P", b}, {"R", b}});
+    for (int64_t b : batch_sizes(batch))
+        for (int64_t t = 2; t <= verify_len; ++t)
+            for (int64_t p : token_budgets(b, t)) out["verify"].push_back({{"B", b}, {"T", t}, {"P", p}, {"R", p}});
+    return out;
+}
 
 TensorSpec tensor_spec(const json& j) {
     TensorSpec t{j.at("name").get<std::string>(), j.at("dtype").get<std::string>(), {}};
@@ -40,11 +147,23 @@ GraphSpec graph_spec(const std::string& name, const json& g) {
     return s;
 }
 
-void inside(const fs::path& manifest, const std::string& file) {
-    fs::path rel(file);
-    if (file.empty() || rel.is_absolute() || rel.lexically_normal().string().rfind("..", 0) == 0)
-        throw Error(SPECRT_ERROR_ARTIFACT, manifest.string() + ": graph file '" + file + "' leaves the artifact");
+}  // namespace
+
+fs::path inside(const fs::path& dir, const std::string& name, const std::string& what) {
+    const fs::path rel(name);
+    if (name.empty() || rel.is_absolute())
+        throw Error(SPECRT_ERROR_ARTIFACT, dir.string() + ": the " + what + " '" + clip(name, 80) +
+                                               "' is not a path inside the artifact; refusing it");
+    std::error_code ec;
+    const fs::path root = fs::weakly_canonical(dir, ec), full = fs::weakly_canonical(dir / rel, ec);
+    auto [r, f] = std::mismatch(root.begin(), root.end(), full.begin(), full.end());
+    if (ec || (r != root.end() && !r->empty()))
+        throw Error(SPECRT_ERROR_ARTIFACT, dir.string() + ": the " + what + " '" + clip(name, 80) +
+                                               "' leads outside the artifact (to " + full.string() + "); refusing it");
+    return dir / rel;
 }
+
+namespace {
 
 std::vector<int64_t> order(const Bucket& b) {  // the manifest's key order: B, T, P, R (C)
     std::vector<int64_t> v;
@@ -112,19 +231,83 @@ std::optional<GraphSpec> GraphSpec::greedy() const {
     return g;
 }
 
+namespace {
+
+// The numbers buffers are sized by agree with each other and with what the export settings give (artifact.py
+// _check_sizes): each family's max_seq and buckets, the vocabulary and the target's logits, a head's vocab_ids.
+void check_sizes(const Manifest& m) {
+    for (const auto& [name, g] : m.graphs) {
+        if (g.max_seq != m.export_max_seq)
+            throw Error(SPECRT_ERROR_ARTIFACT, "graph " + name + ": max_seq " + std::to_string(g.max_seq) +
+                                                   " differs from export.max_seq " + std::to_string(m.export_max_seq));
+        if (g.buckets != export_buckets(name, m.batch, m.prefill_chunk, m.gamma + 1))
+            throw Error(SPECRT_ERROR_ARTIFACT, "graph " + name + ": its buckets are not those of the export settings (batch " +
+                                                   std::to_string(m.batch) + ", prefill chunk " +
+                                                   std::to_string(m.prefill_chunk) + ", verify length " +
+                                                   std::to_string(m.gamma + 1) + ")");
+    }
+    const auto& outs = m.graphs.at("target").outputs;
+    auto logits = std::find_if(outs.begin(), outs.end(), [](const TensorSpec& t) { return t.name == io::kLogits; });
+    std::string got = "no logits";
+    if (logits != outs.end() && !logits->shape.empty()) {
+        const Dim& width = logits->shape.back();
+        if (std::holds_alternative<int64_t>(width) && std::get<int64_t>(width) == m.vocab_size) got.clear();
+        else got = dims_text({width}).substr(1, dims_text({width}).size() - 2);
+    }
+    if (!got.empty())
+        throw Error(SPECRT_ERROR_ARTIFACT, "model.vocab_size " + std::to_string(m.vocab_size) +
+                                               " differs from the target graph's logits (" + got + ")");
+    for (const auto& [name, h] : m.heads)
+        for (int64_t t : h.vocab_ids)
+            if (t < 0 || t >= m.vocab_size)
+                throw Error(SPECRT_ERROR_ARTIFACT, "head " + name + ": its vocab_ids leave the vocabulary (0.." +
+                                                       std::to_string(m.vocab_size - 1) + ")");
+}
+
+// Every file the manifest names, and the fixed ones the runtime reads, stay inside the artifact (artifact.py
+// _check_paths); the JSON ones are regular files.
+void check_paths(const fs::path& dir, const Manifest& m) {
+    for (const auto& [name, g] : m.graphs) {
+        inside(dir, g.file, name + " graph file");
+        if (!g.greedy_file.empty()) inside(dir, g.greedy_file, name + " graph file");
+    }
+    inside(dir, m.weights_file, "weights file");
+    std::error_code ec;
+    for (const char* name : rules::kArtifactDirs)
+        if (fs::exists(dir / name, ec) || fs::is_symlink(dir / name, ec)) inside(dir, name, "file");
+    for (const char* name : rules::kArtifactFiles)
+        if (fs::exists(dir / name, ec) || fs::is_symlink(dir / name, ec)) regular_file(inside(dir, name, "file"), "file");
+}
+
+}  // namespace
+
 Manifest load_manifest(const fs::path& dir) {
-    fs::path path = dir / "manifest.json";
-    std::ifstream f(path);
-    if (!f) throw Error(SPECRT_ERROR_ARTIFACT, dir.string() + " is not a specrt artifact (no manifest.json)");
+    const fs::path path = dir / "manifest.json";
+    std::error_code ec;
+    if (!fs::exists(path, ec) && !fs::is_symlink(path, ec))
+        throw Error(SPECRT_ERROR_ARTIFACT, dir.string() + " is not a specrt artifact (no manifest.json)");
+    inside(dir, "manifest.json", "manifest");
+    const json j = read_json(path, "manifest");
+    if (!j.is_object()) throw Error(SPECRT_ERROR_ARTIFACT, path.string() + " is malformed: expected a JSON object");
+    {
+        const json* v = j.contains("format_version") ? &j["format_version"] : nullptr;
+        const auto& reads = rules::kReadsVersions;
+        const bool known = v && v->is_number_integer() &&
+                           std::find(std::begin(reads), std::end(reads), v->get<int64_t>()) != std::end(reads);
+        if (!known)
+            throw Error(SPECRT_ERROR_ARTIFACT, dir.string() + " has artifact format version " +
+                                                   (v ? clip(v->dump(), 40) : "none") + ", this runtime reads versions " +
+                                                   std::to_string(reads[0]) + " to " +
+                                                   std::to_string(rules::kFormatVersion) +
+                                                   "; re-export it with this version of specrt");
+    }
+    try {
+        check_limits(j);
+    } catch (const Error& e) {
+        throw Error(SPECRT_ERROR_ARTIFACT, path.string() + " is malformed: " + e.what());
+    }
     Manifest m;
     try {
-        json j = json::parse(f);
-        int version = j.at("format_version").get<int>();
-        if (version < kOldestFormat || version > kFormatVersion)
-            throw Error(SPECRT_ERROR_ARTIFACT, dir.string() + ": artifact format " + std::to_string(version) +
-                                                   ", this runtime reads formats " + std::to_string(kOldestFormat) +
-                                                   " to " + std::to_string(kFormatVersion) +
-                                                   " (re-export it with this version of specrt)");
         const json& exp = j.at("export");
         m.gamma = exp.at("verify_len").get<int64_t>() - 1;
         m.batch = exp.at("batch").get<int64_t>();
@@ -190,27 +373,32 @@ Manifest load_manifest(const fs::path& dir) {
                 m.heads[name] = s;
             }
         }
+        m.export_max_seq = exp.at("max_seq").get<int64_t>();
+        m.prefill_chunk = exp.at("prefill_chunk").get<int64_t>();
+        m.weights_file = j.at("weights").at("file").get<std::string>();
     } catch (const json::exception& e) {
-        throw Error(SPECRT_ERROR_ARTIFACT, path.string() + ": not a valid manifest (" + e.what() + ")");
+        throw Error(SPECRT_ERROR_ARTIFACT, path.string() + " is malformed: " + clip(e.what()));
     }
-    for (const auto& [name, g] : m.graphs) {
-        inside(path, g.file);
-        if (!g.greedy_file.empty()) inside(path, g.greedy_file);
+    try {
+        check_sizes(m);
+    } catch (const Error& e) {
+        throw Error(SPECRT_ERROR_ARTIFACT, path.string() + " is inconsistent: " + e.what());
     }
+    check_paths(dir, m);
     return m;
 }
 
 std::optional<Profile> load_profile(const fs::path& dir, int threads) {
     fs::path path = dir / "profile.json";
-    std::ifstream f(path);
-    if (!f) return std::nullopt;
+    std::error_code ec;
+    if (!fs::exists(path, ec)) return std::nullopt;
     const std::string redo = "; delete it and run `specrt profile` again";
     json entries;
     try {
-        json j = json::parse(f);
+        json j = read_json(inside(dir, "profile.json", "file"), "file");
         if (j.value("version", 0) != kProfileVersion) return std::nullopt;
         entries = j.at("profiles");
-    } catch (const json::exception&) {
+    } catch (const std::exception&) {
         throw Error(SPECRT_ERROR_ARTIFACT, path.string() + " is not a specrt profile" + redo);
     }
     std::string key = "ort/" + std::to_string(threads);

@@ -71,6 +71,8 @@ struct ChatText {
 
 struct Manifest {
     int64_t vocab_size = 0, max_seq = 0, gamma = 0, batch = 1;  // gamma: verify_len - 1
+    int64_t export_max_seq = 0, prefill_chunk = 0;
+    std::string weights_file;
     std::set<int64_t> eos;
     std::map<std::string, GraphSpec> graphs;  // "target" and one per head
     std::map<std::string, HeadSpec> heads;
@@ -79,7 +81,11 @@ struct Manifest {
     std::string chat_problem;  // why text cannot go through the chat template here ("" when it can)
 };
 
+// Read and check an artifact's manifest against the rules of specrt/artifact.py (rules.h): a one-line Error otherwise.
 Manifest load_manifest(const fs::path& dir);
+
+// `dir / name` for a path an artifact names, refused unless it is relative and resolves (links followed) inside `dir`.
+fs::path inside(const fs::path& dir, const std::string& name, const std::string& what);
 
 // A stored cost profile (runtime/profile.py): verify[batch][tokens] and draft[head][batch], in ms.
 struct Profile {

@@ -121,7 +121,7 @@ specrt_status specrt_add_text(specrt_engine* engine, const char* text, int raw, 
                               int64_t* request_id) {
     if (!engine || !text) return fail(SPECRT_ERROR_REQUEST, "specrt_add_text: a NULL argument");
     return guarded([&] {
-        std::vector<int64_t> ids = engine->engine.tokenizer().encode_prompt(text, raw != 0);
+        std::vector<int64_t> ids = engine->engine.encode_text(text, raw != 0);
         int64_t id = engine->engine.add(ids, params_of(params));
         if (request_id) *request_id = id;
     });
@@ -136,7 +136,7 @@ specrt_status specrt_add_chat(specrt_engine* engine, const specrt_message* messa
     return guarded([&] {
         std::vector<std::pair<std::string, std::string>> chat;
         for (size_t i = 0; i < n_messages; ++i) chat.emplace_back(messages[i].role, messages[i].content);
-        int64_t id = engine->engine.add(engine->engine.tokenizer().encode_chat(chat), params_of(params));
+        int64_t id = engine->engine.add(engine->engine.encode_chat(chat), params_of(params));
         if (request_id) *request_id = id;
     });
 }
@@ -145,7 +145,7 @@ specrt_status specrt_tokenize(specrt_engine* engine, const char* text, int raw, 
                               size_t* n_ids) {
     if (!engine || !text || !n_ids || (!ids && capacity)) return fail(SPECRT_ERROR_REQUEST, "specrt_tokenize: a NULL argument");
     return guarded([&] {
-        std::vector<int64_t> out = engine->engine.tokenizer().encode_prompt(text, raw != 0);
+        std::vector<int64_t> out = engine->engine.encode_text(text, raw != 0);
         *n_ids = out.size();
         if (out.size() > capacity)
             throw Error(SPECRT_ERROR_REQUEST, "specrt_tokenize: " + std::to_string(out.size()) + " ids, room for " +

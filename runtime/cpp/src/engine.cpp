@@ -40,8 +40,10 @@ Engine::Engine(const fs::path& dir, const Options& options) : options_(options) 
     if (options.tree > 1 && method != "ngram" && method != "dspark" && method != "dspark+ngram")
         throw Error(SPECRT_ERROR_REQUEST, "tree drafts trees of n-gram lookups or of a DSpark head's first drafts: use "
                                           "it with ngram, dspark or dspark+ngram, not " + method);
+    // more threads than the cores this process may run on only contend (and 100,000 would take minutes to start)
+    if (options.threads > default_threads()) options_.threads = default_threads();
     manifest_ = load_manifest(dir);
-    target_ = std::make_unique<Runner>(ort_env(options.threads), dir, manifest_.graphs.at("target"), options.threads, /*spin=*/true);
+    target_ = std::make_unique<Runner>(ort_env(options_.threads), dir, manifest_.graphs.at("target"), options_.threads, /*spin=*/true);
     auto has = [](const std::vector<TensorSpec>& list, const char* name) {
         return std::any_of(list.begin(), list.end(), [&](const TensorSpec& t) { return t.name == name; });
     };
@@ -59,7 +61,7 @@ Engine::Engine(const fs::path& dir, const Options& options) : options_(options) 
         const bool hybrid = method.find('+') != std::string::npos;
         const std::string head = method == "ngram" ? "" : method.substr(0, method.find('+'));
         if (hybrid || options.scheduler.rfind("sps", 0) == 0) {
-            std::optional<Profile> profile = load_profile(dir, options.threads > 0 ? options.threads : default_threads());
+            std::optional<Profile> profile = load_profile(dir, options_.threads > 0 ? options_.threads : default_threads());
             if (!profile)
                 throw Error(SPECRT_ERROR_ARTIFACT, "scheduler " + options.scheduler + " / method " + method +
                                                        " plan on a cost profile and " + dir.string() +
@@ -88,7 +90,7 @@ Engine::Engine(const fs::path& dir, const Options& options) : options_(options) 
                                                        "which this artifact (exported by an older specrt) lacks: re-export it");
                 grafted = options.tree - 1;
             }
-            auto graph = std::make_unique<GraphDrafter>(dir, manifest_, h->second, options.threads, options.tree > 1);
+            auto graph = std::make_unique<GraphDrafter>(dir, manifest_, h->second, options_.threads, options.tree > 1);
             // under sps / sps-async a head alone is gated: called only when it promises more than decoding
             if (hybrid || costs_)
                 drafter_ = std::make_unique<HybridDrafter>(std::move(graph), *costs_, options.ngram, /*lookups=*/hybrid);
@@ -164,6 +166,30 @@ bool Engine::abort(int64_t id) {
     return false;
 }
 
+namespace {
+constexpr size_t kCharsSlack = 4;  // serve/protocol.py CHARS_SLACK: room for normalizers that compose characters
+}
+
+void Engine::check_text(size_t bytes) const {
+    const size_t room = static_cast<size_t>(manifest_.max_seq - 1), limit = room * tokenizer().longest_token() * kCharsSlack;
+    if (bytes > limit)
+        throw Error(SPECRT_ERROR_REQUEST, "the text is " + std::to_string(bytes) + " bytes, more than the artifact's " +
+                                              std::to_string(room) + " positions could hold (" + std::to_string(limit) +
+                                              " bytes at most); shorten it");
+}
+
+std::vector<int64_t> Engine::encode_text(const std::string& text, bool raw) const {
+    check_text(text.size());
+    return tokenizer().encode_prompt(text, raw);
+}
+
+std::vector<int64_t> Engine::encode_chat(const std::vector<std::pair<std::string, std::string>>& messages) const {
+    size_t bytes = 0;
+    for (const auto& [role, content] : messages) bytes += role.size() + content.size();
+    check_text(bytes);
+    return tokenizer().encode_chat(messages);
+}
+
 const Tokenizer& Engine::tokenizer() const {
     if (!tokenizer_) throw Error(SPECRT_ERROR_REQUEST, tokenizer_problem_);
     return *tokenizer_;
@@ -209,7 +235,9 @@ void Engine::prefill(int64_t index, Request request, std::map<int64_t, Event>& e
     Slot s;
     s.id = request.id;
     s.params = request.params;
-    s.rng = Rng(request.params.seed >= 0 ? static_cast<uint64_t>(request.params.seed + request.id) : std::random_device{}());
+    // seed + id in unsigned arithmetic: a seed near 2^63 wraps instead of overflowing
+    s.rng = Rng(request.params.seed >= 0 ? static_cast<uint64_t>(request.params.seed) + static_cast<uint64_t>(request.id)
+                                        : std::random_device{}());
     s.history = request.prompt;
     if (tokenizer_) s.stream = std::make_shared<StreamDecoder>(*tokenizer_, true);
     s.prompt_tokens = static_cast<int64_t>(request.prompt.size());

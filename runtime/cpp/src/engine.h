@@ -84,6 +84,11 @@ public:
     int64_t add(const std::vector<int64_t>& prompt, Params params, std::optional<int64_t> id = std::nullopt);
     // The artifact's tokenizer (throws the reason where there is none this runtime can run).
     const Tokenizer& tokenizer() const;
+    // A text (one user message through the chat template unless `raw`) or a conversation as prompt ids, refused
+    // before tokenizing when it is longer than the artifact's positions could hold whatever it tokenizes to
+    // (serve/protocol.py CHARS_SLACK): a caller's text is bounded by what it could become, not tokenized whole.
+    std::vector<int64_t> encode_text(const std::string& text, bool raw) const;
+    std::vector<int64_t> encode_chat(const std::vector<std::pair<std::string, std::string>>& messages) const;
     // Admit waiting requests, then one decode step or round over the active slots.
     std::vector<Event> step();
     // Drop a queued or running request; false if it is not unfinished.
@@ -92,6 +97,7 @@ public:
     bool unfinished() const;
 
 private:
+    void check_text(size_t bytes) const;
     struct Request {
         int64_t id;
         std::vector<int64_t> prompt;

@@ -1,5 +1,8 @@
 #include "runner.h"
 #include "io_names.h"
+#include "rules.h"
+
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cstdlib>
@@ -57,12 +60,48 @@ void check_graph_io(Ort::Session& session, const GraphSpec& spec) {
     }
 }
 
+// The cache length and buckets the graph file records it was exported for against the manifest's (specrt/artifact.py
+// check_graph_meta); files exported before graphs recorded them are checked by their declared shapes only.
+void check_graph_meta(Ort::Session& session, const GraphSpec& spec) {
+    Ort::AllocatorWithDefaultOptions alloc;
+    Ort::ModelMetadata meta = session.GetModelMetadata();
+    Ort::AllocatedStringPtr text = meta.LookupCustomMetadataMapAllocated(rules::kGraphMeta, alloc);
+    if (!text) return;
+    int64_t max_seq = 0;
+    std::map<std::string, std::vector<Bucket>> buckets;
+    try {
+        const nlohmann::json j = nlohmann::json::parse(text.get());
+        max_seq = j.at("max_seq").get<int64_t>();
+        for (const auto& [use, list] : j.at("buckets").items())
+            for (const auto& b : list) buckets[use].push_back(b.get<Bucket>());
+    } catch (const nlohmann::json::exception&) {
+        throw Error(SPECRT_ERROR_ARTIFACT, spec.file + ": its " + rules::kGraphMeta +
+                                               " metadata is malformed (corrupt artifact? re-export it)");
+    }
+    if (max_seq != spec.max_seq)
+        throw Error(SPECRT_ERROR_ARTIFACT, spec.file + " was exported for " + std::to_string(max_seq) +
+                                               " cache positions but the manifest says max_seq " +
+                                               std::to_string(spec.max_seq) +
+                                               " (manifest and graphs disagree; re-export the artifact)");
+    if (buckets != spec.buckets)
+        throw Error(SPECRT_ERROR_ARTIFACT, spec.file + " was exported for other shapes than the manifest's " + spec.name +
+                                               " buckets (manifest and graphs disagree; re-export the artifact)");
+}
+
 // libspecrt_ops: $SPECRT_OPS_LIB, else beside this library (the build puts both in one folder)
 fs::path ops_library() {
     if (const char* given = std::getenv("SPECRT_OPS_LIB"); given && *given) {
         if (!fs::is_regular_file(given))
             throw Error(SPECRT_ERROR_ARTIFACT, std::string("$SPECRT_OPS_LIB names ") + given +
                                                    ", which is not a file (libspecrt_ops.so)");
+        // the library's own entry point, looked up before ONNX Runtime loads it (specrt/native.py _isa)
+        void* lib = dlopen(given, RTLD_NOW | RTLD_LOCAL);
+        const bool ours = lib && dlsym(lib, "specrt_ops_isa") && dlsym(lib, "RegisterCustomOps");
+        const std::string why = lib ? "it lacks specrt_ops_isa / RegisterCustomOps" : first_line(dlerror());
+        if (lib) dlclose(lib);
+        if (!ours)
+            throw Error(SPECRT_ERROR_ARTIFACT, std::string("$SPECRT_OPS_LIB names ") + given +
+                                                   ", which is not specrt's kernels library (libspecrt_ops.so): " + why);
         return given;
     }
     Dl_info info;
@@ -100,6 +139,7 @@ std::unique_ptr<Ort::Session> open_session(Ort::Env& env, const fs::path& dir, c
     } catch (const Ort::Exception& e) {
         throw Error(SPECRT_ERROR_ARTIFACT, "cannot load " + spec.file + ": " + first_line(e.what()));
     }
+    check_graph_meta(*session, spec);
     check_graph_io(*session, spec);
     return session;
 }

@@ -119,6 +119,7 @@ struct Tokenizer::Impl {
     std::vector<int16_t> byte_of;  // id -> the byte a <0xXX> token stands for, -1 for other tokens
     std::vector<int64_t> bos_ids, eos_ids;  // the post-processor's special tokens around a sequence
     std::string post_problem;  // why add_special cannot be honoured ("" when it can)
+    size_t longest = 0;  // the longest token's bytes (its vocabulary string or added content, as UTF-8)
     mutable std::mutex cache_lock;
     mutable std::unordered_map<std::string, std::vector<int64_t>> cache;
 
@@ -470,9 +471,12 @@ Tokenizer::Tokenizer(const std::filesystem::path& file, std::optional<ChatText> 
     } catch (const json::exception& e) {
         throw Error(SPECRT_ERROR_ARTIFACT, file.string() + ": not a tokenizer.json this runtime reads (" + e.what() + ")");
     }
+    for (const std::string& token : t.tokens) t.longest = std::max(t.longest, token.size());
 }
 
 Tokenizer::~Tokenizer() = default;
+
+size_t Tokenizer::longest_token() const { return std::max<size_t>(impl_->longest, 1); }
 
 std::vector<int64_t> Tokenizer::encode(const std::string& text, bool add_special) const {
     const Impl& t = *impl_;

@@ -41,6 +41,8 @@ public:
     std::string bytes(const int64_t* ids, size_t n, bool skip_special) const;
     // Whether decoding drops the text's first space (SentencePiece's decoder: the space its encoding prepended).
     bool strips_first_space() const;
+    // The most bytes of text one token stands for, at most (its string's UTF-8 bytes bound them).
+    size_t longest_token() const;
 
 private:
     struct Impl;
