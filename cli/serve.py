@@ -82,8 +82,9 @@ def serve(artifact: Path, host: str, port: int, model_name: str | None, slots: i
                + (" (API key required)" if api_key else ""), err=True)
     say_kernels(artifact, backend)
     try:
-        uvicorn.run(create_app(loop, name, limits), host=host, port=port, log_level=log_level,
-                    timeout_graceful_shutdown=3, http=guard.guarded_protocol(limits))
+        app = create_app(loop, name, limits)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3,
+                    http=guard.guarded_protocol(limits, app.count))
     finally:
         loop.close()
 

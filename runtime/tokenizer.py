@@ -5,7 +5,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from specrt.errors import SpecrtError
-from specrt.tokenizer_info import MAX_RENDER_CHARS, compile_template as _compile_template, read_tokenizer_info
+from specrt.tokenizer_info import (MAX_RENDER_CHARS, RenderStopped, bounded_work, one_line,
+                                   compile_template as _compile_template, read_tokenizer_info)
 
 
 class Tokenizer:
@@ -70,17 +71,24 @@ class Tokenizer:
         variables.setdefault("documents", None)
         try:  # rendered piece by piece, so an output past MAX_RENDER_CHARS stops as soon as it gets there
             pieces, size = [], 0
-            for piece in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                 **variables):
-                size += len(piece)
-                if size > MAX_RENDER_CHARS:
-                    raise SpecrtError(f"the chat template's output exceeds {MAX_RENDER_CHARS} characters")
-                pieces.append(piece)
+            with bounded_work("the chat template"):
+                for piece in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                     **variables):
+                    size += len(piece)
+                    if size > MAX_RENDER_CHARS:
+                        raise SpecrtError(f"the chat template's output exceeds {MAX_RENDER_CHARS} characters")
+                    pieces.append(piece)
             return "".join(pieces)
+        except SpecrtError:
+            raise
+        except RenderStopped as e:
+            raise SpecrtError(str(e)) from None
         except jinja2.TemplateError as e:
-            raise SpecrtError(f"chat template error: {e}") from None
-        except (MemoryError, RecursionError, OverflowError) as e:
+            raise SpecrtError(f"chat template error: {one_line(e)}") from None
+        except (MemoryError, RecursionError) as e:
             raise SpecrtError(f"chat template error: {type(e).__name__} while rendering") from None
+        except Exception as e:  # noqa: BLE001 - a template from an artifact may raise anything (1/0, a TypeError)
+            raise SpecrtError(f"chat template error: {type(e).__name__}: {one_line(e)}") from None
 
     def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from importlib import resources
 from typing import Any
@@ -28,6 +29,7 @@ from specrt.serve.guard import Guard, Limits
 from specrt.serve.loop import EngineLoop, Event
 from specrt.serve.metrics import Metrics
 from specrt.serve.protocol import APIError, Parsed, parse
+from specrt.tokenizer_info import render_stop
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/openapi.json")
@@ -159,18 +161,28 @@ class Server:
         async def chat_completions(request: Request) -> Response:
             return await self._generate(request, chat=True)
 
-    def _parse(self, raw: bytes, chat: bool) -> Parsed:
-        """JSON, validation and tokenization of one request body (on a worker thread)."""
+    def _parse(self, raw: bytes, chat: bool, stop: threading.Event) -> Parsed:
+        """JSON, validation and tokenization of one request body (on a worker thread); a chat template's render
+        stops once `stop` is set (the client left)."""
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:  # ValueError: bad JSON, or an integer over 4300 digits
             raise APIError(f"the request body is not valid JSON: {str(e)[:200]}") from None
         except RecursionError:
             raise APIError("the request body is not valid JSON: nested too deeply") from None
-        return parse(body, chat=chat, model=self.model, tokenizer=self.loop.engine.tokenizer, room=self.room)
+        with render_stop(stop):
+            return parse(body, chat=chat, model=self.model, tokenizer=self.loop.engine.tokenizer, room=self.room)
 
     async def _generate(self, request: Request, *, chat: bool) -> Response:
-        parsed = await asyncio.to_thread(self._parse, await request.body(), chat)
+        stop = threading.Event()
+        parsing = asyncio.ensure_future(asyncio.to_thread(self._parse, await request.body(), chat, stop))
+        while not parsing.done():  # a render (bounded in work) still stops as soon as its client has left
+            await asyncio.wait({parsing}, timeout=DISCONNECT_POLL_S)
+            if not parsing.done() and await request.is_disconnected():
+                stop.set()
+                parsing.add_done_callback(lambda t: t.exception())  # it ends with an error nobody reads
+                return Response(status_code=499)  # nginx's "client closed request": nobody receives it
+        parsed = parsing.result()
         call = _Call(self, parsed, chat)
         headers = {"x-specrt-request-id": str(call.id)}
         if parsed.stream:

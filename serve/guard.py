@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from specrt.serve.protocol import APIError
@@ -168,8 +169,9 @@ class Guard:
         if self.key is not None and scope["path"] not in PUBLIC_PATHS:
             given = headers.get("authorization", "")
             scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("utf-8", "replace"),
-                                                                     self.key):
+            # the header's own bytes (decoded as latin-1 above, so encoding back gives them) against the key's UTF-8:
+            # a non-ASCII key matches as a client sends it, in UTF-8
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"), self.key):
                 return 401, error_body("missing or wrong API key (send `Authorization: Bearer KEY`)",
                                        code="invalid_api_key")
         if scope["method"] == "POST":
@@ -248,11 +250,24 @@ def _client(scope: dict) -> str:
     return f"{client[0]}:{client[1]}" if client else "a client"
 
 
-def guarded_protocol(limits: Limits) -> type:
+def guarded_protocol(limits: Limits, count: Callable[[str, int], None] | None = None) -> type:
     """uvicorn's h11 protocol with a connection cap and a header timeout (uvicorn has neither: a client sending
-    headers one byte at a time, or nothing, held its connection for good)."""
+    headers one byte at a time, or nothing, held its connection for good); a request h11 cannot parse (a bad
+    Content-Length, two Host headers) gets the API's JSON error, counted by `count` as endpoint "other", where uvicorn
+    answers plain text that no metric saw."""
 
     class GuardedH11(H11Protocol):
+        def send_400_response(self, msg: str) -> None:
+            body = error_body(f"malformed HTTP request: {msg}", code="malformed_request")
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+            if count is not None:
+                count("other", 400)
+
         def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
             if len(self.server_state.connections) >= limits.max_connections:
                 body = error_body(f"this server holds its maximum of {limits.max_connections} connections; try "

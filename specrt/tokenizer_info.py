@@ -2,13 +2,88 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
+import threading
+import time
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from specrt.errors import SpecrtError
 
 MAX_RENDER_CHARS = 1 << 22  # a chat template's output (and any string or list it builds) is bounded by this
+# A template's work is bounded too: compiling and rendering it run at most this many Python steps (lines and calls,
+# counted by a trace function on the rendering thread alone) and this long; a real chat template takes a few
+# thousand. A stop event (`render_stop`) ends a render sooner: the server's, when its client has left.
+MAX_RENDER_STEPS = 4_000_000
+MAX_RENDER_SECONDS = 5.0
+_render = threading.local()
+
+
+class RenderStopped(Exception):
+    """A render was stopped from outside (its client left)."""
+
+
+@contextmanager
+def render_stop(event: threading.Event) -> Iterator[None]:
+    """Renders on this thread inside the block stop, with RenderStopped, once `event` is set."""
+    previous = getattr(_render, "stop", None)
+    _render.stop = event
+    try:
+        yield
+    finally:
+        _render.stop = previous
+
+
+@contextmanager
+def bounded_work(what: str) -> Iterator[None]:
+    """Run the block under the step and time budget (a SecurityError once past it), restoring any tracer."""
+    import jinja2
+
+    steps, deadline, stop = 0, time.monotonic() + MAX_RENDER_SECONDS, getattr(_render, "stop", None)
+
+    def trace(frame, event, arg):  # type: ignore[no-untyped-def]
+        nonlocal steps
+        steps += 1
+        if not steps & 1023:
+            if stop is not None and stop.is_set():
+                raise RenderStopped(f"{what} stopped: the request was abandoned")
+            if steps > MAX_RENDER_STEPS:
+                raise jinja2.exceptions.SecurityError(f"{what} ran more than {MAX_RENDER_STEPS} steps")
+            if time.monotonic() > deadline:
+                raise jinja2.exceptions.SecurityError(f"{what} took more than {MAX_RENDER_SECONDS:g} s")
+        return trace
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
+# printf-style conversions ('%10s', '%-*.*f', '%(name)5d') and format() fields ('{:>10}', '{0:{w}}'): their widths
+_PERCENT = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_FIELD = re.compile(r"\{[^{}]*:([^{}]*)\}")
+
+
+def _check_size(n: int, what: str) -> None:
+    import jinja2
+
+    if n > MAX_RENDER_CHARS:
+        raise jinja2.exceptions.SecurityError(f"the template {what} past {MAX_RENDER_CHARS} characters")
+
+
+def _check_widths(fmt: str, args: Any) -> None:
+    """printf-style and format() widths and precisions within the output bound (`*` takes them from args)."""
+    numbers = [int(n) for m in _PERCENT.finditer(fmt) for n in m.groups() if n and n != "*"]
+    if "*" in fmt or re.search(r":[^{}]*\{", fmt):
+        values = args if isinstance(args, (tuple, list)) else (args,)
+        numbers += [v for v in values if isinstance(v, int)]
+    numbers += [int(n) for m in _FIELD.finditer(fmt) for n in re.findall(r"\d+", m.group(1))]
+    _check_size(max(numbers, default=0), "pads a string")
 
 
 def compile_template(template: str):
@@ -41,9 +116,39 @@ def compile_template(template: str):
         """The sandbox, plus bounds on what `*` and `**` may build: a template comes with the artifact, which
         may come from someone else (`{{ 'x' * 4000000000 }}` would otherwise take all memory)."""
 
-        intercepted_binops = frozenset(["*", "**"])
+        intercepted_binops = frozenset(["*", "**", "%"])  # intercepted: never folded while compiling, either
+
+        def call(__self, __context, __obj, *args, **kwargs):  # type: ignore[no-untyped-def]
+            owner = getattr(__obj, "__self__", None)
+            name = getattr(__obj, "__name__", "")
+            if isinstance(owner, str):
+                if name in ("center", "ljust", "rjust", "zfill", "expandtabs"):
+                    _check_size(max([a for a in args if isinstance(a, int)], default=0) * (1 + owner.count("\t")),
+                                f"pads a string ({name})")
+                elif name == "replace" and len(args) >= 2 and isinstance(args[1], str):
+                    _check_size((len(owner) + 1) * max(len(args[1]), 1), "grows a string (replace)")
+                elif name == "join" and args:
+                    items = list(args[0])
+                    _check_size(sum(len(x) if isinstance(x, str) else 16 for x in items) + len(owner) * len(items),
+                                "joins a string")
+                    args = (items, *args[1:])
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def wrap_str_format(self, value):  # type: ignore[no-untyped-def]
+            owner, wrapped = getattr(value, "__self__", None), super().wrap_str_format(value)
+            if not isinstance(owner, str) or wrapped is None:
+                return wrapped
+
+            def bounded(*args, **kwargs):  # type: ignore[no-untyped-def]
+                # widths in the format string, or given as arguments to nested fields ('{0:{1}}')
+                _check_widths(owner, (*args, *kwargs.values()) if "*" in owner or "{" in owner else ())
+                return wrapped(*args, **kwargs)
+
+            return bounded
 
         def call_binop(self, context, operator, left, right):  # type: ignore[no-untyped-def]
+            if operator == "%" and isinstance(left, str):
+                _check_widths(left, right)
             if operator == "*":
                 for seq, n in ((left, right), (right, left)):
                     if isinstance(seq, (str, list, tuple)) and isinstance(n, int) \
@@ -58,12 +163,56 @@ def compile_template(template: str):
     env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
                              extensions=[GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
+    bounded_filters(env)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(template)
+    try:  # compiling folds constants, so it runs the template's expressions too: inside the same bounds
+        with bounded_work("compiling the chat template"):
+            return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
         raise SpecrtError(f"invalid chat template: {e}") from None
+    except Exception as e:  # noqa: BLE001 - a template from an artifact may raise anything
+        raise SpecrtError(f"invalid chat template: {type(e).__name__}: {one_line(e)}") from None
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message as one line of at most 200 characters."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def bounded_filters(env: Any) -> None:
+    """Jinja's filters that can build more than they are given (padding, joining, replacing, formatting), checked
+    against the output bound before they build it."""
+    f = dict(env.filters)
+
+    def center(value: Any, width: int = 80) -> str:
+        _check_size(width if isinstance(width, int) else 0, "pads a string (center)")
+        return f["center"](value, width)
+
+    def indent(s: Any, width: Any = 4, first: bool = False, blank: bool = False) -> str:
+        lines = str(s).count("\n") + 1
+        _check_size(len(str(s)) + lines * (width if isinstance(width, int) else len(str(width))), "indents a string")
+        return f["indent"](s, width, first, blank)
+
+    def format_(value: Any, *args: Any, **kwargs: Any) -> str:
+        _check_widths(str(value), args)
+        return f["format"](value, *args, **kwargs)
+
+    def replace(eval_ctx: Any, s: Any, old: Any, new: Any, count: Any = None) -> str:
+        _check_size((len(str(s)) + 1) * max(len(str(new)), 1), "grows a string (replace)")
+        return f["replace"](eval_ctx, s, old, new, count)
+
+    def join(eval_ctx: Any, value: Any, d: str = "", attribute: Any = None) -> str:
+        items = list(value)
+        _check_size(sum(len(x) if isinstance(x, str) else 16 for x in items) + len(str(d)) * len(items),
+                    "joins a string")
+        return f["join"](eval_ctx, items, d, attribute)
+
+    import jinja2
+
+    env.filters.update(center=center, indent=indent, format=format_,
+                       replace=jinja2.pass_eval_context(replace), join=jinja2.pass_eval_context(join))
 
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",

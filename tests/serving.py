@@ -19,14 +19,17 @@ def free_port() -> int:
 
 @contextmanager
 def running_server(art: Path, *args: str, timeout: float = 180.0, log: Path | None = None,
-                   env: dict[str, str] | None = None):
+                   env: dict[str, str] | None = None, processes: list | None = None):
     """Yield the base URL of `specrt serve ART ARGS` once /health answers; stop it afterwards. `log`: a file that
-    gets the server's output (else it is read only if the server fails to start)."""
+    gets the server's output (else it is read only if the server fails to start); `processes`: gets the server's
+    Popen."""
     port = free_port()
     cmd = [sys.executable, "-c", "from specrt.cli import main; main()", "serve", str(art), "--port", str(port),
            "--log-level", "warning", *args]
     out = open(log, "w") if log is not None else subprocess.PIPE
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
+    if processes is not None:
+        processes.append(proc)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -507,9 +508,43 @@ def test_chat_template_output_is_bounded(tok_art, tmp_path):
 
     for template, fragment in [("{{ 'x' * 4000000000 }}", "repeats a sequence"),
                                ("{{ 2 ** 100000000 }}", "too large a power"),
-                               ("{% for i in range(10000) %}{{ 'y' * 1000 }}{% endfor %}", "output exceeds")]:
-        with pytest.raises(SpecrtError, match=fragment):
+                               ("{% for i in range(10000) %}{{ 'y' * 1000 }}{% endfor %}", "output exceeds"),
+                               # work, not only size: 10^10 empty iterations
+                               ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                                "ran more than 4000000 steps"),
+                               ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+                               # exceptions of any kind are one line
+                               ("{{ 1/0 }}", "ZeroDivisionError: division by zero"),
+                               ("{{ messages + 1 }}", "TypeError: can only concatenate list"),
+                               # strings that format, pad, join or replace their way past the bound
+                               ("{{ '%999999999s' % 'a' }}", "pads a string"),
+                               ("{{ '%*s' % (999999999, 'a') }}", "pads a string"),
+                               ("{{ '{:>999999999}'.format('a') }}", "pads a string"),
+                               ("{{ '{0:{1}}'.format('a', 999999999) }}", "pads a string"),
+                               ("{{ 'a'.center(999999999) }}", "pads a string (center)"),
+                               ("{{ 'a'|center(999999999) }}", "pads a string (center)"),
+                               ("{{ 'a'|indent(999999999) }}", "indents a string"),
+                               ("{{ '%999999999s'|format('a') }}", "pads a string"),
+                               ("{{ ('x' * 4000000).replace('x', 'yy') }}", "grows a string (replace)"),
+                               ("{{ ('x' * 4000000)|replace('x', 'yy') }}", "grows a string (replace)"),
+                               ("{{ (['x' * 4000000] * 100)|join }}", "joins a string"),
+                               ("{{ ''.join(['x' * 4000000] * 100) }}", "joins a string")]:
+        start = time.monotonic()
+        with pytest.raises(SpecrtError, match=re.escape(fragment)):
             Tokenizer(None, {"chat_template": template}).apply_chat_template([{"role": "user", "content": "hi"}])
+        assert time.monotonic() - start < 10, template  # refused before the work, or within its budget
+    # the same bounds hold while compiling, where Jinja folds constant expressions (it used to build these there)
+    for template in ("{{ '%999999999s' % 'a' }}", "{{ 'a'|center(999999999) }}"):
+        with pytest.raises(SpecrtError, match="pads a string"):
+            Tokenizer(None, {"chat_template": template}).apply_chat_template([{"role": "user", "content": "hi"}])
+    # ordinary uses of the same operations still render
+    ok = ("{{ 'ab'.replace('a', 'c') }} {{ 'x'.center(5) }} {{ '%5s' % 'a' }} {{ ['a', 'b']|join(',') }} "
+          "{{ '{:>3}'.format(1) }} {{ 'a'|indent(2) }} {{ '%s-%s'|format(1, 2) }}")
+    out = Tokenizer(None, {"chat_template": ok}).apply_chat_template([{"role": "user", "content": "hi"}])
+    assert out == "cb   x       a a,b   1 a 1-2"
+    zero = _edit_manifest(tok_art, tmp_path / "zero", lambda d: d["tokenizer"].update(chat_template="{{ 1/0 }}"))
+    assert_one_line_error(cli_process("run", zero, "--prompt", "the cat", "--max-new-tokens", "2"),
+                          "chat template error: ZeroDivisionError")
     bad = _edit_manifest(tok_art, tmp_path / "bad",
                          lambda d: d["tokenizer"].update(chat_template="{{ 'x' * 4000000000 }}"))
     assert_one_line_error(cli_process("run", bad, "--prompt", "the cat", "--max-new-tokens", "2"),

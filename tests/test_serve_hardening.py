@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -388,3 +389,85 @@ def test_the_host_names_a_bind_address_answers_to():
     assert allowed_hosts("10.1.2.3") == ("10.1.2.3",) and allowed_hosts("10.1.2.3", ("*",)) == ("*",)
     assert [_host_name(h) for h in ("[::1]:8000", "LocalHost:80", "127.0.0.1", "::1")] == [
         "::1", "localhost", "127.0.0.1", "::1"]
+
+
+# -- second probe: what uvicorn refuses, non-ASCII keys, templates that never end ------------------------------------
+
+
+def _exchange(url: str, request: bytes) -> tuple[bytes, bytes]:
+    """(status line and headers, body) of one raw HTTP/1.1 exchange, the server closing the connection."""
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(request)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head, body
+
+
+def test_requests_uvicorn_cannot_parse_get_the_json_error_and_are_counted(served):
+    url, log = served
+    before = metrics(url).get("specrt_http_requests_total{endpoint=other,status=400}", 0)
+    for request in (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: abc\r\n\r\n{}",
+                    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: 127.0.0.2\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
+                    b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"):
+        head, body = _exchange(url, request)
+        assert head.startswith(b"HTTP/1.1 400"), head
+        assert b"content-type: application/json" in head.lower(), head
+        _assert_api_error(json.loads(body), "malformed_request")
+    assert metrics(url)["specrt_http_requests_total{endpoint=other,status=400}"] - before == 3
+
+
+def test_a_non_ascii_api_key_matches_as_clients_send_it(chat_art):
+    key = "clé-秘密"
+    with running_server(chat_art, "--threads", "1", env={**os.environ, "SPECRT_API_KEY": key}) as url:
+        def models(token: bytes) -> bytes:
+            return _exchange(url, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                             b"Authorization: Bearer " + token + b"\r\n\r\n")[0]
+
+        assert models(key.encode("utf-8")).startswith(b"HTTP/1.1 200")  # what curl and the openai client send
+        assert models(key.encode("utf-8")[:-1]).startswith(b"HTTP/1.1 401")
+        assert models("clé".encode("latin-1") + "-秘密".encode("utf-8")).startswith(b"HTTP/1.1 401")
+
+
+@pytest.fixture(scope="module")
+def endless_art(chat_art, tmp_path_factory) -> Path:
+    """The chat artifact with a template whose loops would run 10^10 times."""
+    import shutil
+
+    art = Path(shutil.copytree(chat_art, tmp_path_factory.mktemp("endless") / "art"))
+    d = json.loads((art / "manifest.json").read_text())
+    d["tokenizer"]["chat_template"] = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                                       "{% endfor %}{{ messages[0]['content'] }}")
+    d["tokenizer"].pop("chat", None)
+    (art / "manifest.json").write_text(json.dumps(d))
+    return art
+
+
+def test_a_template_that_never_ends_is_stopped_and_the_server_serves_on(endless_art, tmp_path):
+    """Seven chat requests whose template never ends, their clients leaving: generation goes on for others, a
+    client that waits gets a 400 naming the budget, and SIGTERM stops the server within seconds."""
+    log, processes = tmp_path / "serve.log", []
+    with running_server(endless_art, "--threads", "1", log=log, processes=processes) as url:
+        model = _model(url)
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": "the cat"}],
+                           "max_tokens": 2}).encode()
+        for _ in range(7):  # clients that give up after half a second
+            with pytest.raises(OSError):  # socket.timeout / URLError
+                urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", data=body, headers={
+                    "Content-Type": "application/json"}), timeout=0.5)
+        start = time.monotonic()
+        status, answer = post(url, "/v1/completions", {"model": model, "prompt": "the cat", "max_tokens": 2},
+                              timeout=30)
+        assert status == 200 and time.monotonic() - start < 15
+        start = time.monotonic()
+        status, answer = post(url, "/v1/chat/completions", body, timeout=60)
+        assert status == 400 and "ran more than" in answer["error"]["message"], answer
+        assert time.monotonic() - start < 30
+        started = time.monotonic()
+        processes[0].send_signal(signal.SIGTERM)
+        processes[0].wait(timeout=20)
+        assert time.monotonic() - started < 20
+    assert "Traceback" not in log.read_text()
