@@ -64,6 +64,14 @@ def ops_library(needed_by: str = "this artifact") -> Path:
     return path
 
 
+def check_ops_library(path: Path) -> str:
+    """The instruction set specrt's kernels library at `path` picks here; a SpecrtError when `path` is not a file or
+    not that library."""
+    if not path.is_file():
+        raise SpecrtError(f"{path} is not a file (libspecrt_ops.so)")
+    return _isa(str(path))
+
+
 @functools.cache
 def _isa(path: str) -> str:
     """The instruction set the library at `path` picks on this CPU (loading it once, as ONNX Runtime will)."""

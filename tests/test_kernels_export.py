@@ -269,6 +269,52 @@ def test_a_library_that_is_not_the_kernels_is_one_clear_error(arts, monkeypatch,
                           "is not specrt's kernels library (libspecrt_ops.so)")
 
 
+def test_the_cpp_runtime_refuses_a_library_that_is_not_the_kernels(arts, cpp_build, tmp_path):
+    """$SPECRT_OPS_LIB naming a text file, libc or libspecrt itself: one line from specrt-cpp too."""
+    import os
+    import subprocess
+
+    text = tmp_path / "passwd"
+    text.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    libc = next((p for p in ("/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib64/libc.so.6") if Path(p).is_file()), None)
+    for lib in filter(None, (text, libc, cpp_build / "libspecrt.so")):
+        r = subprocess.run([str(cpp_build / "specrt-cpp"), str(arts["specrt"]), "--input-ids", "1,70,71",
+                            "--max-new-tokens", "2"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "SPECRT_OPS_LIB": str(lib)})
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "which is not specrt's kernels library (libspecrt_ops.so)" in r.stderr, r.stderr
+
+
+def test_a_triton_repository_declares_the_kernels_library(arts, tmp_path):
+    """`specrt triton` on an artifact on specrt's kernels: each graph model's config names the library it copied
+    (model_operations), as Triton's ONNX Runtime backend needs to load the graph; `--check` finds a config that
+    does not, or names another file. The graph loads in ONNX Runtime with the library the config names, as the
+    backend loads it."""
+    import onnxruntime as ort
+    from google.protobuf import text_format
+
+    from specrt.serve.triton.check import _model_config_pb2, check_repository
+    from specrt.serve.triton.repository import write_repository
+
+    repo = tmp_path / "repo"
+    write_repository(arts["specrt"], repo, max_tokens=4, threads=1)
+    cfg = text_format.Parse((repo / "specrt_target" / "config.pbtxt").read_text(), _model_config_pb2().ModelConfig())
+    (library,) = cfg.model_operations.op_library_filename
+    assert Path(library) == (repo / "specrt_target" / "libspecrt_ops.so").resolve() and Path(library).is_file()
+    assert check_repository(repo)["problems"] == []
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(library)
+    ort.InferenceSession(str(repo / "specrt_target" / "1" / "model.onnx"), so, providers=["CPUExecutionProvider"])
+    config = repo / "specrt_target" / "config.pbtxt"
+    text = config.read_text()
+    config.write_text(text[:text.index("model_operations")])
+    problems = "\n".join(check_repository(repo)["problems"])
+    assert "specrt_target/1/model.onnx: runs on specrt's kernels" in problems and "names no op library" in problems
+    config.write_text(text.replace(library, "/etc/passwd"))
+    problems = "\n".join(check_repository(repo)["problems"])
+    assert "specrt_target/1/model.onnx: its op library: /etc/passwd is not specrt's kernels library" in problems
+
+
 def test_kernels_need_gguf_blocks_on_the_cpu(sources, tmp_path):
     assert_one_line_error(cli("export", sources[0], "--out", tmp_path / "a", "--weights", "int4", "--attention", "cpu",
                               "--kernels", "specrt", "--no-profile", "--quiet"),

@@ -403,12 +403,17 @@ def test_bad_requests_get_errors(model, engine, pb_utils):
            (_request(pb_utils, text="w1", sampling={"best_of": 2}), "does not implement best_of"),
            (_request(pb_utils, ids=list(range(4, 300))), "prompt"),
            (_request(pb_utils, text="w1", ids=[4]), "exactly one of text_input and input_ids"),
-           (_request(pb_utils, text="w1", stream=True, exclude=False), "exclude_input_in_output")]
+           (_request(pb_utils, text="w1", stream=True, exclude=False), "exclude_input_in_output"),
+           # hostile: a 5000-digit integer, JSON nested 100,000 deep, a megabyte of text where a number goes
+           (_request(pb_utils, text="w1", sampling='{"max_tokens": ' + "9" * 5000 + "}"), "not valid JSON"),
+           (_request(pb_utils, text="w1", sampling="[" * 100_000 + "]" * 100_000), "nested too deeply"),
+           (_request(pb_utils, text="w1", sampling={"max_tokens": "9" * 1_000_000}), "max_tokens must be an integer"),
+           (_request(pb_utils, text="w1", sampling={"x" * 1_000_000: 1}), "unknown key")]
     model.execute([r for r, _ in bad])
     for request, words in bad:
         message = _error(request.sender.wait())
         assert words in message, message
-        assert "\n" not in message
+        assert "\n" not in message and len(message) < 400, message[:500]
     good = _request(pb_utils, ids=[7, 8], sampling={"max_tokens": 3, "ignore_eos": True})
     model.execute([good])  # the model keeps serving
     assert _outputs(pb_utils, good.sender.wait())[1] == _direct(engine, [7, 8], 3)[0]

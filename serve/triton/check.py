@@ -115,6 +115,7 @@ def _check_onnx(where: str, cfg, file: Path, problems: list[str]) -> None:
     for d in data:
         if not (file.parent / d).is_file():
             problems.append(f"{where}: its external data {d} is missing (ONNX Runtime reads it beside the graph)")
+    _check_ops(where, cfg, file, problems)
     batch = (-1,) if cfg.max_batch_size > 0 else ()
     declared = {t.name for t in cfg.input}
     for t in inputs:
@@ -122,6 +123,27 @@ def _check_onnx(where: str, cfg, file: Path, problems: list[str]) -> None:
             problems.append(f"{where}: graph input {t.name!r} is not in config.pbtxt")
     _match(where, "input", cfg.input, {t.name: t for t in inputs}, batch, problems)
     _match(where, "output", cfg.output, {t.name: t for t in outputs}, batch, problems)
+
+
+def _check_ops(where: str, cfg, file: Path, problems: list[str]) -> None:
+    """A graph on specrt's kernels needs its config to name the kernels library (model_operations), which must be
+    there and be that library; Triton's ONNX Runtime backend cannot load the graph otherwise."""
+    from specrt import native
+    from specrt.serve.triton.repository import graph_uses_kernels
+
+    libraries = list(cfg.model_operations.op_library_filename)
+    if not graph_uses_kernels(file):
+        return
+    if not libraries:
+        problems.append(f"{where}: runs on specrt's kernels (exported with --kernels specrt) but config.pbtxt names no "
+                        "op library (model_operations { op_library_filename }): Triton cannot load it; write the "
+                        "repository again with this specrt")
+        return
+    for lib in libraries:
+        try:
+            native.check_ops_library(Path(lib))
+        except SpecrtError as e:
+            problems.append(f"{where}: its op library: {e}")
 
 
 def _shape(t) -> tuple[int, ...]:

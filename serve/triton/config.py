@@ -105,11 +105,15 @@ def _parameters(params: dict[str, str]) -> str:
                    for k, v in params.items())
 
 
-def graph_config(name: str, platform: str, inputs: list[TensorIO], outputs: list[TensorIO], *, gpu: bool) -> str:
-    """A debugging model serving one graph as exported: max_batch_size 0, as the graphs carry their own slot axis B."""
+def graph_config(name: str, platform: str, inputs: list[TensorIO], outputs: list[TensorIO], *, gpu: bool,
+                 op_library: str = "") -> str:
+    """A debugging model serving one graph as exported: max_batch_size 0, as the graphs carry their own slot axis B;
+    `op_library`: the custom-op library its ONNX Runtime session registers (a graph on specrt's kernels)."""
     kind = "KIND_GPU" if gpu else "KIND_CPU"
+    ops = f'model_operations {{\n  op_library_filename: {json.dumps(op_library)}\n}}\n' if op_library else ""
     return (f'name: "{name}"\nplatform: "{platform}"\nmax_batch_size: 0\n' + _tensors("input", inputs)
-            + _tensors("output", outputs) + f"instance_group [\n  {{\n    count: 1\n    kind: {kind}\n  }}\n]\n")
+            + _tensors("output", outputs) + f"instance_group [\n  {{\n    count: 1\n    kind: {kind}\n  }}\n]\n"
+            + ops)
 
 
 # The vLLM backend's request schema (text_input, stream, sampling_parameters, exclude_input_in_output ->

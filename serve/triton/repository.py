@@ -7,6 +7,8 @@
     REPO/specrt_target/config.pbtxt        one debugging model per graph: platform onnxruntime_onnx ...
     REPO/specrt_target/1/model.onnx        ... with its external weights beside it (weights.bin)
     REPO/specrt_dspark/...                 ... or tensorrt_plan over `specrt build`'s engine (model.plan)
+    REPO/specrt_target/libspecrt_ops.so    specrt's kernels, for a graph exported with --kernels specrt (its config's
+                                           model_operations names it by absolute path)
 
 No ensemble or BLS pipeline: the speculative loop (draft, verify, accept, commit, per-slot KV caches) lives in the
 engine, so splitting it into Triton models would only add a round trip per graph call; the per-graph models are
@@ -22,13 +24,14 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
-from specrt import artifact as io
+from specrt import artifact as io, native
 from specrt.errors import SpecrtError
 from specrt.serve.triton.config import ENGINE_BACKENDS, PLATFORMS, graph_config, graph_io, python_config
 
 PYTHON_MODEL = "specrt"
 VERSION = "1"
 ARTIFACT_DIR = "artifact"  # in the Python model's version folder
+OPS_LIBRARY = "libspecrt_ops.so"  # beside a graph model's config.pbtxt, when the graph runs on specrt's kernels
 
 
 def write_repository(art_dir: str | Path, out: str | Path, *, backend: str = "onnxruntime", instances: int = 1,
@@ -70,7 +73,13 @@ def write_repository(art_dir: str | Path, out: str | Path, *, backend: str = "on
                 for data in external_data(art / onnx_file):
                     _place(art / data, version / data, counts)
             inputs, outputs = graph_io(art / onnx_file)
-            (tmp / name / "config.pbtxt").write_text(graph_config(name, PLATFORMS[backend], inputs, outputs, gpu=gpu))
+            op_library = ""
+            if backend == "onnxruntime" and graph_uses_kernels(art / onnx_file):
+                # Triton's ONNX Runtime backend registers it from the model config (the path as given: absolute)
+                _place(native.ops_library(onnx_file), tmp / name / OPS_LIBRARY, counts)
+                op_library = str(out.resolve() / name / OPS_LIBRARY)
+            (tmp / name / "config.pbtxt").write_text(graph_config(name, PLATFORMS[backend], inputs, outputs, gpu=gpu,
+                                                                  op_library=op_library))
             models.append({"name": name, "platform": PLATFORMS[backend], "graph": onnx_file})
     return {"repository": str(out), "artifact": str(art), "backend": backend, "models": models, **counts}
 
@@ -117,6 +126,13 @@ def _graph_models(art: Path, manifest: io.Manifest, backend: str) -> list[tuple[
         return models
     files = [f for spec in manifest.graphs.values() for f in (spec.file, spec.greedy_file) if f]
     return [(f"{PYTHON_MODEL}_{Path(f).stem.replace('.', '_')}", f, f) for f in files]
+
+
+def graph_uses_kernels(onnx_path: str | Path) -> bool:
+    """Whether an ONNX graph runs operators of specrt's kernels library (weights not read)."""
+    import onnx
+
+    return native.uses_kernels(onnx.load(str(onnx_path), load_external_data=False).graph.node)
 
 
 def external_data(onnx_path: str | Path) -> list[str]:

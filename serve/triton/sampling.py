@@ -19,6 +19,19 @@ NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, 
            "min_tokens": 0}
 
 
+def _clip(text: str, n: int = 60) -> str:
+    """At most `n` characters of `text` (a client may send megabytes), saying how long it was."""
+    return text if len(text) <= n else f"{text[:n]}...({len(text)} characters)"
+
+
+def _show(v: Any) -> str:
+    """A value as a message quotes it: its repr, clipped."""
+    try:
+        return _clip(repr(v))
+    except ValueError:  # an int past Python's 4,300 digits has no repr
+        return f"an integer of about {v.bit_length() * 0.30103:.0f} digits"
+
+
 def _int(key: str, v: Any) -> int:
     if isinstance(v, float) and v.is_integer():
         v = int(v)
@@ -29,7 +42,7 @@ def _int(key: str, v: Any) -> int:
             return int(v)
         except ValueError:
             pass
-    raise SpecrtError(f"sampling_parameters: {key} must be an integer, got {v!r}")
+    raise SpecrtError(f"sampling_parameters: {key} must be an integer, got {_show(v)}")
 
 
 def _float(key: str, v: Any) -> float:
@@ -38,7 +51,7 @@ def _float(key: str, v: Any) -> float:
             raise ValueError
         return float(v)
     except (TypeError, ValueError):
-        raise SpecrtError(f"sampling_parameters: {key} must be a number, got {v!r}") from None
+        raise SpecrtError(f"sampling_parameters: {key} must be a number, got {_show(v)}") from None
 
 
 def _bool(key: str, v: Any) -> bool:
@@ -46,19 +59,19 @@ def _bool(key: str, v: Any) -> bool:
         return v
     if isinstance(v, str) and v.lower() in ("true", "false"):
         return v.lower() == "true"
-    raise SpecrtError(f"sampling_parameters: {key} must be true or false, got {v!r}")
+    raise SpecrtError(f"sampling_parameters: {key} must be true or false, got {_show(v)}")
 
 
 def _strings(key: str, v: Any) -> tuple[str, ...]:
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise SpecrtError(f"sampling_parameters: {key} must be a string or a list of strings, got {v!r}")
+        raise SpecrtError(f"sampling_parameters: {key} must be a string or a list of strings, got {_show(v)}")
     return tuple(items)
 
 
 def _ints(key: str, v: Any) -> tuple[int, ...]:
     if not isinstance(v, list):
-        raise SpecrtError(f"sampling_parameters: {key} must be a list of integers, got {v!r}")
+        raise SpecrtError(f"sampling_parameters: {key} must be a list of integers, got {_show(v)}")
     return tuple(_int(key, t) for t in v)
 
 
@@ -73,8 +86,10 @@ def sampling_params(text: str | None, *, max_tokens: int) -> SamplingParams:
     """SamplingParams from a JSON object string (None or empty: the defaults, `max_tokens` new tokens at most)."""
     try:
         given = json.loads(text) if text and text.strip() else {}
-    except json.JSONDecodeError as e:
-        raise SpecrtError(f"sampling_parameters is not valid JSON: {e}") from None
+    except RecursionError:
+        raise SpecrtError("sampling_parameters is not valid JSON: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, or an integer past Python's 4,300 digits
+        raise SpecrtError(f"sampling_parameters is not valid JSON: {_clip(str(e), 200)}") from None
     if not isinstance(given, dict):
         raise SpecrtError(f"sampling_parameters must be a JSON object, got {type(given).__name__}")
     fields: dict[str, Any] = {"max_new_tokens": max_tokens}
@@ -84,10 +99,10 @@ def sampling_params(text: str | None, *, max_tokens: int) -> SamplingParams:
         if key in NEUTRAL:
             if _float(key, value) != NEUTRAL[key]:
                 raise SpecrtError(f"sampling_parameters: specrt does not implement {key} (only {NEUTRAL[key]}), "
-                                  f"got {value!r}")
+                                  f"got {_show(value)}")
             continue
         if key not in FIELDS:
-            raise SpecrtError(f"sampling_parameters: unknown key {key!r}; specrt reads {', '.join(FIELDS)}")
+            raise SpecrtError(f"sampling_parameters: unknown key {_show(key)}; specrt reads {', '.join(FIELDS)}")
         name, read = FIELDS[key]
         fields[name] = read(key, value)
     if fields.get("top_k") == -1:
