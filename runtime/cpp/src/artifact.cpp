@@ -23,6 +23,13 @@ std::string clip(std::string s, size_t n = 160) {  // a message quotes at most n
     return s.size() > n ? s.substr(0, n) + "...(" + std::to_string(s.size()) + " characters)" : s;
 }
 
+// A JSON library error in specrt's words: nlohmann's "[json.exception.type_error.302] " prefix dropped, clipped.
+std::string json_error(const json::exception& e) {
+    std::string s = e.what();
+    if (s.rfind("[json.exception.", 0) == 0 && s.find("] ") != std::string::npos) s = s.substr(s.find("] ") + 2);
+    return clip(s);
+}
+
 std::string size_text(uintmax_t n) {
     const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
     double x = static_cast<double>(n);
@@ -53,7 +60,7 @@ json read_json(const fs::path& path, const std::string& what) {
     try {
         return json::parse(f);
     } catch (const json::exception& e) {
-        throw Error(SPECRT_ERROR_ARTIFACT, path.string() + " is malformed: not valid JSON (" + clip(e.what()) + ")");
+        throw Error(SPECRT_ERROR_ARTIFACT, path.string() + " is malformed: not valid JSON (" + json_error(e) + ")");
     }
 }
 
@@ -377,7 +384,7 @@ Manifest load_manifest(const fs::path& dir) {
         m.prefill_chunk = exp.at("prefill_chunk").get<int64_t>();
         m.weights_file = j.at("weights").at("file").get<std::string>();
     } catch (const json::exception& e) {
-        throw Error(SPECRT_ERROR_ARTIFACT, path.string() + " is malformed: " + clip(e.what()));
+        throw Error(SPECRT_ERROR_ARTIFACT, path.string() + " is malformed: " + json_error(e));
     }
     try {
         check_sizes(m);
