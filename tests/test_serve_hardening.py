@@ -466,6 +466,12 @@ def test_a_template_that_never_ends_is_stopped_and_the_server_serves_on(endless_
         status, answer = post(url, "/v1/chat/completions", body, timeout=60)
         assert status == 400 and "ran more than" in answer["error"]["message"], answer
         assert time.monotonic() - start < 30
+        # SIGTERM while three such renders run
+        waiting = [threading.Thread(target=post, args=(url, "/v1/chat/completions", body), kwargs={"timeout": 30},
+                                    daemon=True) for _ in range(3)]
+        for t in waiting:
+            t.start()
+        time.sleep(0.3)
         started = time.monotonic()
         processes[0].send_signal(signal.SIGTERM)
         processes[0].wait(timeout=20)
