@@ -19,6 +19,9 @@ using json = nlohmann::json;
 
 namespace {
 
+// SentencePiece's space, U+2581 (LOWER ONE EIGHTH BLOCK), in UTF-8.
+const std::string kSpace = "\xE2\x96\x81";
+
 // The GPT-2 pre-tokenizer regex (tokenizers' ByteLevel with use_regex).
 const char* const kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
@@ -224,7 +227,6 @@ struct Tokenizer::Impl {
     // prepended U+2581, the words (or the whole segment), BPE with byte fallback.
     void segment_spm(const std::string& text, bool first, std::vector<int64_t>& out) const {
         if (text.empty()) return;
-        static const std::string kSpace = "\xE2\x96\x81";  // U+2581
         std::string s;
         for (char c : text) {
             if (c == ' ') s += kSpace;
@@ -325,7 +327,6 @@ void Tokenizer::Impl::read_byte_level(const std::filesystem::path& file, const j
 // 2's tokenizer.json); the decoder Replace(U+2581, " "), ByteFallback, Fuse and Strip(" ", 1, 0).
 void Tokenizer::Impl::read_spm(const std::filesystem::path& file, const json& j) {
     Impl& t = *this;
-    static const std::string kSpace = "\xE2\x96\x81";
     const json& norm = j.value("normalizer", json());
     const json& pre = j.value("pre_tokenizer", json());
     auto is_replace = [](const json& x, const std::string& from, const std::string& to) {
@@ -591,7 +592,7 @@ std::string Tokenizer::bytes(const int64_t* ids, size_t n, bool skip_special) co
                 continue;
             }
             for (size_t i = 0; i < s.size(); ++i) {
-                if (s.compare(i, 3, "\xE2\x96\x81") == 0) {
+                if (s.compare(i, 3, kSpace) == 0) {
                     out += ' ';
                     i += 2;
                 } else {
