@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from specrt.errors import SpecrtError
-from specrt.tokenizer_info import (MAX_RENDER_CHARS, RenderStopped, bounded_work, one_line,
+from specrt.errors import SpecrtError, clipped
+from specrt.tokenizer_info import (MAX_RENDER_CHARS, RenderStopped, bounded_work,
                                    compile_template as _compile_template, read_tokenizer_info)
 
 
@@ -84,11 +84,11 @@ class Tokenizer:
         except RenderStopped as e:
             raise SpecrtError(str(e)) from None
         except jinja2.TemplateError as e:
-            raise SpecrtError(f"chat template error: {one_line(e)}") from None
+            raise SpecrtError(f"chat template error: {clipped(str(e))}") from None
         except (MemoryError, RecursionError) as e:
             raise SpecrtError(f"chat template error: {type(e).__name__} while rendering") from None
         except Exception as e:  # noqa: BLE001 - a template from an artifact may raise anything (1/0, a TypeError)
-            raise SpecrtError(f"chat template error: {type(e).__name__}: {one_line(e)}") from None
+            raise SpecrtError(f"chat template error: {type(e).__name__}: {clipped(str(e))}") from None
 
     def stream_decoder(self, skip_special_tokens: bool = False) -> "StreamDecoder":
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens)

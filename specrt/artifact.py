@@ -37,7 +37,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from specrt.errors import SpecrtError
+from specrt.errors import SpecrtError, quoted
 from specrt.model_config import ModelConfig
 
 FORMAT_VERSION = 5
@@ -108,11 +108,6 @@ ARTIFACT_FILES = (MANIFEST, PROFILE_FILE, f"{TOKENIZER_DIR}/tokenizer.json")  # 
 ARTIFACT_DIRS = (TOKENIZER_DIR, ENGINE_DIR)
 
 
-def _short(value: Any) -> str:
-    text = repr(value) if not isinstance(value, int) or isinstance(value, bool) else str(value)
-    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
-
-
 def check_limits(d: dict[str, Any]) -> None:
     """Each integer of INT_LIMITS present in the manifest `d` is an integer within its bounds (one-line error)."""
     for path, (lo, hi) in INT_LIMITS.items():
@@ -127,7 +122,7 @@ def check_limits(d: dict[str, Any]) -> None:
             found = step
         for where, value in found:
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-                raise SpecrtError(f"{where} must be an integer in {lo}..{hi}, got {_short(value)}")
+                raise SpecrtError(f"{where} must be an integer in {lo}..{hi}, got {quoted(value, 40)}")
 
 
 def regular_file(path: Path, what: str) -> Path:

@@ -11,7 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from specrt.errors import SpecrtError
+from specrt.errors import SpecrtError, clipped
 
 MAX_RENDER_CHARS = 1 << 22  # a chat template's output (and any string or list it builds) is bounded by this
 # A template's work is bounded too: compiling and rendering it run at most this many Python steps (lines and calls,
@@ -76,6 +76,16 @@ def _check_size(n: int, what: str) -> None:
         raise jinja2.exceptions.SecurityError(f"the template {what} past {MAX_RENDER_CHARS} characters")
 
 
+def _check_replace(s: str, new: str) -> None:
+    """str.replace's result within the bound: at most one `new` per character of `s`, and one more."""
+    _check_size((len(s) + 1) * max(len(new), 1), "grows a string (replace)")
+
+
+def _check_join(items: list, sep: str) -> None:
+    """str.join's result within the bound (an item that is not a string counted as 16 characters)."""
+    _check_size(sum(len(x) if isinstance(x, str) else 16 for x in items) + len(sep) * len(items), "joins a string")
+
+
 def _check_widths(fmt: str, args: Any) -> None:
     """printf-style and format() widths and precisions within the output bound (`*` takes them from args)."""
     numbers = [int(n) for m in _PERCENT.finditer(fmt) for n in m.groups() if n and n != "*"]
@@ -126,11 +136,10 @@ def compile_template(template: str):
                     _check_size(max([a for a in args if isinstance(a, int)], default=0) * (1 + owner.count("\t")),
                                 f"pads a string ({name})")
                 elif name == "replace" and len(args) >= 2 and isinstance(args[1], str):
-                    _check_size((len(owner) + 1) * max(len(args[1]), 1), "grows a string (replace)")
+                    _check_replace(owner, args[1])
                 elif name == "join" and args:
-                    items = list(args[0])
-                    _check_size(sum(len(x) if isinstance(x, str) else 16 for x in items) + len(owner) * len(items),
-                                "joins a string")
+                    items = list(args[0])  # an iterator is read once: checked, then joined
+                    _check_join(items, owner)
                     args = (items, *args[1:])
             return super().call(__context, __obj, *args, **kwargs)
 
@@ -141,7 +150,7 @@ def compile_template(template: str):
 
             def bounded(*args, **kwargs):  # type: ignore[no-untyped-def]
                 # widths in the format string, or given as arguments to nested fields ('{0:{1}}')
-                _check_widths(owner, (*args, *kwargs.values()) if "*" in owner or "{" in owner else ())
+                _check_widths(owner, (*args, *kwargs.values()))
                 return wrapped(*args, **kwargs)
 
             return bounded
@@ -172,13 +181,7 @@ def compile_template(template: str):
     except jinja2.TemplateSyntaxError as e:
         raise SpecrtError(f"invalid chat template: {e}") from None
     except Exception as e:  # noqa: BLE001 - a template from an artifact may raise anything
-        raise SpecrtError(f"invalid chat template: {type(e).__name__}: {one_line(e)}") from None
-
-
-def one_line(e: BaseException) -> str:
-    """An exception's message as one line of at most 200 characters."""
-    text = str(e).splitlines()[0] if str(e) else ""
-    return text if len(text) <= 200 else text[:200] + "..."
+        raise SpecrtError(f"invalid chat template: {type(e).__name__}: {clipped(str(e))}") from None
 
 
 def bounded_filters(env: Any) -> None:
@@ -200,13 +203,12 @@ def bounded_filters(env: Any) -> None:
         return f["format"](value, *args, **kwargs)
 
     def replace(eval_ctx: Any, s: Any, old: Any, new: Any, count: Any = None) -> str:
-        _check_size((len(str(s)) + 1) * max(len(str(new)), 1), "grows a string (replace)")
+        _check_replace(str(s), str(new))
         return f["replace"](eval_ctx, s, old, new, count)
 
     def join(eval_ctx: Any, value: Any, d: str = "", attribute: Any = None) -> str:
         items = list(value)
-        _check_size(sum(len(x) if isinstance(x, str) else 16 for x in items) + len(str(d)) * len(items),
-                    "joins a string")
+        _check_join(items, str(d))
         return f["join"](eval_ctx, items, d, attribute)
 
     import jinja2

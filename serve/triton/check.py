@@ -131,9 +131,9 @@ def _check_ops(where: str, cfg, file: Path, problems: list[str]) -> None:
     from specrt import native
     from specrt.serve.triton.repository import graph_uses_kernels
 
-    libraries = list(cfg.model_operations.op_library_filename)
     if not graph_uses_kernels(file):
         return
+    libraries = list(cfg.model_operations.op_library_filename)
     if not libraries:
         problems.append(f"{where}: runs on specrt's kernels (exported with --kernels specrt) but config.pbtxt names no "
                         "op library (model_operations { op_library_filename }): Triton cannot load it; write the "

@@ -10,26 +10,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from specrt.errors import SpecrtError
+from specrt.errors import SpecrtError, clipped, quoted
 from specrt.runtime.sampling import SamplingParams
 
 IGNORED = ("stream",)
 # vLLM parameters specrt does not implement, accepted at the value that leaves sampling unchanged
 NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
            "min_tokens": 0}
-
-
-def _clip(text: str, n: int = 60) -> str:
-    """At most `n` characters of `text` (a client may send megabytes), saying how long it was."""
-    return text if len(text) <= n else f"{text[:n]}...({len(text)} characters)"
-
-
-def _show(v: Any) -> str:
-    """A value as a message quotes it: its repr, clipped."""
-    try:
-        return _clip(repr(v))
-    except ValueError:  # an int past Python's 4,300 digits has no repr
-        return f"an integer of about {v.bit_length() * 0.30103:.0f} digits"
 
 
 def _int(key: str, v: Any) -> int:
@@ -42,7 +29,7 @@ def _int(key: str, v: Any) -> int:
             return int(v)
         except ValueError:
             pass
-    raise SpecrtError(f"sampling_parameters: {key} must be an integer, got {_show(v)}")
+    raise SpecrtError(f"sampling_parameters: {key} must be an integer, got {quoted(v)}")
 
 
 def _float(key: str, v: Any) -> float:
@@ -51,7 +38,7 @@ def _float(key: str, v: Any) -> float:
             raise ValueError
         return float(v)
     except (TypeError, ValueError):
-        raise SpecrtError(f"sampling_parameters: {key} must be a number, got {_show(v)}") from None
+        raise SpecrtError(f"sampling_parameters: {key} must be a number, got {quoted(v)}") from None
 
 
 def _bool(key: str, v: Any) -> bool:
@@ -59,19 +46,19 @@ def _bool(key: str, v: Any) -> bool:
         return v
     if isinstance(v, str) and v.lower() in ("true", "false"):
         return v.lower() == "true"
-    raise SpecrtError(f"sampling_parameters: {key} must be true or false, got {_show(v)}")
+    raise SpecrtError(f"sampling_parameters: {key} must be true or false, got {quoted(v)}")
 
 
 def _strings(key: str, v: Any) -> tuple[str, ...]:
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise SpecrtError(f"sampling_parameters: {key} must be a string or a list of strings, got {_show(v)}")
+        raise SpecrtError(f"sampling_parameters: {key} must be a string or a list of strings, got {quoted(v)}")
     return tuple(items)
 
 
 def _ints(key: str, v: Any) -> tuple[int, ...]:
     if not isinstance(v, list):
-        raise SpecrtError(f"sampling_parameters: {key} must be a list of integers, got {_show(v)}")
+        raise SpecrtError(f"sampling_parameters: {key} must be a list of integers, got {quoted(v)}")
     return tuple(_int(key, t) for t in v)
 
 
@@ -89,7 +76,7 @@ def sampling_params(text: str | None, *, max_tokens: int) -> SamplingParams:
     except RecursionError:
         raise SpecrtError("sampling_parameters is not valid JSON: nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, or an integer past Python's 4,300 digits
-        raise SpecrtError(f"sampling_parameters is not valid JSON: {_clip(str(e), 200)}") from None
+        raise SpecrtError(f"sampling_parameters is not valid JSON: {clipped(str(e))}") from None
     if not isinstance(given, dict):
         raise SpecrtError(f"sampling_parameters must be a JSON object, got {type(given).__name__}")
     fields: dict[str, Any] = {"max_new_tokens": max_tokens}
@@ -99,10 +86,10 @@ def sampling_params(text: str | None, *, max_tokens: int) -> SamplingParams:
         if key in NEUTRAL:
             if _float(key, value) != NEUTRAL[key]:
                 raise SpecrtError(f"sampling_parameters: specrt does not implement {key} (only {NEUTRAL[key]}), "
-                                  f"got {_show(value)}")
+                                  f"got {quoted(value)}")
             continue
         if key not in FIELDS:
-            raise SpecrtError(f"sampling_parameters: unknown key {_show(key)}; specrt reads {', '.join(FIELDS)}")
+            raise SpecrtError(f"sampling_parameters: unknown key {quoted(key)}; specrt reads {', '.join(FIELDS)}")
         name, read = FIELDS[key]
         fields[name] = read(key, value)
     if fields.get("top_k") == -1:

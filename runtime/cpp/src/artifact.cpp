@@ -259,7 +259,8 @@ void check_sizes(const Manifest& m) {
     if (logits != outs.end() && !logits->shape.empty()) {
         const Dim& width = logits->shape.back();
         if (std::holds_alternative<int64_t>(width) && std::get<int64_t>(width) == m.vocab_size) got.clear();
-        else got = dims_text({width}).substr(1, dims_text({width}).size() - 2);
+        else got = std::holds_alternative<int64_t>(width) ? std::to_string(std::get<int64_t>(width))
+                                                          : std::get<std::string>(width);
     }
     if (!got.empty())
         throw Error(SPECRT_ERROR_ARTIFACT, "model.vocab_size " + std::to_string(m.vocab_size) +
